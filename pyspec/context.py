@@ -1,0 +1,358 @@
+"""A llama_context: decode/encode, outputs as numpy views, memory, state."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+import numpy as np
+
+from pyspec._abi import ext, ffi, llama
+from pyspec._handle import Handle
+from pyspec.batch import Batch, BatchView
+from pyspec.errors import ContextError, DecodeError
+from pyspec.model import Model
+
+AnyBatch = Union[Batch, BatchView]
+
+_CTX_TYPES = {"default": 0, "mtp": 1}
+_FLASH_ATTN = {"auto": -1, "disabled": 0, "enabled": 1, False: 0, True: 1}
+_KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# fields set through a converter below rather than copied as they are
+_SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
+_FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
+_POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "n_samplers"}
+
+
+def _convert(table: dict[Any, int], name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value in table.values():
+        return value
+    if value in table:
+        return table[value]
+    raise ValueError(f"{name} must be one of {sorted(str(k) for k in table)}, not {value!r}")
+
+
+class Memory:
+    """Mirrors the llama_memory_* API (llama.h) of one context, with sequence ids checked."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    @property
+    def ptr(self):  # noqa: ANN201 - cffi cdata
+        return llama.llama_get_memory(self._ctx.ptr)
+
+    def _seq(self, seq_id: int, allow_any: bool = False) -> int:
+        s = int(seq_id)
+        n = self._ctx.n_seq_max
+        if allow_any and s == -1:
+            return s
+        if not 0 <= s < n:
+            extra = " (or -1 for all)" if allow_any else ""
+            raise ValueError(f"seq_id {s} out of range 0..{n - 1}{extra}")
+        return s
+
+    def clear(self, data: bool = True) -> None:
+        llama.llama_memory_clear(self.ptr, data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of seq_id (-1 = all sequences); False if not possible (recurrent)."""
+        return bool(llama.llama_memory_seq_rm(self.ptr, self._seq(seq_id, True), p0, p1))
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        llama.llama_memory_seq_cp(self.ptr, self._seq(seq_id_src), self._seq(seq_id_dst), p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        llama.llama_memory_seq_keep(self.ptr, self._seq(seq_id))
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        if not self.can_shift():
+            raise ValueError("this context's memory cannot shift positions")
+        llama.llama_memory_seq_add(self.ptr, self._seq(seq_id), p0, p1, delta)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        if d <= 0:
+            raise ValueError(f"divisor must be positive, got {d}")
+        if not self.can_shift():
+            raise ValueError("this context's memory cannot shift positions")
+        llama.llama_memory_seq_div(self.ptr, self._seq(seq_id), p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(llama.llama_memory_seq_pos_min(self.ptr, self._seq(seq_id)))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(llama.llama_memory_seq_pos_max(self.ptr, self._seq(seq_id)))
+
+    def can_shift(self) -> bool:
+        return bool(llama.llama_memory_can_shift(self.ptr))
+
+
+class Context(Handle):
+    """Mirrors llama_init_from_model / llama_free (llama.h).
+
+    Keyword arguments are the fields of ``llama_context_params`` (n_ctx,
+    n_batch, n_ubatch, n_seq_max, n_rs_seq, n_threads, embeddings, ...);
+    ``ctx_type`` takes "default" or "mtp", ``flash_attn_type`` "auto" /
+    "enabled" / "disabled", ``type_k``/``type_v`` a cache type name, and
+    ``ctx_other`` another Context, which this one keeps alive.
+    """
+
+    _kind = "context"
+
+    def __init__(self, model: Model, **params: Any) -> None:
+        super().__init__()
+        unknown = set(params) - _FIELDS - {"samplers"}
+        if unknown:
+            raise TypeError(f"unknown llama_context_params field(s): {', '.join(sorted(unknown))}")
+        bad_ptr = set(params) & _POINTER_FIELDS
+        if bad_ptr:
+            raise TypeError(f"field(s) {', '.join(sorted(bad_ptr))} are not settable from Python")
+        cparams = llama.llama_context_default_params()
+        n_cpu = os.cpu_count() or 1
+        cparams.n_threads = n_cpu
+        cparams.n_threads_batch = n_cpu
+        for name, value in params.items():
+            if name not in _SPECIAL:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 and name.startswith("n_") and name not in ("n_threads", "n_threads_batch"):
+                    raise ValueError(f"{name} must be >= 0, got {value}")
+                try:
+                    setattr(cparams, name, value)
+                except OverflowError as e:
+                    raise ValueError(f"{name}={value!r} out of range") from e
+        if "ctx_type" in params:
+            cparams.ctx_type = _convert(_CTX_TYPES, "ctx_type", params["ctx_type"])
+        if "flash_attn_type" in params:
+            cparams.flash_attn_type = _convert(_FLASH_ATTN, "flash_attn_type", params["flash_attn_type"])
+        for name in ("type_k", "type_v"):
+            if name in params:
+                setattr(cparams, name, _convert(_KV_TYPES, name, params[name]))
+        if cparams.n_seq_max == 0:
+            raise ValueError("n_seq_max must be >= 1")
+        if cparams.n_ubatch > cparams.n_batch and cparams.n_batch > 0:
+            # llama.cpp clamps n_ubatch to n_batch; do it explicitly so n_ubatch reads back true
+            cparams.n_ubatch = cparams.n_batch
+
+        self.model = model
+        self.other: Context | None = params.get("ctx_other")
+        deps: tuple[Handle, ...] = (model,)
+        if self.other is not None:
+            if not isinstance(self.other, Context):
+                raise TypeError("ctx_other must be a pyspec Context")
+            cparams.ctx_other = self.other.ptr
+            deps = (model, self.other)
+        # backend sampler chains given at creation: {seq_id: SamplerChain}
+        self._samplers: dict[int, Any] = {}
+        samplers = params.get("samplers") or {}
+        if samplers:
+            cfg = ffi.new("struct llama_sampler_seq_config[]", len(samplers))
+            for k, (seq, chain) in enumerate(samplers.items()):
+                cfg[k].seq_id = seq
+                cfg[k].sampler = chain.ptr
+            cparams.samplers = cfg
+            cparams.n_samplers = len(samplers)
+
+        ptr = llama.llama_init_from_model(model.ptr, cparams)
+        if ptr == ffi.NULL:
+            raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
+        self._own(ptr, llama.llama_free, deps)
+        self._samplers.update(samplers)
+        self.params = cparams
+        self.n_vocab = model.vocab.n_tokens
+        self.n_seq_max = int(llama.llama_n_seq_max(ptr))
+        self.n_batch = int(llama.llama_n_batch(ptr))
+        self.n_ubatch = int(llama.llama_n_ubatch(ptr))
+        self.n_ctx = int(llama.llama_n_ctx(ptr))
+        self.n_embd = model.n_embd
+        self.n_embd_out = model.n_embd_out
+        self.memory = Memory(self)
+
+    # --- decode -----------------------------------------------------------
+
+    def _check_batch(self, batch: AnyBatch) -> None:
+        n = batch.n_tokens
+        if n <= 0:
+            raise ValueError("batch is empty")
+        if n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
+        if batch.token is not None:
+            toks = batch.token[:n]
+            lo, hi = int(toks.min()), int(toks.max())
+            if lo < 0 or hi >= self.n_vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
+        elif batch.embd is not None and batch.n_embd != self.model.n_embd_inp_or_embd():
+            raise ValueError(
+                f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
+            )
+        nsi = batch.n_seq_id[:n]
+        if int(nsi.min()) < 1 or int(nsi.max()) > min(batch.n_seq_max, self.n_seq_max):
+            raise ValueError(f"each token needs 1..{self.n_seq_max} sequence ids")
+        if batch.n_seq_max == 1 or int(nsi.max()) == 1:
+            sid = batch.seq_id[:n, 0]
+        else:
+            mask = np.arange(batch.n_seq_max)[None, :] < nsi[:, None]
+            sid = batch.seq_id[:n][mask]
+        lo, hi = int(sid.min()), int(sid.max())
+        if lo < 0 or hi >= self.n_seq_max:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"seq_id {bad} out of range 0..{self.n_seq_max - 1}")
+
+    def decode(self, batch: AnyBatch) -> None:
+        """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError."""
+        self._check_batch(batch)
+        rc = llama.llama_decode(self.ptr, batch.c[0])
+        if rc != 0:
+            raise DecodeError(rc, "llama_decode")
+
+    def decode_rc(self, batch: AnyBatch) -> int:
+        """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks."""
+        self._check_batch(batch)
+        return int(llama.llama_decode(self.ptr, batch.c[0]))
+
+    def encode(self, batch: AnyBatch) -> None:
+        """Mirrors llama_encode (llama.h); a non-zero result raises DecodeError."""
+        rc = self.encode_rc(batch)
+        if rc != 0:
+            raise DecodeError(rc, "llama_encode")
+
+    def encode_rc(self, batch: AnyBatch) -> int:
+        if batch.n_tokens <= 0:
+            raise ValueError("batch is empty")
+        if batch.n_tokens > self.n_ubatch:
+            raise ValueError(f"encoder batch of {batch.n_tokens} tokens exceeds n_ubatch={self.n_ubatch}")
+        return int(llama.llama_encode(self.ptr, batch.c[0]))
+
+    # --- outputs (numpy views over C memory, valid until the next decode) ---
+
+    def _view(self, p: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+        if p == ffi.NULL:
+            raise IndexError(f"{what} not available (no such output row, or outputs not requested)")
+        n = 1
+        for s in shape:
+            n *= s
+        return np.frombuffer(ffi.buffer(p, 4 * n), dtype=np.float32).reshape(shape)
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """Mirrors llama_get_logits_ith: the logits row of batch index i (negative counts from the end)."""
+        return self._view(llama.llama_get_logits_ith(self.ptr, i), (self.n_vocab,), f"logits for index {i}")
+
+    def get_logits(self, n_outputs: int) -> np.ndarray:
+        """Mirrors llama_get_logits: the first n_outputs rows as an (n_outputs, n_vocab) view."""
+        return self._view(llama.llama_get_logits(self.ptr), (n_outputs, self.n_vocab), "logits")
+
+    def get_embeddings_ith(self, i: int) -> np.ndarray:
+        return self._view(llama.llama_get_embeddings_ith(self.ptr, i), (self.n_embd_out,), f"embeddings for index {i}")
+
+    def get_embeddings(self, n_outputs: int) -> np.ndarray:
+        return self._view(llama.llama_get_embeddings(self.ptr), (n_outputs, self.n_embd_out), "embeddings")
+
+    def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
+        return self._view(llama.llama_get_embeddings_seq(self.ptr, seq_id), (self.n_embd_out,), f"embeddings of seq {seq_id}")
+
+    def set_embeddings(self, value: bool) -> None:
+        llama.llama_set_embeddings(self.ptr, value)
+
+    # --- staging API of llama-ext.h (through the pyspec_ext shim) ---------
+
+    def set_embeddings_nextn(self, value: bool, masked: bool) -> None:
+        ext.pyspec_set_embeddings_nextn(self.ptr, value, masked)
+
+    def get_embeddings_nextn(self, n_rows: int) -> np.ndarray:
+        return self._view(ext.pyspec_get_embeddings_nextn(self.ptr), (n_rows, self.n_embd), "nextn embeddings")
+
+    def get_embeddings_nextn_ith(self, i: int) -> np.ndarray:
+        return self._view(ext.pyspec_get_embeddings_nextn_ith(self.ptr, i), (self.n_embd,), f"nextn embeddings for index {i}")
+
+    def set_embeddings_layer_inp(self, layer: int, value: bool) -> None:
+        if not 0 <= layer < self.model.n_layer:
+            raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
+        ext.pyspec_set_embeddings_layer_inp(self.ptr, layer, value)
+
+    def get_embeddings_layer_inp(self, layer: int, n_tokens: int) -> np.ndarray:
+        if not 0 <= layer < self.model.n_layer:
+            raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
+        return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd), f"layer {layer} input")
+
+    def get_ctx_other_ptr(self):  # noqa: ANN201 - cffi cdata
+        return ext.pyspec_get_ctx_other(self.ptr)
+
+    # --- backend sampling --------------------------------------------------
+
+    def set_sampler(self, seq_id: int, chain: Any) -> bool:
+        """Mirrors llama_set_sampler: attach a sampler chain (or None) to seq_id; keeps it alive."""
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} out of range 0..{self.n_seq_max - 1}")
+        ok = bool(llama.llama_set_sampler(self.ptr, seq_id, chain.ptr if chain is not None else ffi.NULL))
+        if ok and chain is not None:
+            self._samplers[seq_id] = chain
+        elif chain is None:
+            self._samplers.pop(seq_id, None)
+        return ok
+
+    def get_sampled_token_ith(self, i: int) -> int:
+        return int(llama.llama_get_sampled_token_ith(self.ptr, i))
+
+    def get_sampled_probs_ith(self, i: int) -> np.ndarray:
+        n = llama.llama_get_sampled_probs_count_ith(self.ptr, i)
+        p = llama.llama_get_sampled_probs_ith(self.ptr, i)
+        return np.zeros(0, np.float32) if n == 0 or p == ffi.NULL else self._view(p, (n,), "sampled probs")
+
+    def get_sampled_logits_ith(self, i: int) -> np.ndarray:
+        n = llama.llama_get_sampled_logits_count_ith(self.ptr, i)
+        p = llama.llama_get_sampled_logits_ith(self.ptr, i)
+        return np.zeros(0, np.float32) if n == 0 or p == ffi.NULL else self._view(p, (n,), "sampled logits")
+
+    def get_sampled_candidates_ith(self, i: int) -> np.ndarray:
+        n = llama.llama_get_sampled_candidates_count_ith(self.ptr, i)
+        p = llama.llama_get_sampled_candidates_ith(self.ptr, i)
+        if n == 0 or p == ffi.NULL:
+            return np.zeros(0, np.int32)
+        return np.frombuffer(ffi.buffer(p, 4 * n), dtype=np.int32)
+
+    # --- state (per-sequence checkpoints) ----------------------------------
+
+    def state_seq_get(self, seq_id: int, flags: int = 0) -> bytes:
+        """Mirrors llama_state_seq_get_data_ext: a copy of one sequence's state."""
+        seq = self.memory._seq(seq_id)
+        size = llama.llama_state_seq_get_size_ext(self.ptr, seq, flags)
+        buf = ffi.new("uint8_t[]", size)
+        n = llama.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
+        return ffi.buffer(buf, n)[:]
+
+    def state_seq_set(self, seq_id: int, data: bytes, flags: int = 0) -> None:
+        """Mirrors llama_state_seq_set_data_ext; raises if llama.cpp rejects the data."""
+        seq = self.memory._seq(seq_id)
+        if not data:
+            raise ValueError("empty state")
+        n = llama.llama_state_seq_set_data_ext(self.ptr, ffi.from_buffer(data), len(data), seq, flags)
+        if n == 0:
+            raise ContextError(f"llama_state_seq_set_data rejected the state for seq {seq}")
+
+    # --- threads, perf ------------------------------------------------------
+
+    def set_n_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        if n_threads <= 0 or (n_threads_batch is not None and n_threads_batch <= 0):
+            raise ValueError("thread counts must be positive")
+        llama.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
+
+    @property
+    def n_threads(self) -> int:
+        return int(llama.llama_n_threads(self.ptr))
+
+    def perf(self) -> dict[str, float]:
+        d = llama.llama_perf_context(self.ptr)
+        return {
+            "t_start_ms": d.t_start_ms,
+            "t_load_ms": d.t_load_ms,
+            "t_p_eval_ms": d.t_p_eval_ms,
+            "t_eval_ms": d.t_eval_ms,
+            "n_p_eval": d.n_p_eval,
+            "n_eval": d.n_eval,
+            "n_reused": d.n_reused,
+        }
+
+    def perf_reset(self) -> None:
+        llama.llama_perf_context_reset(self.ptr)
+
+    def close(self) -> None:
+        super().close()

@@ -1,0 +1,127 @@
+"""Vocabulary access (llama_vocab_* of llama.h) for a loaded model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from pyspec._abi import ffi, llama
+
+if TYPE_CHECKING:
+    from pyspec.model import Model
+
+
+class Vocab:
+    """The vocabulary of a Model; valid while the model is open."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    @property
+    def ptr(self):  # noqa: ANN201 - cffi cdata
+        return llama.llama_model_get_vocab(self._model.ptr)
+
+    @property
+    def n_tokens(self) -> int:
+        return llama.llama_vocab_n_tokens(self.ptr)
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    @property
+    def type(self) -> int:
+        return llama.llama_vocab_type(self.ptr)
+
+    @property
+    def bos(self) -> int:
+        return llama.llama_vocab_bos(self.ptr)
+
+    @property
+    def eos(self) -> int:
+        return llama.llama_vocab_eos(self.ptr)
+
+    @property
+    def eot(self) -> int:
+        return llama.llama_vocab_eot(self.ptr)
+
+    @property
+    def nl(self) -> int:
+        return llama.llama_vocab_nl(self.ptr)
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(llama.llama_vocab_get_add_bos(self.ptr))
+
+    @property
+    def add_eos(self) -> bool:
+        return bool(llama.llama_vocab_get_add_eos(self.ptr))
+
+    def check_token(self, token: int) -> int:
+        """Return token as int, or raise ValueError if it is outside the vocabulary."""
+        t = int(token)
+        n = self.n_tokens
+        if not 0 <= t < n:
+            raise ValueError(f"token {t} is outside the vocabulary (0..{n - 1})")
+        return t
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama.llama_vocab_is_eog(self.ptr, self.check_token(token)))
+
+    def is_control(self, token: int) -> bool:
+        return bool(llama.llama_vocab_is_control(self.ptr, self.check_token(token)))
+
+    def get_text(self, token: int) -> str:
+        return ffi.string(llama.llama_vocab_get_text(self.ptr, self.check_token(token))).decode("utf-8", "replace")
+
+    def get_text_bytes(self, token: int) -> bytes:
+        return ffi.string(llama.llama_vocab_get_text(self.ptr, self.check_token(token)))
+
+    def get_score(self, token: int) -> float:
+        return float(llama.llama_vocab_get_score(self.ptr, self.check_token(token)))
+
+    def get_attr(self, token: int) -> int:
+        return int(llama.llama_vocab_get_attr(self.ptr, self.check_token(token)))
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Mirrors llama_tokenize (llama.h), growing the buffer as common_tokenize does."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        n_max = len(data) + 2 * int(add_special) + 1
+        buf = ffi.new("llama_token[]", n_max)
+        n = llama.llama_tokenize(self.ptr, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            if n == -(2**31):
+                raise ValueError("tokenization result does not fit in int32")
+            n_max = -n
+            buf = ffi.new("llama_token[]", n_max)
+            n = llama.llama_tokenize(self.ptr, data, len(data), buf, n_max, add_special, parse_special)
+        return list(ffi.unpack(buf, n))
+
+    def token_to_piece_bytes(self, token: int, special: bool = True, lstrip: int = 0) -> bytes:
+        """Mirrors llama_token_to_piece (llama.h): raw bytes, which may be part of a UTF-8 character."""
+        t = self.check_token(token)
+        buf = ffi.new("char[]", 64)
+        n = llama.llama_token_to_piece(self.ptr, t, buf, 64, lstrip, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = llama.llama_token_to_piece(self.ptr, t, buf, -n, lstrip, special)
+        return ffi.unpack(buf, n)
+
+    def token_to_piece(self, token: int, special: bool = True) -> str:
+        return self.token_to_piece_bytes(token, special).decode("utf-8", "replace")
+
+    def detokenize(self, tokens: Sequence[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Mirrors llama_detokenize (llama.h)."""
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.n_tokens):
+            bad = int(arr[(arr < 0) | (arr >= self.n_tokens)][0])
+            self.check_token(bad)
+        toks = ffi.from_buffer("llama_token[]", arr)
+        cap = max(16, arr.size * 8)
+        buf = ffi.new("char[]", cap)
+        n = llama.llama_detokenize(self.ptr, toks, arr.size, buf, cap, remove_special, unparse_special)
+        if n < 0:
+            cap = -n
+            buf = ffi.new("char[]", cap)
+            n = llama.llama_detokenize(self.ptr, toks, arr.size, buf, cap, remove_special, unparse_special)
+        return ffi.unpack(buf, n).decode("utf-8", "replace")
