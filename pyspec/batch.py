@@ -129,6 +129,25 @@ class Batch:
         self._n = i + n
         self.c.n_tokens = i + n
 
+    def add_rows(
+        self, tokens: np.ndarray | None, pos: np.ndarray, seq_id: int, logits: bool, embd: np.ndarray | None = None,
+    ) -> None:
+        """Append len(pos) rows of one sequence in one numpy step (tokens and/or embedding rows)."""
+        n = len(pos)
+        i = self._n
+        if i + n > self.n_tokens_max:
+            raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
+        if tokens is not None:
+            self.token[i : i + n] = tokens
+        self.pos[i : i + n] = pos
+        self.n_seq_id[i : i + n] = 1
+        self.seq_id[i : i + n, 0] = seq_id
+        self.logits[i : i + n] = logits
+        if embd is not None:
+            self.embd[i : i + n] = embd
+        self._n = i + n
+        self.c.n_tokens = i + n
+
     def view(self, start: int, n: int) -> BatchView:
         """Rows start..start+n as a batch of their own (no copy), like the server's ubatch views."""
         if start < 0 or n < 0 or start + n > self._n:

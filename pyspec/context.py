@@ -60,7 +60,12 @@ class Memory:
         return bool(llama.llama_memory_seq_rm(self.ptr, self._seq(seq_id, True), p0, p1))
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        llama.llama_memory_seq_cp(self.ptr, self._seq(seq_id_src), self._seq(seq_id_dst), p0, p1)
+        src, dst = self._seq(seq_id_src), self._seq(seq_id_dst)
+        # without a unified KV buffer each sequence has its own stream, and llama.cpp
+        # can copy only whole streams (it asserts on a partial range)
+        if src != dst and not self._ctx.params.kv_unified and (p0 > 0 or p1 >= 0):
+            raise ValueError("a partial seq_cp between sequences needs a context with kv_unified=True")
+        llama.llama_memory_seq_cp(self.ptr, src, dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:
         llama.llama_memory_seq_keep(self.ptr, self._seq(seq_id))
@@ -169,6 +174,7 @@ class Context(Handle):
     # --- decode -----------------------------------------------------------
 
     def _check_batch(self, batch: AnyBatch) -> None:
+        self.ptr  # raises ClosedError first
         n = batch.n_tokens
         if n <= 0:
             raise ValueError("batch is empty")
@@ -216,6 +222,7 @@ class Context(Handle):
             raise DecodeError(rc, "llama_encode")
 
     def encode_rc(self, batch: AnyBatch) -> int:
+        self.ptr  # raises ClosedError first
         if batch.n_tokens <= 0:
             raise ValueError("batch is empty")
         if batch.n_tokens > self.n_ubatch:

@@ -1,0 +1,867 @@
+// C ABI over llama.cpp's common_speculative_* and common_sampler_*: the parity
+// reference that Python drives on llama_context objects it created itself.
+//
+// The implementation structs of common/speculative.cpp (and their counters)
+// are private to that file. Rather than copy any of it, this translation unit
+// compiles the vendored file itself inside namespace pyspec_ref_impl: every
+// header it includes is included first at global scope (so the #pragma once
+// guards skip them inside the namespace), except speculative.h, whose
+// declarations therefore land in the namespace too. The result is our own
+// build of the unchanged reference code, whose structs we may read; the
+// functions it calls (common_sampler_*, ngram maps, logging, llama_*) stay the
+// global ones of libllama-common and libllama.
+//
+// Every entry point catches C++ exceptions and checks, before calling in, the
+// conditions the reference GGML_ASSERTs/ABORTs on, so that no input from
+// Python can abort the process through this API. Left unguarded (they depend
+// on state libllama keeps private): EAGLE3 process() before the target
+// decoded with layer extraction on (llama_get_embeddings_layer_inp asserts),
+// MTP draft() with a ctx_dft that yields no nextn embeddings (not an MTP
+// context), a corrupt ngram-cache file, a sampler configuration that selects
+// no token, backend sampling on a context whose sampler conflicts with a
+// grammar.
+
+#include "common.h"
+#include "ggml.h"
+#include "llama.h"
+#include "log.h"
+#include "ngram-cache.h"
+#include "ngram-map.h"
+#include "ngram-mod.h"
+#include "sampling.h"
+
+#include "llama-ext.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace pyspec_ref_impl {
+#include "speculative.cpp"
+} // namespace pyspec_ref_impl
+
+namespace ref = pyspec_ref_impl;
+
+extern "C" {
+#include "../pyspec/decl/pyspec_ref.h"
+}
+
+// ---- errors -----------------------------------------------------------------
+
+static thread_local std::string g_last_error;
+
+static int set_error(int status, const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    g_last_error = buf;
+    return status;
+}
+
+static void copy_err(char * err, size_t err_len, const std::string & msg) {
+    if (err != nullptr && err_len > 0) {
+        snprintf(err, err_len, "%s", msg.c_str());
+    }
+}
+
+// run f(), turning any C++ exception into PYSPEC_REF_E_EXCEPTION + message
+template <typename F>
+static int guarded(F && f) {
+    try {
+        return f();
+    } catch (const std::exception & e) {
+        return set_error(PYSPEC_REF_E_EXCEPTION, "%s", e.what());
+    } catch (...) {
+        return set_error(PYSPEC_REF_E_EXCEPTION, "unknown C++ exception");
+    }
+}
+
+#define REQUIRE(cond, status, ...) do { if (!(cond)) { return set_error((status), __VA_ARGS__); } } while (0)
+
+// ---- common_speculative -----------------------------------------------------
+
+struct pyspec_ref_spec {
+    ref::common_speculative * spec = nullptr;
+    uint32_t n_seq = 0;
+    int32_t  n_max = 0;
+
+    // storage behind the draft params' prompt / result pointers
+    std::vector<llama_tokens> prompts;
+    std::vector<llama_tokens> results;
+
+    ~pyspec_ref_spec() { ref::common_speculative_free(spec); }
+};
+
+static const common_params_speculative & spec_defaults() {
+    static const common_params_speculative defaults;
+    return defaults;
+}
+
+static bool spec_type_valid(int32_t t) {
+    return t >= COMMON_SPECULATIVE_TYPE_NONE && t < COMMON_SPECULATIVE_TYPE_COUNT;
+}
+
+static void to_ngram_map(common_params_speculative_ngram_map & dst, const pyspec_ref_spec_ngram_map_params & src) {
+    dst.size_n   = src.size_n;
+    dst.size_m   = src.size_m;
+    dst.min_hits = src.min_hits;
+}
+
+static void from_ngram_map(pyspec_ref_spec_ngram_map_params & dst, const common_params_speculative_ngram_map & src) {
+    dst.size_n   = src.size_n;
+    dst.size_m   = src.size_m;
+    dst.min_hits = src.min_hits;
+}
+
+static bool file_readable(const std::string & path) {
+    std::ifstream f(path, std::ios::binary);
+    return (bool) f;
+}
+
+static bool has_type(const common_params_speculative & p, common_speculative_type t) {
+    return std::find(p.types.begin(), p.types.end(), t) != p.types.end();
+}
+
+// the GGML_ASSERT/ABORT preconditions of the implementations' constructors
+static std::string check_spec_params(const common_params_speculative & p) {
+    const auto & d = p.draft;
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE) && (d.ctx_tgt == nullptr || d.ctx_dft == nullptr)) {
+        return "draft-simple requires ctx_tgt and ctx_dft to be set";
+    }
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3) && d.ctx_dft != nullptr && d.ctx_tgt == nullptr) {
+        return "EAGLE3 requires ctx_tgt and ctx_dft to be set";
+    }
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_MTP) && d.ctx_dft != nullptr) {
+        if (d.ctx_tgt == nullptr) {
+            return "MTP requires ctx_tgt and ctx_dft to be set";
+        }
+        if (llama_model_n_embd_out(llama_get_model(d.ctx_dft)) != llama_model_n_embd(llama_get_model(d.ctx_tgt))) {
+            return "MTP input row width must match the target h_nextn width";
+        }
+    }
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_NGRAM_CACHE)) {
+        const auto & c = p.ngram_cache;
+        if (!c.lookup_cache_static.empty() && !file_readable(c.lookup_cache_static)) {
+            return "Couldn't read static lookup cache";
+        }
+        if (!c.lookup_cache_dynamic.empty() && !file_readable(c.lookup_cache_dynamic)) {
+            return "Couldn't read dynamic lookup cache";
+        }
+    }
+    return "";
+}
+
+static const char * spec_type_names[COMMON_SPECULATIVE_TYPE_COUNT + 1] = {};
+
+extern "C" {
+
+const char * pyspec_ref_last_error(void) {
+    return g_last_error.c_str();
+}
+
+void pyspec_ref_spec_params_default(pyspec_ref_spec_params * out) {
+    if (out == nullptr) {
+        return;
+    }
+    static std::vector<int32_t> types;
+    const auto & d = spec_defaults();
+    types.assign(d.types.begin(), d.types.end());
+
+    *out = {};
+    out->types   = types.data();
+    out->n_types = (int32_t) types.size();
+
+    out->draft.n_max            = d.draft.n_max;
+    out->draft.n_min            = d.draft.n_min;
+    out->draft.p_split          = d.draft.p_split;
+    out->draft.p_min            = d.draft.p_min;
+    out->draft.backend_sampling = d.draft.backend_sampling;
+    out->draft.ctx_tgt          = d.draft.ctx_tgt;
+    out->draft.ctx_dft          = d.draft.ctx_dft;
+    out->draft.n_gpu_layers     = d.draft.n_gpu_layers;
+
+    out->ngram_mod.n_match = d.ngram_mod.n_match;
+    out->ngram_mod.n_max   = d.ngram_mod.n_max;
+    out->ngram_mod.n_min   = d.ngram_mod.n_min;
+
+    from_ngram_map(out->ngram_simple,  d.ngram_simple);
+    from_ngram_map(out->ngram_map_k,   d.ngram_map_k);
+    from_ngram_map(out->ngram_map_k4v, d.ngram_map_k4v);
+
+    out->lookup_cache_static  = nullptr;
+    out->lookup_cache_dynamic = nullptr;
+}
+
+const char * pyspec_ref_spec_type_str(int32_t type) {
+    if (!spec_type_valid(type)) {
+        return "";
+    }
+    static std::string names[COMMON_SPECULATIVE_TYPE_COUNT];
+    if (spec_type_names[type] == nullptr) {
+        names[type] = ref::common_speculative_type_to_str((common_speculative_type) type);
+        spec_type_names[type] = names[type].c_str();
+    }
+    return spec_type_names[type];
+}
+
+pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq,
+                                       char * err, size_t err_len) {
+    copy_err(err, err_len, "");
+    g_last_error.clear();
+
+    auto fail = [&](const std::string & msg) -> pyspec_ref_spec * {
+        g_last_error = msg;
+        copy_err(err, err_len, msg);
+        return nullptr;
+    };
+
+    if (params == nullptr) {
+        return fail("params is NULL");
+    }
+    if (n_seq == 0) {
+        return fail("n_seq must be > 0");
+    }
+    if (params->n_types < 0 || (params->n_types > 0 && params->types == nullptr)) {
+        return fail("invalid types array");
+    }
+
+    try {
+        common_params_speculative p;
+
+        p.types.clear();
+        for (int32_t i = 0; i < params->n_types; ++i) {
+            if (!spec_type_valid(params->types[i])) {
+                return fail("unknown speculative type: " + std::to_string(params->types[i]));
+            }
+            p.types.push_back((common_speculative_type) params->types[i]);
+        }
+
+        p.draft.n_max            = params->draft.n_max;
+        p.draft.n_min            = params->draft.n_min;
+        p.draft.p_split          = params->draft.p_split;
+        p.draft.p_min            = params->draft.p_min;
+        p.draft.backend_sampling = params->draft.backend_sampling;
+        p.draft.ctx_tgt          = params->draft.ctx_tgt;
+        p.draft.ctx_dft          = params->draft.ctx_dft;
+        p.draft.n_gpu_layers     = params->draft.n_gpu_layers;
+
+        p.ngram_mod.n_match = params->ngram_mod.n_match;
+        p.ngram_mod.n_max   = params->ngram_mod.n_max;
+        p.ngram_mod.n_min   = params->ngram_mod.n_min;
+
+        to_ngram_map(p.ngram_simple,  params->ngram_simple);
+        to_ngram_map(p.ngram_map_k,   params->ngram_map_k);
+        to_ngram_map(p.ngram_map_k4v, params->ngram_map_k4v);
+
+        p.ngram_cache.lookup_cache_static  = params->lookup_cache_static  ? params->lookup_cache_static  : "";
+        p.ngram_cache.lookup_cache_dynamic = params->lookup_cache_dynamic ? params->lookup_cache_dynamic : "";
+
+        const std::string msg = check_spec_params(p);
+        if (!msg.empty()) {
+            return fail(msg);
+        }
+
+        auto res = std::make_unique<pyspec_ref_spec>();
+        res->n_seq = n_seq;
+        res->n_max = ref::common_speculative_n_max(&p);
+        res->spec  = ref::common_speculative_init(p, n_seq);
+        if (res->spec == nullptr) {
+            return nullptr; // no implementation selected: err stays ""
+        }
+
+        // every dparams entry needs valid prompt/result pointers: the
+        // dispatcher dereferences result for all sequences after each impl
+        res->prompts.resize(n_seq);
+        res->results.resize(n_seq);
+        for (uint32_t s = 0; s < n_seq; ++s) {
+            auto & dp = res->spec->dparams[s];
+            dp.prompt = &res->prompts[s];
+            dp.result = &res->results[s];
+        }
+
+        return res.release();
+    } catch (const std::exception & e) {
+        return fail(e.what());
+    } catch (...) {
+        return fail("unknown C++ exception");
+    }
+}
+
+void pyspec_ref_spec_free(pyspec_ref_spec * spec) {
+    delete spec;
+}
+
+uint32_t pyspec_ref_spec_n_seq(const pyspec_ref_spec * spec) {
+    return spec ? spec->n_seq : 0;
+}
+
+int32_t pyspec_ref_spec_n_max(const pyspec_ref_spec * spec) {
+    return spec ? spec->n_max : 0;
+}
+
+#define REQUIRE_SPEC(spec) REQUIRE((spec) != nullptr && (spec)->spec != nullptr, PYSPEC_REF_E_NULL, "spec is NULL")
+#define REQUIRE_SEQ(spec, seq_id) \
+    REQUIRE((seq_id) >= 0 && (uint32_t) (seq_id) < (spec)->n_seq, PYSPEC_REF_E_RANGE, \
+            "seq_id %d out of range [0, %u)", (int) (seq_id), (spec)->n_seq)
+
+int pyspec_ref_spec_begin(pyspec_ref_spec * spec, llama_seq_id seq_id,
+                          const llama_token * prompt, int32_t n_prompt) {
+    REQUIRE_SPEC(spec);
+    REQUIRE_SEQ(spec, seq_id);
+    REQUIRE(n_prompt >= 0 && (n_prompt == 0 || prompt != nullptr), PYSPEC_REF_E_NULL, "invalid prompt");
+    return guarded([&] {
+        const llama_tokens tokens(prompt, prompt + n_prompt);
+        ref::common_speculative_begin(spec->spec, seq_id, tokens);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
+    REQUIRE_SPEC(spec);
+    REQUIRE(batch != nullptr, PYSPEC_REF_E_NULL, "batch is NULL");
+
+    const llama_batch & b = *batch;
+    REQUIRE(b.n_tokens >= 0, PYSPEC_REF_E_RANGE, "batch.n_tokens < 0");
+
+    // draft-eagle3 / draft-mtp read the sequence layout of token batches and
+    // assert one seq_id per token
+    bool needs_layout = false;
+    for (const auto & impl : spec->spec->impls) {
+        needs_layout |= impl->type == COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3 ||
+                        impl->type == COMMON_SPECULATIVE_TYPE_DRAFT_MTP;
+    }
+    if (needs_layout && b.token != nullptr && b.embd == nullptr && b.n_tokens > 0) {
+        REQUIRE(b.pos != nullptr && b.n_seq_id != nullptr && b.seq_id != nullptr, PYSPEC_REF_E_NULL,
+                "batch has no pos / n_seq_id / seq_id arrays");
+        std::vector<bool> present(spec->n_seq, false);
+        int32_t n_present = 0;
+        for (int32_t k = 0; k < b.n_tokens; ++k) {
+            REQUIRE(b.n_seq_id[k] == 1 && b.seq_id[k] != nullptr, PYSPEC_REF_E_RANGE,
+                    "batch token %d: exactly one seq_id per token is required", (int) k);
+            const llama_seq_id s = b.seq_id[k][0];
+            if (s >= 0 && (uint32_t) s < spec->n_seq && !present[s]) {
+                present[s] = true;
+                n_present++;
+            }
+        }
+        for (const auto & impl : spec->spec->impls) {
+            if (const auto * e3 = dynamic_cast<const ref::common_speculative_impl_draft_eagle3 *>(impl.get())) {
+                // its draft batch gets rows 1..n_tokens-1 plus one cross-ubatch bridge per sequence
+                const int32_t n_b = (int32_t) llama_n_batch(e3->params.ctx_dft);
+                REQUIRE(b.n_tokens - 1 + n_present <= n_b, PYSPEC_REF_E_RANGE,
+                        "EAGLE3: batch of %d tokens does not fit the draft n_batch %d", (int) b.n_tokens, (int) n_b);
+            }
+            if (const auto * mtp = dynamic_cast<const ref::common_speculative_impl_draft_mtp *>(impl.get())) {
+                const int32_t n_b = (int32_t) llama_n_batch(mtp->params.ctx_dft);
+                REQUIRE(b.n_tokens <= n_b, PYSPEC_REF_E_RANGE,
+                        "MTP: batch of %d tokens does not fit the draft n_batch %d", (int) b.n_tokens, (int) n_b);
+                // it copies the target's nextn rows of this batch without checking them
+                llama_context * ctx_tgt = mtp->params.ctx_tgt;
+                REQUIRE(mtp->is_mem_shared || llama_get_embeddings_nextn(ctx_tgt) != nullptr, PYSPEC_REF_E_STATE,
+                        "MTP: the target context holds no nextn embeddings (decode the batch on it first)");
+                for (int32_t k = 0; k < b.n_tokens; ++k) {
+                    const llama_seq_id s = b.seq_id[k][0];
+                    if (s >= 0 && (uint32_t) s < spec->n_seq) {
+                        REQUIRE(llama_get_embeddings_nextn_ith(ctx_tgt, k) != nullptr, PYSPEC_REF_E_STATE,
+                                "MTP: the target context has no nextn embedding for batch row %d", (int) k);
+                    }
+                }
+            }
+        }
+    }
+
+    return guarded([&] {
+        return ref::common_speculative_process(spec->spec, b) ? 1 : 0;
+    });
+}
+
+int pyspec_ref_spec_need_embd(pyspec_ref_spec * spec) {
+    REQUIRE_SPEC(spec);
+    return guarded([&] { return ref::common_speculative_need_embd(spec->spec) ? 1 : 0; });
+}
+
+int pyspec_ref_spec_need_embd_nextn(pyspec_ref_spec * spec) {
+    REQUIRE_SPEC(spec);
+    return guarded([&] { return ref::common_speculative_need_embd_nextn(spec->spec) ? 1 : 0; });
+}
+
+int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * reqs, int32_t n_reqs) {
+    REQUIRE_SPEC(spec);
+    REQUIRE(n_reqs >= 0 && (n_reqs == 0 || reqs != nullptr), PYSPEC_REF_E_NULL, "invalid requests");
+
+    std::vector<bool> seen(spec->n_seq, false);
+    for (int32_t r = 0; r < n_reqs; ++r) {
+        const auto & q = reqs[r];
+        REQUIRE_SEQ(spec, q.seq_id);
+        REQUIRE(!seen[q.seq_id], PYSPEC_REF_E_RANGE, "seq_id %d requested twice", (int) q.seq_id);
+        REQUIRE(q.n_prompt >= 0 && (q.n_prompt == 0 || q.prompt != nullptr), PYSPEC_REF_E_NULL,
+                "seq_id %d: invalid prompt", (int) q.seq_id);
+        REQUIRE(q.out_cap >= 0 && (q.out_cap == 0 || q.out != nullptr), PYSPEC_REF_E_NULL,
+                "seq_id %d: invalid output buffer", (int) q.seq_id);
+        seen[q.seq_id] = true;
+    }
+
+    // common_ngram_map_draft aborts when the history shrank below what it
+    // already scanned (without a begin() in between)
+    for (const auto & impl : spec->spec->impls) {
+        const auto * mk = dynamic_cast<const ref::common_speculative_impl_ngram_map_k *>(impl.get());
+        if (mk == nullptr) {
+            continue;
+        }
+        for (int32_t r = 0; r < n_reqs; ++r) {
+            const auto & map = mk->config[reqs[r].seq_id];
+            const size_t n = (size_t) reqs[r].n_prompt;
+            REQUIRE(map.idx_last_check <= n && map.size_last_begin <= n, PYSPEC_REF_E_STATE,
+                    "seq_id %d: the prompt is shorter than the n-gram map has seen (%zu tokens); call begin() first",
+                    (int) reqs[r].seq_id, std::max(map.idx_last_check, map.size_last_begin));
+        }
+    }
+
+    return guarded([&] {
+        auto & dparams = spec->spec->dparams;
+        for (auto & dp : dparams) {
+            dp.drafting = false;
+        }
+        for (int32_t r = 0; r < n_reqs; ++r) {
+            const auto & q = reqs[r];
+            auto & dp = dparams[q.seq_id];
+
+            spec->prompts[q.seq_id].assign(q.prompt, q.prompt + q.n_prompt);
+            spec->results[q.seq_id].clear();
+
+            dp.drafting = true;
+            dp.n_max    = q.n_max;
+            dp.n_past   = q.n_past;
+            dp.id_last  = q.id_last;
+            dp.prompt   = &spec->prompts[q.seq_id];
+            dp.result   = &spec->results[q.seq_id];
+        }
+
+        ref::common_speculative_draft(spec->spec);
+
+        int status = PYSPEC_REF_OK;
+        for (int32_t r = 0; r < n_reqs; ++r) {
+            auto & q = reqs[r];
+            const auto & result = spec->results[q.seq_id];
+            q.n_out = (int32_t) result.size();
+            const size_t n_copy = std::min(result.size(), (size_t) q.out_cap);
+            std::copy(result.begin(), result.begin() + n_copy, q.out);
+            if (result.size() > (size_t) q.out_cap) {
+                status = set_error(PYSPEC_REF_E_CAPACITY, "seq_id %d: draft of %zu tokens, out_cap %d",
+                                   (int) q.seq_id, result.size(), (int) q.out_cap);
+            }
+        }
+        return status;
+    });
+}
+
+int32_t pyspec_ref_spec_get_result(const pyspec_ref_spec * spec, llama_seq_id seq_id,
+                                   llama_token * out, int32_t out_cap) {
+    REQUIRE_SPEC(spec);
+    REQUIRE_SEQ(spec, seq_id);
+    REQUIRE(out_cap >= 0 && (out_cap == 0 || out != nullptr), PYSPEC_REF_E_NULL, "invalid output buffer");
+    const auto & result = spec->results[seq_id];
+    std::copy(result.begin(), result.begin() + std::min(result.size(), (size_t) out_cap), out);
+    return (int32_t) result.size();
+}
+
+int pyspec_ref_spec_accept(pyspec_ref_spec * spec, llama_seq_id seq_id, int32_t n_accepted) {
+    REQUIRE_SPEC(spec);
+    REQUIRE_SEQ(spec, seq_id);
+    REQUIRE(n_accepted >= 0 && n_accepted <= UINT16_MAX, PYSPEC_REF_E_RANGE,
+            "n_accepted %d out of range [0, %d]", (int) n_accepted, (int) UINT16_MAX);
+    // the reference GGML_ASSERTs that a draft was made for seq_id
+    REQUIRE(spec->spec->impl_last[seq_id] != nullptr, PYSPEC_REF_E_STATE,
+            "seq_id %d: accept without a previous draft (impl_last is null)", (int) seq_id);
+    return guarded([&] {
+        ref::common_speculative_accept(spec->spec, seq_id, (uint16_t) n_accepted);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_spec_print_stats(const pyspec_ref_spec * spec) {
+    REQUIRE_SPEC(spec);
+    return guarded([&] {
+        ref::common_speculative_print_stats(spec->spec);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int32_t pyspec_ref_spec_n_impls(const pyspec_ref_spec * spec) {
+    REQUIRE_SPEC(spec);
+    return (int32_t) spec->spec->impls.size();
+}
+
+int pyspec_ref_spec_get_impl(const pyspec_ref_spec * spec, int32_t i, pyspec_ref_impl_stats * out) {
+    REQUIRE_SPEC(spec);
+    REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
+    REQUIRE(i >= 0 && (size_t) i < spec->spec->impls.size(), PYSPEC_REF_E_RANGE,
+            "impl index %d out of range [0, %zu)", (int) i, spec->spec->impls.size());
+
+    const auto & impl = *spec->spec->impls[i];
+    out->type          = (int32_t) impl.type;
+    out->n_call_begin  = impl.n_call_begin;
+    out->n_call_draft  = impl.n_call_draft;
+    out->n_call_accept = impl.n_call_accept;
+    out->n_gen_drafts  = impl.n_gen_drafts;
+    out->n_acc_drafts  = impl.n_acc_drafts;
+    out->n_gen_tokens  = impl.n_gen_tokens;
+    out->n_acc_tokens  = impl.n_acc_tokens;
+    out->t_begin_us    = impl.t_begin_us;
+    out->t_draft_us    = impl.t_draft_us;
+    out->t_accept_us   = impl.t_accept_us;
+    return PYSPEC_REF_OK;
+}
+
+int32_t pyspec_ref_spec_last_impl_type(const pyspec_ref_spec * spec, llama_seq_id seq_id) {
+    REQUIRE_SPEC(spec);
+    REQUIRE_SEQ(spec, seq_id);
+    const auto * impl = spec->spec->impl_last[seq_id];
+    return impl ? (int32_t) impl->type : (int32_t) COMMON_SPECULATIVE_TYPE_NONE;
+}
+
+} // extern "C"
+
+// ---- common_sampler ---------------------------------------------------------
+
+struct pyspec_ref_sampler {
+    common_sampler * smpl = nullptr;
+    const llama_model * model = nullptr;
+    int32_t n_vocab = 0;
+    bool backend_sampling = false;
+
+    ~pyspec_ref_sampler() { common_sampler_free(smpl); }
+};
+
+static bool sampler_type_valid(int32_t t) {
+    switch (t) {
+        case COMMON_SAMPLER_TYPE_DRY:
+        case COMMON_SAMPLER_TYPE_TOP_K:
+        case COMMON_SAMPLER_TYPE_TOP_P:
+        case COMMON_SAMPLER_TYPE_MIN_P:
+        case COMMON_SAMPLER_TYPE_TYPICAL_P:
+        case COMMON_SAMPLER_TYPE_TEMPERATURE:
+        case COMMON_SAMPLER_TYPE_XTC:
+        case COMMON_SAMPLER_TYPE_INFILL:
+        case COMMON_SAMPLER_TYPE_PENALTIES:
+        case COMMON_SAMPLER_TYPE_TOP_N_SIGMA:
+        case COMMON_SAMPLER_TYPE_ADAPTIVE_P:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// common_sampler_sample GGML_ASSERTs that ctx has output for idx
+static bool ctx_has_output(llama_context * ctx, int32_t idx) {
+    return llama_get_sampled_probs_ith(ctx, idx) != nullptr ||
+           llama_get_sampled_logits_ith(ctx, idx) != nullptr ||
+           llama_get_logits_ith(ctx, idx) != nullptr;
+}
+
+extern "C" {
+
+void pyspec_ref_sampling_params_default(pyspec_ref_sampling_params * out) {
+    if (out == nullptr) {
+        return;
+    }
+    static const common_params_sampling d;
+    static std::vector<int32_t> samplers(d.samplers.begin(), d.samplers.end());
+    static std::vector<const char *> breakers = [] {
+        std::vector<const char *> v;
+        for (const auto & s : d.dry_sequence_breakers) {
+            v.push_back(s.c_str());
+        }
+        return v;
+    }();
+
+    *out = {};
+    out->seed               = d.seed;
+    out->n_prev             = d.n_prev;
+    out->n_probs            = d.n_probs;
+    out->min_keep           = d.min_keep;
+    out->top_k              = d.top_k;
+    out->top_p              = d.top_p;
+    out->min_p              = d.min_p;
+    out->xtc_probability    = d.xtc_probability;
+    out->xtc_threshold      = d.xtc_threshold;
+    out->typ_p              = d.typ_p;
+    out->temp               = d.temp;
+    out->dynatemp_range     = d.dynatemp_range;
+    out->dynatemp_exponent  = d.dynatemp_exponent;
+    out->penalty_last_n     = d.penalty_last_n;
+    out->penalty_repeat     = d.penalty_repeat;
+    out->penalty_freq       = d.penalty_freq;
+    out->penalty_present    = d.penalty_present;
+    out->dry_multiplier     = d.dry_multiplier;
+    out->dry_base           = d.dry_base;
+    out->dry_allowed_length = d.dry_allowed_length;
+    out->dry_penalty_last_n = d.dry_penalty_last_n;
+    out->adaptive_target    = d.adaptive_target;
+    out->adaptive_decay     = d.adaptive_decay;
+    out->mirostat           = d.mirostat;
+    out->top_n_sigma        = d.top_n_sigma;
+    out->mirostat_tau       = d.mirostat_tau;
+    out->mirostat_eta       = d.mirostat_eta;
+    out->ignore_eos         = d.ignore_eos;
+    out->no_perf            = d.no_perf;
+    out->timing_per_token   = d.timing_per_token;
+    out->dry_sequence_breakers   = breakers.data();
+    out->n_dry_sequence_breakers = (int32_t) breakers.size();
+    out->samplers           = samplers.data();
+    out->n_samplers         = (int32_t) samplers.size();
+    out->grammar            = nullptr;
+    out->logit_bias_tokens  = nullptr;
+    out->logit_bias_values  = nullptr;
+    out->n_logit_bias       = 0;
+    out->backend_sampling   = d.backend_sampling;
+}
+
+pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
+                                             const pyspec_ref_sampling_params * params,
+                                             char * err, size_t err_len) {
+    copy_err(err, err_len, "");
+    g_last_error.clear();
+
+    auto fail = [&](const std::string & msg) -> pyspec_ref_sampler * {
+        g_last_error = msg;
+        copy_err(err, err_len, msg);
+        return nullptr;
+    };
+
+    if (model == nullptr) {
+        return fail("model is NULL");
+    }
+    if (params == nullptr) {
+        return fail("params is NULL");
+    }
+    const auto & q = *params;
+    if ((q.n_samplers < 0 || (q.n_samplers > 0 && q.samplers == nullptr)) ||
+        (q.n_dry_sequence_breakers < 0 || (q.n_dry_sequence_breakers > 0 && q.dry_sequence_breakers == nullptr)) ||
+        (q.n_logit_bias < 0 || (q.n_logit_bias > 0 && (q.logit_bias_tokens == nullptr || q.logit_bias_values == nullptr)))) {
+        return fail("invalid array in sampling params");
+    }
+    if (q.mirostat < 0 || q.mirostat > 2) {
+        return fail("unknown mirostat version");
+    }
+
+    try {
+        const llama_vocab * vocab = llama_model_get_vocab(model);
+        const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+
+        common_params_sampling p;
+        p.seed               = q.seed;
+        p.n_prev             = q.n_prev;
+        p.n_probs            = q.n_probs;
+        p.min_keep           = q.min_keep;
+        p.top_k              = q.top_k;
+        p.top_p              = q.top_p;
+        p.min_p              = q.min_p;
+        p.xtc_probability    = q.xtc_probability;
+        p.xtc_threshold      = q.xtc_threshold;
+        p.typ_p              = q.typ_p;
+        p.temp               = q.temp;
+        p.dynatemp_range     = q.dynatemp_range;
+        p.dynatemp_exponent  = q.dynatemp_exponent;
+        p.penalty_last_n     = q.penalty_last_n;
+        p.penalty_repeat     = q.penalty_repeat;
+        p.penalty_freq       = q.penalty_freq;
+        p.penalty_present    = q.penalty_present;
+        p.dry_multiplier     = q.dry_multiplier;
+        p.dry_base           = q.dry_base;
+        p.dry_allowed_length = q.dry_allowed_length;
+        p.dry_penalty_last_n = q.dry_penalty_last_n;
+        p.adaptive_target    = q.adaptive_target;
+        p.adaptive_decay     = q.adaptive_decay;
+        p.mirostat           = q.mirostat;
+        p.top_n_sigma        = q.top_n_sigma;
+        p.mirostat_tau       = q.mirostat_tau;
+        p.mirostat_eta       = q.mirostat_eta;
+        p.ignore_eos         = q.ignore_eos;
+        p.no_perf            = q.no_perf;
+        p.timing_per_token   = q.timing_per_token;
+        p.backend_sampling   = q.backend_sampling;
+
+        p.dry_sequence_breakers.clear();
+        for (int32_t i = 0; i < q.n_dry_sequence_breakers; ++i) {
+            if (q.dry_sequence_breakers[i] == nullptr) {
+                return fail("dry sequence breaker is NULL");
+            }
+            p.dry_sequence_breakers.emplace_back(q.dry_sequence_breakers[i]);
+        }
+
+        p.samplers.clear();
+        for (int32_t i = 0; i < q.n_samplers; ++i) {
+            if (q.mirostat == 0 && !sampler_type_valid(q.samplers[i])) {
+                return fail("unknown sampler type: " + std::to_string(q.samplers[i]));
+            }
+            p.samplers.push_back((common_sampler_type) q.samplers[i]);
+        }
+
+        for (int32_t i = 0; i < q.n_logit_bias; ++i) {
+            if (q.logit_bias_tokens[i] < 0 || q.logit_bias_tokens[i] >= n_vocab) {
+                return fail("logit bias token " + std::to_string(q.logit_bias_tokens[i]) + " out of range");
+            }
+            p.logit_bias.push_back({ q.logit_bias_tokens[i], q.logit_bias_values[i] });
+        }
+
+        if (q.grammar != nullptr && q.grammar[0] != '\0') {
+            const std::string grammar = q.grammar;
+            if (grammar.compare(0, 11, "%llguidance") == 0) {
+                return fail("llguidance (cmake -DLLAMA_LLGUIDANCE=ON) is not enabled");
+            }
+            // common_sampler_init silently drops a grammar that does not parse
+            llama_sampler * probe = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
+            if (probe == nullptr) {
+                return fail("failed to parse grammar");
+            }
+            llama_sampler_free(probe);
+            p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, grammar);
+        }
+
+        auto res = std::make_unique<pyspec_ref_sampler>();
+        res->model   = model;
+        res->n_vocab = n_vocab;
+        res->smpl    = common_sampler_init(model, p);
+        if (res->smpl == nullptr) {
+            return fail("common_sampler_init failed");
+        }
+        res->backend_sampling = p.backend_sampling; // common_sampler_init may have turned it off
+        return res.release();
+    } catch (const std::exception & e) {
+        return fail(e.what());
+    } catch (...) {
+        return fail("unknown C++ exception");
+    }
+}
+
+void pyspec_ref_sampler_free(pyspec_ref_sampler * smpl) {
+    delete smpl;
+}
+
+bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl) {
+    return smpl ? smpl->backend_sampling : false;
+}
+
+#define REQUIRE_SMPL(s) REQUIRE((s) != nullptr && (s)->smpl != nullptr, PYSPEC_REF_E_NULL, "sampler is NULL")
+
+int pyspec_ref_sampler_sample(pyspec_ref_sampler * smpl, llama_context * ctx, int32_t idx,
+                              bool grammar_first, llama_token * out) {
+    REQUIRE_SMPL(smpl);
+    REQUIRE(ctx != nullptr, PYSPEC_REF_E_NULL, "ctx is NULL");
+    REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
+    REQUIRE(llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx))) == smpl->n_vocab, PYSPEC_REF_E_RANGE,
+            "ctx vocabulary size differs from the sampler's model");
+    return guarded([&] {
+        REQUIRE(ctx_has_output(ctx, idx), PYSPEC_REF_E_RANGE, "no output (logits) for batch index %d", (int) idx);
+        *out = common_sampler_sample(smpl->smpl, ctx, idx, grammar_first);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_sampler_sample_and_accept_n(pyspec_ref_sampler * smpl, llama_context * ctx,
+                                           const int32_t * idxs, const llama_token * draft, int32_t n_draft,
+                                           bool grammar_first, llama_token * out, int32_t out_cap) {
+    REQUIRE_SMPL(smpl);
+    REQUIRE(ctx != nullptr, PYSPEC_REF_E_NULL, "ctx is NULL");
+    REQUIRE(n_draft >= 0 && (n_draft == 0 || draft != nullptr), PYSPEC_REF_E_NULL, "invalid draft");
+    REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
+    REQUIRE(out_cap >= n_draft + 1, PYSPEC_REF_E_CAPACITY, "out_cap %d < n_draft + 1 = %d",
+            (int) out_cap, (int) n_draft + 1);
+    REQUIRE(llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx))) == smpl->n_vocab, PYSPEC_REF_E_RANGE,
+            "ctx vocabulary size differs from the sampler's model");
+    return guarded([&] {
+        const llama_tokens d(draft, draft + n_draft);
+        // every index that may be sampled must have output
+        for (int32_t i = 0; i <= n_draft; ++i) {
+            const int32_t idx = idxs ? idxs[i] : i;
+            REQUIRE(ctx_has_output(ctx, idx), PYSPEC_REF_E_RANGE, "no output (logits) for batch index %d", (int) idx);
+        }
+        std::vector<llama_token> res;
+        if (idxs == nullptr) {
+            res = common_sampler_sample_and_accept_n(smpl->smpl, ctx, d, grammar_first);
+        } else {
+            const std::vector<int> vidxs(idxs, idxs + n_draft + 1);
+            res = common_sampler_sample_and_accept_n(smpl->smpl, ctx, vidxs, d, grammar_first);
+        }
+        std::copy(res.begin(), res.end(), out);
+        return (int) res.size();
+    });
+}
+
+int pyspec_ref_sampler_accept(pyspec_ref_sampler * smpl, llama_token token, bool accept_grammar) {
+    REQUIRE_SMPL(smpl);
+    REQUIRE(token >= 0 && token < smpl->n_vocab, PYSPEC_REF_E_RANGE,
+            "token %d out of range [0, %d)", (int) token, (int) smpl->n_vocab);
+    return guarded([&] {
+        common_sampler_accept(smpl->smpl, token, accept_grammar);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_sampler_reset(pyspec_ref_sampler * smpl) {
+    REQUIRE_SMPL(smpl);
+    return guarded([&] {
+        common_sampler_reset(smpl->smpl);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_sampler_last(const pyspec_ref_sampler * smpl, llama_token * out) {
+    REQUIRE_SMPL(smpl);
+    REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
+    return guarded([&] {
+        *out = common_sampler_last(smpl->smpl); // throws when nothing was accepted yet
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+int pyspec_ref_sampler_get_seed(const pyspec_ref_sampler * smpl, uint32_t * out) {
+    REQUIRE_SMPL(smpl);
+    REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
+    return guarded([&] {
+        *out = common_sampler_get_seed(smpl->smpl);
+        return (int) PYSPEC_REF_OK;
+    });
+}
+
+llama_token_data_array * pyspec_ref_sampler_get_candidates(pyspec_ref_sampler * smpl, bool do_sort) {
+    if (smpl == nullptr || smpl->smpl == nullptr) {
+        set_error(PYSPEC_REF_E_NULL, "sampler is NULL");
+        return nullptr;
+    }
+    try {
+        // unsorted read first: sorting dereferences data[selected]
+        llama_token_data_array * cur_p = common_sampler_get_candidates(smpl->smpl, false);
+        if (cur_p == nullptr || cur_p->data == nullptr || cur_p->size == 0) {
+            set_error(PYSPEC_REF_E_STATE, "no candidates: nothing was sampled yet");
+            return nullptr;
+        }
+        if (do_sort && !cur_p->sorted) {
+            if (cur_p->selected < 0 || (size_t) cur_p->selected >= cur_p->size) {
+                set_error(PYSPEC_REF_E_STATE, "candidates have no selected token; cannot sort");
+                return nullptr;
+            }
+            cur_p = common_sampler_get_candidates(smpl->smpl, true);
+        }
+        return cur_p;
+    } catch (const std::exception & e) {
+        set_error(PYSPEC_REF_E_EXCEPTION, "%s", e.what());
+        return nullptr;
+    }
+}
+
+} // extern "C"

@@ -1,0 +1,86 @@
+"""Bad input raises a clear Python exception and never crashes the interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyspec
+from pyspec import Batch, Context, Model
+from pyspec import testmodels as tm
+
+
+def test_missing_model_path_raises_file_not_found(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        Model(missing)
+
+
+@pytest.mark.parametrize("writer", [tm.write_empty, tm.write_truncated, tm.write_random_bytes])
+def test_invalid_gguf_raises_model_load_error_naming_the_path(tmp_path, writer):
+    path = writer(tmp_path / f"bad-{writer.__name__}.gguf")
+    with pytest.raises(pyspec.ModelLoadError) as err:
+        Model(path)
+    assert str(path) in str(err.value)
+
+
+def test_token_outside_vocabulary_is_rejected(target_model, target_ctx):
+    b = Batch(2)
+    b.add(target_model.vocab.n_tokens, 0, 0, True)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target_ctx.decode(b)
+    b.clear()
+    b.add(-5, 0, 0, True)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target_ctx.decode(b)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target_model.vocab.token_to_piece(-1)
+
+
+@pytest.mark.parametrize("seq_id", [-1, 2, 1000])
+def test_bad_sequence_ids_are_rejected(target_ctx, seq_id):
+    b = Batch(1)
+    b.add(1, 0, seq_id, True)
+    with pytest.raises(ValueError, match="seq_id"):
+        target_ctx.decode(b)
+    with pytest.raises(ValueError, match="seq_id"):
+        target_ctx.memory.seq_pos_max(seq_id)
+    if seq_id != -1:
+        with pytest.raises(ValueError, match="seq_id"):
+            target_ctx.memory.seq_rm(seq_id, 0, -1)
+
+
+def test_batch_larger_than_n_batch_is_rejected(target_ctx):
+    n = target_ctx.n_batch + 1
+    b = Batch(n)
+    b.add_sequence(np.ones(n, dtype=np.int32), 0, 0)
+    with pytest.raises(ValueError, match="n_batch"):
+        target_ctx.decode(b)
+
+
+def test_decode_error_carries_code_and_meaning(target_model):
+    # positions that do not follow the sequence's last position are an invalid batch (-1)
+    with Context(target_model, n_ctx=64, n_batch=16) as ctx:
+        b = Batch(2)
+        b.add(1, 0, 0, False)
+        b.add(2, 5, 0, True)
+        with pytest.raises(pyspec.DecodeError) as err:
+            ctx.decode(b)
+        assert err.value.code == -1
+        assert "invalid input batch" in str(err.value)
+
+
+def test_unknown_context_parameter_is_rejected(target_model):
+    with pytest.raises(TypeError, match="n_ctxx"):
+        Context(target_model, n_ctxx=10)
+    with pytest.raises(ValueError, match="ctx_type"):
+        Context(target_model, ctx_type="bogus")
+
+
+def test_logits_of_a_row_without_output_raise(target_model, target_ctx):
+    b = Batch(2)
+    b.add(1, 0, 0, False)
+    b.add(2, 1, 0, True)
+    target_ctx.decode(b)
+    with pytest.raises(IndexError):
+        target_ctx.get_logits_ith(0)

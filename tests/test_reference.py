@@ -1,0 +1,265 @@
+"""The C++ reference (libpyspec_ref) driven from Python: pyspec.reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyspec import Batch, ClosedError, Context, Model, testmodels
+from pyspec.params import (
+    CommonParamsSampling,
+    CommonParamsSpeculative,
+    CommonParamsSpeculativeDraft,
+    CommonParamsSpeculativeNgramCache,
+    CommonParamsSpeculativeNgramMap,
+    CommonSamplerType,
+    CommonSpeculativeType,
+)
+from pyspec.reference import RefError, RefSampler, RefSpeculative, spec_type_str
+
+PATTERN = [101, 102, 103, 104, 105, 106, 107, 108]
+PROMPT = PATTERN * 4  # ends with 108: the pattern continues with 101, 102, ...
+
+
+def ngram_simple_params(size_n: int = 3, size_m: int = 4) -> CommonParamsSpeculative:
+    return CommonParamsSpeculative(
+        types=[CommonSpeculativeType.NGRAM_SIMPLE],
+        ngram_simple=CommonParamsSpeculativeNgramMap(size_n=size_n, size_m=size_m),
+    )
+
+
+@pytest.fixture(scope="module")
+def target() -> Model:
+    model = Model(testmodels.make_target())
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> Model:
+    model = Model(testmodels.make_draft())
+    yield model
+    model.close()
+
+
+def decode_prompt(ctx: Context, prompt: list[int], seq_id: int = 0) -> Batch:
+    batch = Batch(len(prompt), n_seq_max=1)
+    batch.add_sequence(prompt, 0, seq_id, logits_last=True)
+    ctx.decode(batch)
+    return batch
+
+
+# --- common_speculative ------------------------------------------------------
+
+
+def test_ngram_simple_drafts_the_continuation_of_a_repetitive_prompt() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        spec.begin(0, PROMPT)
+        # id_last is the token the target just sampled: 101 starts the next period
+        drafts = spec.draft({0: (len(PROMPT), 101, PROMPT)})
+    assert drafts == {0: [102, 103, 104, 105]}
+
+
+def test_draft_n_max_truncates_the_draft() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        drafts = spec.draft({0: (len(PROMPT), 101, PROMPT, 2)})
+    assert drafts == {0: [102, 103]}
+
+
+def test_no_match_gives_an_empty_draft_and_no_impl_last() -> None:
+    prompt = list(range(200, 240))
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        assert spec.draft({0: (len(prompt), 7, prompt)}) == {0: []}
+        assert spec.last_impl_type(0) is None
+
+
+def test_counters_follow_begin_draft_and_accept() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=2) as spec:
+        assert spec.n_impls() == 1
+        (before,) = spec.impl_stats()
+        assert before["name"] == "ngram-simple"
+        assert before["type"] == CommonSpeculativeType.NGRAM_SIMPLE
+        assert before["n_call_draft"] == before["n_gen_drafts"] == before["n_call_accept"] == 0
+
+        spec.begin(1, PROMPT)
+        spec.draft({1: (len(PROMPT), 101, PROMPT)})
+        assert spec.last_impl_type(1) == CommonSpeculativeType.NGRAM_SIMPLE
+        spec.accept(1, 3)
+
+        (after,) = spec.impl_stats()
+    assert after["n_call_begin"] == 1
+    assert after["n_call_draft"] == 1
+    assert after["n_gen_drafts"] == 1
+    assert after["n_gen_tokens"] == 4
+    assert after["n_call_accept"] == 1
+    assert after["n_acc_drafts"] == 1
+    assert after["n_acc_tokens"] == 3
+
+
+def test_implementations_are_listed_in_the_reference_priority_order() -> None:
+    params = CommonParamsSpeculative(
+        types=[CommonSpeculativeType.NGRAM_MOD, CommonSpeculativeType.NGRAM_MAP_K, CommonSpeculativeType.NGRAM_SIMPLE]
+    )
+    with RefSpeculative(params, n_seq=1) as spec:
+        names = [s["name"] for s in spec.impl_stats()]
+    assert names == ["ngram-simple", "ngram-map-k", "ngram-mod"]
+
+
+def test_ngram_implementations_need_no_embeddings() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        assert spec.need_embd() is False
+        assert spec.need_embd_nextn() is False
+
+
+def test_accept_without_a_draft_raises_instead_of_asserting() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        with pytest.raises(RefError, match="impl_last"):
+            spec.accept(0, 1)
+
+
+def test_seq_id_out_of_range_raises() -> None:
+    with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
+        with pytest.raises(ValueError):
+            spec.begin(1, PROMPT)
+        with pytest.raises(ValueError):
+            spec.draft({3: (0, 0, [])})
+
+
+def test_no_implementation_raises_and_init_returns_none() -> None:
+    params = CommonParamsSpeculative(types=[CommonSpeculativeType.NONE])
+    with pytest.raises(RuntimeError, match="no implementations"):
+        RefSpeculative(params, n_seq=1)
+    assert RefSpeculative.init(params, n_seq=1) is None
+
+
+def test_draft_simple_without_contexts_raises() -> None:
+    params = CommonParamsSpeculative(types=[CommonSpeculativeType.DRAFT_SIMPLE])
+    with pytest.raises(RuntimeError, match="ctx_tgt and ctx_dft"):
+        RefSpeculative(params, n_seq=1)
+
+
+def test_missing_lookup_cache_raises_the_reference_message() -> None:
+    params = CommonParamsSpeculative(
+        types=[CommonSpeculativeType.NGRAM_CACHE],
+        ngram_cache=CommonParamsSpeculativeNgramCache(lookup_cache_static="/nonexistent/lookup.bin"),
+    )
+    with pytest.raises(RuntimeError, match="Couldn't read static lookup cache"):
+        RefSpeculative(params, n_seq=1)
+
+
+def test_type_names_match_the_reference() -> None:
+    assert spec_type_str(CommonSpeculativeType.DRAFT_MTP) == "draft-mtp"
+    assert spec_type_str(CommonSpeculativeType.NGRAM_MAP_K4V) == "ngram-map-k4v"
+    assert spec_type_str(99) == ""
+
+
+def test_every_call_after_close_raises() -> None:
+    spec = RefSpeculative(ngram_simple_params(), n_seq=1)
+    spec.close()
+    with pytest.raises(ClosedError):
+        spec.begin(0, PROMPT)
+    with pytest.raises(ClosedError):
+        spec.impl_stats()
+
+
+def test_draft_simple_with_a_different_draft_n_seq_raises_the_reference_message(
+    target: Model, draft_model: Model
+) -> None:
+    with Context(target, n_ctx=256, n_batch=64, n_seq_max=2) as ctx_tgt, Context(
+        draft_model, n_ctx=256, n_batch=64, n_seq_max=1
+    ) as ctx_dft:
+        params = CommonParamsSpeculative(
+            types=[CommonSpeculativeType.DRAFT_SIMPLE],
+            draft=CommonParamsSpeculativeDraft(ctx_tgt=ctx_tgt, ctx_dft=ctx_dft),
+        )
+        with pytest.raises(
+            RuntimeError, match="the draft model number of sequences is incompatible with the speculative n_seq"
+        ):
+            RefSpeculative(params, n_seq=2)
+
+
+def test_draft_simple_drafts_n_max_tokens_deterministically(target: Model, draft_model: Model) -> None:
+    prompt = PROMPT[:12]
+    results = []
+    for _ in range(2):
+        with Context(target, n_ctx=256, n_batch=64) as ctx_tgt, Context(draft_model, n_ctx=256, n_batch=64) as ctx_dft:
+            params = CommonParamsSpeculative(
+                types=[CommonSpeculativeType.DRAFT_SIMPLE],
+                draft=CommonParamsSpeculativeDraft(n_max=3, ctx_tgt=ctx_tgt, ctx_dft=ctx_dft),
+            )
+            with RefSpeculative(params, n_seq=1) as spec:
+                # the draft context learns the prompt through process(), as in the server
+                batch = Batch(len(prompt) - 1)
+                batch.add_sequence(prompt[:-1], 0, 0, logits_last=False)
+                assert spec.process(batch) is True
+                drafts = spec.draft({0: (len(prompt) - 1, prompt[-1], prompt)})
+                (stats,) = spec.impl_stats()
+        results.append(drafts[0])
+        assert len(drafts[0]) == 3
+        assert all(0 <= t < target.vocab.n_tokens for t in drafts[0])
+        assert stats["n_gen_tokens"] == 3
+    assert results[0] == results[1]
+
+
+# --- common_sampler ----------------------------------------------------------
+
+
+def greedy_params(seed: int = 42) -> CommonParamsSampling:
+    return CommonParamsSampling(seed=seed, top_k=1, samplers=[CommonSamplerType.TOP_K])
+
+
+def test_sampler_with_top_k_1_picks_the_argmax(target: Model) -> None:
+    with Context(target, n_ctx=128, n_batch=64) as ctx, RefSampler(target, greedy_params()) as smpl:
+        decode_prompt(ctx, PROMPT[:10])
+        token = smpl.sample(ctx, -1)
+        assert token == int(np.argmax(ctx.get_logits_ith(-1)))
+
+        cand = smpl.candidates(do_sort=True)
+        assert cand.ids[cand.selected] == token
+        assert cand.sorted
+
+        smpl.accept(token, True)
+        assert smpl.last() == token
+        assert smpl.get_seed() == 42
+
+
+def test_sample_and_accept_n_stops_at_the_first_mismatch(target: Model) -> None:
+    with Context(target, n_ctx=128, n_batch=64) as ctx, RefSampler(target, greedy_params()) as smpl:
+        batch = Batch(4)
+        for i, t in enumerate(PROMPT[:4]):
+            batch.add(t, i, 0, True)
+        ctx.decode(batch)
+        best = [int(np.argmax(ctx.get_logits_ith(i))) for i in range(4)]
+        wrong = (best[1] + 1) % target.vocab.n_tokens
+        # draft: right, wrong, anything -> the reference keeps best[0], then samples best[1] and stops
+        out = smpl.sample_and_accept_n(ctx, [best[0], wrong, 5])
+        assert out == [best[0], best[1]]
+        smpl.reset()
+        assert smpl.sample_and_accept_n(ctx, [best[1]], idxs=[1, 2]) == [best[1], best[2]]
+
+
+def test_sampler_guards_instead_of_aborting(target: Model) -> None:
+    with Context(target, n_ctx=128, n_batch=64) as ctx, RefSampler(target, greedy_params()) as smpl:
+        with pytest.raises(RefError):
+            smpl.last()  # nothing accepted yet: the reference throws
+        with pytest.raises(RefError):
+            smpl.candidates()  # nothing sampled yet
+        decode_prompt(ctx, PROMPT[:4])
+        with pytest.raises(RefError, match="no output"):
+            smpl.sample(ctx, 2)  # only the last token has logits
+        with pytest.raises(RefError):
+            smpl.accept(target.vocab.n_tokens, True)
+
+
+def test_invalid_sampler_configurations_raise(target: Model) -> None:
+    with pytest.raises(RuntimeError, match="grammar"):
+        RefSampler(target, CommonParamsSampling(grammar="root ::= ("))
+    with pytest.raises(RuntimeError, match="sampler type"):
+        RefSampler(target, CommonParamsSampling(samplers=[5]))  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="mirostat"):
+        RefSampler(target, CommonParamsSampling(mirostat=3))
+
+
+def test_grammar_turns_backend_sampling_off(target: Model) -> None:
+    with RefSampler(target, CommonParamsSampling(grammar='root ::= "a"', backend_sampling=True)) as smpl:
+        assert smpl.backend_sampling is False
