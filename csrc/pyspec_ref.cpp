@@ -359,9 +359,10 @@ int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
         }
         for (const auto & impl : spec->spec->impls) {
             if (const auto * e3 = dynamic_cast<const ref::common_speculative_impl_draft_eagle3 *>(impl.get())) {
-                // its draft batch gets rows 1..n_tokens-1 plus one cross-ubatch bridge per sequence
+                // per sequence its draft batch gets n_rows - 1 rows plus at most one
+                // cross-ubatch bridge, so at most n_tokens rows in all
                 const int32_t n_b = (int32_t) llama_n_batch(e3->params.ctx_dft);
-                REQUIRE(b.n_tokens - 1 + n_present <= n_b, PYSPEC_REF_E_RANGE,
+                REQUIRE(b.n_tokens <= n_b, PYSPEC_REF_E_RANGE,
                         "EAGLE3: batch of %d tokens does not fit the draft n_batch %d", (int) b.n_tokens, (int) n_b);
             }
             if (const auto * mtp = dynamic_cast<const ref::common_speculative_impl_draft_mtp *>(impl.get())) {
@@ -750,6 +751,22 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
 
 void pyspec_ref_sampler_free(pyspec_ref_sampler * smpl) {
     delete smpl;
+}
+
+pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl) {
+    if (smpl == nullptr || smpl->smpl == nullptr) {
+        return nullptr;
+    }
+    try {
+        auto * out = new pyspec_ref_sampler();
+        out->model            = smpl->model;
+        out->n_vocab          = smpl->n_vocab;
+        out->backend_sampling = smpl->backend_sampling;
+        out->smpl             = common_sampler_clone(smpl->smpl);
+        return out;
+    } catch (const std::exception &) {
+        return nullptr;
+    }
 }
 
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl) {

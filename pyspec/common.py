@@ -63,3 +63,94 @@ def common_token_to_piece(vocab: Vocab, token: int, special: bool = True) -> str
 def common_detokenize(vocab: Vocab, tokens: list[int], special: bool = True) -> str:
     """Mirrors common_detokenize (common.cpp)."""
     return vocab.detokenize(tokens, False, special)
+
+
+class CommonContextSeqRmType:
+    """Mirrors enum common_context_seq_rm_type (common.h)."""
+
+    NO = 0    # seq_rm not supported (e.g. no memory module)
+    PART = 1  # can seq_rm partial sequences
+    FULL = 2  # can seq_rm full sequences only
+    RS = 3    # can seq_rm partial sequences, bounded by n_rs_seq
+
+
+def common_context_can_seq_rm(ctx) -> int:  # noqa: ANN001 - pyspec Context
+    """Mirrors common_context_can_seq_rm (common.cpp). Clears the context's memory, as the C++ does."""
+    mem = ctx.memory
+    res = CommonContextSeqRmType.PART
+
+    mem.clear(True)
+
+    # eval 2 tokens to check if the context is compatible
+    batch = Batch(2, 0, 1)
+    batch.add(0, 0, 0, False)
+    batch.add(0, 1, 0, True)
+    ret = ctx.decode_rc(batch)
+    if ret != 0:
+        res = CommonContextSeqRmType.NO
+    elif ctx.n_rs_seq > 0:
+        res = CommonContextSeqRmType.RS
+    elif not mem.seq_rm(0, 1, -1):
+        # the context does not support partial sequence removal
+        res = CommonContextSeqRmType.FULL
+
+    mem.clear(True)
+    ctx.synchronize()
+
+    return res
+
+
+def common_context_seq_rm(ctx, seq_id: int, p0: int, p1: int) -> None:  # noqa: ANN001 - pyspec Context
+    """Mirrors common_context_seq_rm (common.cpp); the reference's abort becomes an exception."""
+    if not ctx.memory.seq_rm(seq_id, p0, p1):
+        from pyspec.errors import SpeculativeError
+
+        raise SpeculativeError(f"failed to remove sequence {seq_id} with p0={p0}, p1={p1}")
+
+
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
+
+
+class CommonPromptCheckpoint:
+    """Mirrors struct common_prompt_checkpoint (common.h): per-sequence state of the target and draft."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def size(self) -> int:
+        return len(self.data_tgt) + len(self.data_dft)
+
+    def empty(self) -> bool:
+        return len(self.data_tgt) == 0
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+        self.pos_min = 0
+        self.pos_max = 0
+        self.data_tgt = b""
+        self.data_dft = b""
+
+    def update_pos(self, n_tokens: int, pos_min: int, pos_max: int) -> None:
+        self.n_tokens = n_tokens
+        self.pos_min = pos_min
+        self.pos_max = pos_max
+
+    def update_tgt(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+        if ctx is None:
+            return
+        self.data_tgt = ctx.state_seq_get(seq_id, flags)
+
+    def update_dft(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+        if ctx is None:
+            return
+        self.data_dft = ctx.state_seq_get(seq_id, flags)
+
+    def load_tgt(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+        if ctx is None or not self.data_tgt:
+            return
+        ctx.state_seq_set(seq_id, self.data_tgt, flags)
+
+    def load_dft(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+        if ctx is None or not self.data_dft:
+            return
+        ctx.state_seq_set(seq_id, self.data_dft, flags)

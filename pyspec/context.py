@@ -343,6 +343,13 @@ class Context(Handle):
         llama.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
     @property
+    def n_rs_seq(self) -> int:
+        return int(llama.llama_n_rs_seq(self.ptr))
+
+    def synchronize(self) -> None:
+        llama.llama_synchronize(self.ptr)
+
+    @property
     def n_threads(self) -> int:
         return int(llama.llama_n_threads(self.ptr))
 

@@ -1,6 +1,6 @@
 """Route llama.cpp / ggml logging to Python's ``logging`` (logger ``pyspec.llama``).
 
-The logger is quiet by default (WARNING); a user raises verbosity with
+The logger is quiet by default (ERROR); a user raises verbosity with
 ``logging.getLogger("pyspec.llama").setLevel(logging.DEBUG)``.
 """
 
@@ -49,4 +49,4 @@ def install() -> None:
 
 
 if logger.level == logging.NOTSET:
-    logger.setLevel(logging.WARNING)
+    logger.setLevel(logging.ERROR)

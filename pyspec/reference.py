@@ -338,6 +338,17 @@ class RefSampler(Handle):
         # common_sampler_init turns backend sampling off when a grammar is set
         self.backend_sampling = bool(_lib.pyspec_ref_sampler_backend_sampling(ptr))
 
+    def clone(self) -> RefSampler:
+        """Mirrors common_sampler_clone."""
+        ptr = _lib.pyspec_ref_sampler_clone(self.ptr)
+        if ptr == ffi.NULL:
+            raise RefError("common_sampler_clone failed")
+        out = RefSampler.__new__(RefSampler)
+        Handle.__init__(out)
+        out._own(ptr, _lib.pyspec_ref_sampler_free, tuple(self._deps))
+        out.backend_sampling = self.backend_sampling
+        return out
+
     def sample(self, ctx: Any, idx: int, grammar_first: bool = False) -> int:
         """Mirrors common_sampler_sample."""
         out = ffi.new("llama_token *")

@@ -185,6 +185,9 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const struct llama_model * model,
                                              const pyspec_ref_sampling_params * params,
                                              char * err, size_t err_len);
 void pyspec_ref_sampler_free(pyspec_ref_sampler * smpl);
+
+/* common_sampler_clone: an independent copy (chain state, previous tokens). */
+pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl);
 /* backend_sampling after init (common_sampler_init may turn it off) */
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl);
 

@@ -1,0 +1,1681 @@
+"""Port of llama.cpp's common/speculative.cpp (revision e3a74b299), line for line.
+
+One class per C++ struct (CapWords of its name), the same method and function
+names and the same statement order, so that a reader with the C++ file open
+beside this one finds each line's twin. ``std::vector<float>`` rows and their
+``memcpy`` become numpy arrays and slice assignment. Every throw / GGML_ASSERT
+/ GGML_ABORT that Python can reach raises SpeculativeError (or the matching
+Python exception) with the reference's message.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from pyspec._abi import ffi, llama
+from pyspec.batch import Batch, BatchView
+from pyspec.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
+from pyspec.context import Context
+from pyspec.errors import SpeculativeError
+from pyspec.ngram_cache import LLAMA_NGRAM_MAX, LLAMA_NGRAM_MIN, common_ngram_cache_draft, common_ngram_cache_load, common_ngram_cache_update
+from pyspec.ngram_map import (
+    CommonNgramMap,
+    CommonNgramSimpleConfig,
+    common_ngram_map_accept,
+    common_ngram_map_begin,
+    common_ngram_map_draft,
+    common_ngram_simple_draft,
+)
+from pyspec.ngram_mod import CommonNgramMod
+from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
+from pyspec.params import CommonSpeculativeType as T
+from pyspec.sampler import SamplerChain
+from pyspec.sampling import (
+    CommonSampler,
+    common_sampler_accept,
+    common_sampler_get_candidates,
+    common_sampler_init,
+    common_sampler_reset,
+    common_sampler_sample,
+)
+
+logger = logging.getLogger("pyspec.speculative")
+
+SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
+SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
+
+common_speculative_type_from_name_map: dict[str, T] = {
+    "none": T.NONE,
+    "draft-simple": T.DRAFT_SIMPLE,
+    "draft-eagle3": T.DRAFT_EAGLE3,
+    "draft-mtp": T.DRAFT_MTP,
+    "ngram-simple": T.NGRAM_SIMPLE,
+    "ngram-map-k": T.NGRAM_MAP_K,
+    "ngram-map-k4v": T.NGRAM_MAP_K4V,
+    "ngram-mod": T.NGRAM_MOD,
+    "ngram-cache": T.NGRAM_CACHE,
+}
+
+
+@dataclass
+class CommonSpeculativeConfig:
+    """Mirrors struct common_speculative_config (speculative.cpp)."""
+
+    type: T
+    params: CommonParamsSpeculative = field(default_factory=CommonParamsSpeculative)
+
+
+def common_speculative_are_compatible(model_tgt: Any, model_dft: Any) -> bool:
+    """Mirrors common_speculative_are_compatible (speculative.cpp). Takes pyspec Models."""
+    vocab_tgt = model_tgt.vocab
+    vocab_dft = model_dft.vocab
+
+    vocab_type_tgt = vocab_tgt.type
+    logger.debug("vocab_type tgt: %d", vocab_type_tgt)
+
+    vocab_type_dft = vocab_dft.type
+    logger.debug("vocab_type dft: %d", vocab_type_dft)
+
+    if vocab_type_tgt != vocab_type_dft:
+        logger.warning(
+            "draft model vocab type must match target model to use speculation but "
+            "vocab_type_dft = %d while vocab_type_tgt = %d", vocab_type_dft, vocab_type_tgt)
+        return False
+
+    if vocab_tgt.add_bos != vocab_dft.add_bos or (vocab_tgt.add_bos and vocab_tgt.bos != vocab_dft.bos):
+        logger.warning("draft model bos tokens must match target model to use speculation. add: %d - %d, id: %d - %d)",
+                       vocab_tgt.add_bos, vocab_dft.add_bos, vocab_tgt.bos, vocab_dft.bos)
+        return False
+
+    if vocab_tgt.add_eos != vocab_dft.add_eos or (vocab_tgt.add_eos and vocab_tgt.eos != vocab_dft.eos):
+        logger.warning("draft model eos tokens must match target model to use speculation. add: %d - %d, id: %d - %d)",
+                       vocab_tgt.add_eos, vocab_dft.add_eos, vocab_tgt.eos, vocab_dft.eos)
+        return False
+
+    n_vocab_tgt = vocab_tgt.n_tokens
+    n_vocab_dft = vocab_dft.n_tokens
+    vocab_diff = abs(n_vocab_tgt - n_vocab_dft)
+
+    if vocab_diff > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        logger.debug("draft model vocab must closely match target model to use speculation but "
+                     "target vocab size %d does not match draft vocab size %d - difference %d, max allowed %d",
+                     n_vocab_tgt, n_vocab_dft, vocab_diff, SPEC_VOCAB_MAX_SIZE_DIFFERENCE)
+        return False
+
+    vt, vd = vocab_tgt.ptr, vocab_dft.ptr
+    for i in range(SPEC_VOCAB_CHECK_START_TOKEN_ID, min(n_vocab_tgt, n_vocab_dft)):
+        # compare the raw C strings, as strcmp does
+        if ffi.string(llama.llama_vocab_get_text(vt, i)) != ffi.string(llama.llama_vocab_get_text(vd, i)):
+            logger.debug("draft model vocab must match target model to use speculation but "
+                         "token %d content differs - target '%s', draft '%s'", i,
+                         common_token_to_piece(vocab_tgt, i), common_token_to_piece(vocab_dft, i))
+            return False
+
+    return True
+
+
+@dataclass
+class CommonSpeculativeDraftParams:
+    """Mirrors struct common_speculative_draft_params (speculative.h).
+
+    ``prompt`` is the token history and ``result`` the list the drafts are
+    written into; both belong to the caller, as the C++ pointers do.
+    """
+
+    # chains the drafts through the implementations: set by the caller, cleared
+    # after the first implementation that drafts for this sequence
+    drafting: bool = False
+
+    # overrides the implementations' n_max (-1 disabled), e.g. to fit the remaining context
+    n_max: int = -1
+
+    n_past: int = 0
+    id_last: int = 0
+
+    prompt: Sequence[int] = field(default_factory=list)
+
+    result: list[int] = field(default_factory=list)
+
+
+class CommonSpeculativeImpl:
+    """Mirrors struct common_speculative_impl (speculative.cpp): the interface and counters."""
+
+    def __init__(self, type: T, n_seq: int) -> None:
+        self.type = type
+        self.n_seq = n_seq
+
+        self.n_call_begin = 0   # number of times this implementation was called for refresh.
+        self.n_call_draft = 0   # number of times this implementation was called for generation.
+        self.n_call_accept = 0  # number of times this implementation was called for accumulation.
+
+        self.n_gen_drafts = 0  # number of times a draft or part was generated by this implementation.
+        self.n_acc_drafts = 0  # number of times a draft or part was accepted by the target model.
+        self.n_gen_tokens = 0  # number of tokens generated by this implementation.
+        self.n_acc_tokens = 0  # number of tokens accepted by the target model.
+
+        self.gen_perf = True  # whether to generate performance stats.
+
+        self.t_begin_us = 0   # total time spent in refresh of this implementation in microseconds.
+        self.t_draft_us = 0   # total time spent in generating drafts in this implementation in microseconds.
+        self.t_accept_us = 0  # total time spent in accumulation of this implementation in microseconds.
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        raise NotImplementedError
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        raise NotImplementedError
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        raise NotImplementedError
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        raise NotImplementedError
+
+    # true if this implementation requires the target context to extract post-norm embeddings
+    def need_embd(self) -> bool:
+        raise NotImplementedError
+
+    # true if this implementation requires the target context to extract pre-norm embeddings
+    def need_embd_nextn(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Frees what the C++ destructor frees."""
+
+    def counters(self) -> dict[str, int]:
+        """The counters the parity harness compares."""
+        return {
+            "n_call_begin": self.n_call_begin,
+            "n_call_draft": self.n_call_draft,
+            "n_call_accept": self.n_call_accept,
+            "n_gen_drafts": self.n_gen_drafts,
+            "n_acc_drafts": self.n_acc_drafts,
+            "n_gen_tokens": self.n_gen_tokens,
+            "n_acc_tokens": self.n_acc_tokens,
+        }
+
+
+def _draft_sampler(ctx_dft: Context) -> CommonSampler:
+    # the draft samplers of the reference: top-k 10, then dist (perf on)
+    params = CommonParamsSampling()
+    params.no_perf = False
+    params.top_k = 10
+    params.samplers = [CommonSamplerType.TOP_K]
+    return common_sampler_init(ctx_dft.model, params)
+
+
+def _require_ctx(ctx: Any, what: str) -> Context:
+    if not isinstance(ctx, Context):
+        raise SpeculativeError(f"{what} must be a pyspec Context, got {type(ctx).__name__}")
+    return ctx
+
+
+class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_draft_simple (speculative.cpp)."""
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+        super().__init__(T.DRAFT_SIMPLE, n_seq)
+        self.params = params.draft
+
+        ctx_dft = _require_ctx(self.params.ctx_dft, "draft-simple ctx_dft")
+        ctx_tgt = _require_ctx(self.params.ctx_tgt, "draft-simple ctx_tgt")
+
+        logger.info("adding speculative implementation 'draft-simple'")
+        logger.info("- n_max=%d, n_min=%d, p_min=%f", self.params.n_max, self.params.n_min, self.params.p_min)
+
+        self.batch = Batch(ctx_dft.n_batch, 0, 1)
+
+        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+
+        vocab_cmpt = common_speculative_are_compatible(ctx_tgt.model, ctx_dft.model)
+        logger.debug("vocab_cmpt = %d", vocab_cmpt)
+
+        if not vocab_cmpt:
+            logger.error("the target and draft vocabs are not compatible")
+            self.close()
+            raise SpeculativeError("draft model vocab type must match target model to use speculation")
+
+        if n_seq != ctx_dft.n_seq_max:
+            logger.error("n_seq mismatch: %d != %d", n_seq, ctx_dft.n_seq_max)
+            self.close()
+            raise SpeculativeError("the draft model number of sequences is incompatible with the speculative n_seq")
+
+    def close(self) -> None:
+        for s in self.smpls:
+            s.close()
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        pass  # noop
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        ctx_dft = self.params.ctx_dft
+
+        ret = ctx_dft.decode_rc(batch)
+
+        if ret != 0:
+            logger.error("failed to decode draft batch, ret = %d", ret)
+
+            return False
+
+        return True
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        ctx_dft = self.params.ctx_dft
+        batch = self.batch
+
+        common_batch_clear(batch)
+
+        # keep track of which sequences are still drafting
+        n_drafting = 0
+        drafting = [False] * self.n_seq
+
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+
+            if not dp.drafting:
+                continue
+
+            n_drafting += 1
+            drafting[seq_id] = True
+            common_sampler_reset(self.smpls[seq_id])
+
+            common_batch_add(batch, dp.id_last, dp.n_past, seq_id, True)
+
+        ret = ctx_dft.decode_rc(batch)
+        if ret != 0:
+            logger.warning("llama_decode returned %d", ret)
+            return
+
+        i = 0
+
+        while n_drafting > 0:
+            i_batch = 0
+
+            common_batch_clear(batch)
+
+            for seq_id in range(self.n_seq):
+                if not drafting[seq_id]:
+                    continue
+
+                smpl = self.smpls[seq_id]
+
+                common_sampler_sample(smpl, ctx_dft, i_batch, True)
+                i_batch += 1
+
+                cur_p = common_sampler_get_candidates(smpl, True)
+
+                # add drafted token for each sequence
+                id = int(cur_p.data[0].id)
+
+                # only collect very high-confidence draft tokens
+                if cur_p.data[0].p < self.params.p_min:
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+
+                    continue
+
+                common_sampler_accept(smpl, id, True)
+
+                dp = dparams[seq_id]
+                result = dp.result
+
+                result.append(id)
+
+                if self.params.n_max <= len(result) or (dp.n_max > 0 and dp.n_max <= len(result)):
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+                    continue
+
+                common_batch_add(batch, id, dp.n_past + i + 1, seq_id, True)
+
+            if batch.n_tokens == 0:
+                break
+
+            # evaluate the drafted tokens on the draft model
+            ret = ctx_dft.decode_rc(batch)
+            if ret != 0:
+                logger.warning("llama_decode[%d] returned %d", i, ret)
+                break
+
+            i += 1
+
+        for dp in dparams:
+            if not dp.drafting:
+                continue
+
+            if len(dp.result) < self.params.n_min:
+                dp.result.clear()
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        pass  # noop
+
+    def need_embd(self) -> bool:
+        return False
+
+
+class _EmbdBatch:
+    """An embeddings-only llama_batch over rows of a numpy array (the C++ brace-initialised enc_batch)."""
+
+    def __init__(self) -> None:
+        self.c = ffi.new("llama_batch *")
+        self._keep: Any = None
+
+    def set(self, rows: np.ndarray) -> _EmbdBatch:
+        self._keep = ffi.from_buffer(rows)
+        self.c.n_tokens = rows.shape[0]
+        self.c.token = ffi.NULL
+        self.c.embd = ffi.cast("float *", self._keep)
+        self.c.pos = ffi.NULL
+        self.c.n_seq_id = ffi.NULL
+        self.c.seq_id = ffi.NULL
+        self.c.logits = ffi.NULL
+        self.n_tokens = rows.shape[0]
+        return self
+
+
+# EAGLE3 speculative decoding state
+#
+# Input of the draft decoder (this differs from MTP):
+#   at "pos P" the decoder takes the pair (t_{P+1}, g_P), with RoPE at P, where
+#     - t_{P+1} is the token at sequence position P+1 (the *next* token after P)
+#     - g_P is the encoder output: a projection of the target's extracted hidden states at P
+#
+# Deferred boundary (MTP does not have it):
+#   a process() call over n_tokens can only write decoder KV for positions 0..n_tokens-2:
+#   the last position needs t_{n_tokens}, which lies outside the batch (the token the
+#   target samples next, or the first token of the next ubatch). So the last position of
+#   each process() call is *deferred* to whichever later call has that token:
+#     - multi-ubatch prefill: the next process()'s first token completes the pair
+#       (the per-seq "cross-ubatch bridge")
+#     - single-ubatch prefill / after verify: draft()'s seed step completes it with
+#       dp.id_last (the target's freshest sample)
+#
+# Per-seq carry-over state:
+#   pending_g_last [n_embd_dec], pending_pos_last: the deferred boundary's (g, pos), set by
+#       process() at the end of a ubatch (= its last row), rebased by accept() to the first
+#       non-accepted position;
+#   verify_g [N x n_embd_dec], verify_pos_first, verify_g_rows: a snapshot of process()'s
+#       encoder output that accept() uses to find the right pending_g_last row for any n_accepted.
+#
+# As in the reference, process() runs encoder and decoder on the *full* verify batch,
+# including the rows of rejected drafts, whose KV is then dropped.
+class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_draft_eagle3 (speculative.cpp)."""
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+        super().__init__(T.DRAFT_EAGLE3, n_seq)
+        self.params = params.draft
+        logger.info("adding speculative implementation 'draft-eagle3'")
+        logger.info("- n_max=%d, n_min=%d, p_min=%f", params.draft.n_max, params.draft.n_min, params.draft.p_min)
+
+        ctx_tgt = self.params.ctx_tgt
+        ctx_dft = self.params.ctx_dft
+        if ctx_tgt is None or ctx_dft is None:
+            raise SpeculativeError("EAGLE3 requires ctx_tgt and ctx_dft to be set")
+        _require_ctx(ctx_tgt, "EAGLE3 ctx_tgt")
+        _require_ctx(ctx_dft, "EAGLE3 ctx_dft")
+
+        model_dft = ctx_dft.model
+        model_tgt = ctx_tgt.model
+
+        self.target_layer_ids = model_dft.target_layer_ids()
+        self.target_layer_ids_n = len(self.target_layer_ids)
+        if self.target_layer_ids_n != 3:
+            raise SpeculativeError(
+                f"draft model is not eagle3 (expected 3 extract layers, got {self.target_layer_ids_n})")
+        for lid in self.target_layer_ids:
+            if not 0 <= lid < model_tgt.n_layer:
+                raise SpeculativeError(f"EAGLE3 extract layer {lid} is not a layer of the target model")
+
+        self.n_embd_tgt = model_tgt.n_embd                                  # target model hidden size
+        self.n_embd_dec = model_dft.n_embd                                  # draft hidden size
+        self.n_embd_enc = self.target_layer_ids_n * self.n_embd_tgt         # target_layer_ids_n * target_hidden_size
+
+        n_b = ctx_dft.n_batch
+        # llama_batch_init allocates one of token/embd; the eagle3 decoder needs both
+        self.batch = Batch(n_b, self.n_embd_dec, 1, tokens=True)
+
+        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+
+        # turn on extraction of the target layers' input embeddings
+        for k in range(self.target_layer_ids_n):
+            ctx_tgt.set_embeddings_layer_inp(int(self.target_layer_ids[k]), True)
+
+        # turn on extraction of the draft model's pre-norm hidden state
+        # (used both for the encoder output g_embd and the decoder pre-norm output).
+        ctx_dft.set_embeddings_nextn(True, True)
+
+        # [per-seq] deferred boundary state
+        self.pending_g_last = np.zeros((n_seq, self.n_embd_dec), dtype=np.float32)
+        self.pending_pos_last = [-1] * n_seq
+
+        # [per-seq] snapshot of the most recent process()'s encoder output
+        self.verify_g: list[np.ndarray] = [np.zeros((0, self.n_embd_dec), dtype=np.float32) for _ in range(n_seq)]
+        self.verify_pos_first = [-1] * n_seq
+        self.verify_g_rows = [0] * n_seq
+
+        # scratch buffers for the concatenated target features [n_tokens, n_embd_enc] and g_embd
+        self.features_buf = np.zeros((0, self.n_embd_enc), dtype=np.float32)
+        self.g_embd_buf = np.zeros((0, self.n_embd_dec), dtype=np.float32)
+        self._enc_batch = _EmbdBatch()
+
+    def close(self) -> None:
+        for s in self.smpls:
+            s.close()
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        N = len(prompt)
+        if N <= 0:
+            return
+        # expected state after prefill: ctx_dft has pos 0..N-2 (the last position is deferred
+        # to draft()'s seed step). Warn only if more than one position is missing.
+        ctx_dft = self.params.ctx_dft
+        pos_max = ctx_dft.memory.seq_pos_max(seq_id)
+        if pos_max < N - 2:
+            logger.warning("ctx_dft pos_max=%d < N-2=%d - process() did not run on every prefill ubatch. "
+                           "Drafts may degrade.", pos_max, N - 2)
+
+    def process(self, batch_in: Batch | BatchView) -> bool:
+        if batch_in.n_tokens <= 0:
+            return True
+
+        if batch_in.token is None or batch_in.embd is not None:
+            return True
+
+        n_tokens = batch_in.n_tokens
+        n_seq = self.n_seq
+
+        # i_batch_beg[seq] / i_batch_end[seq]: inclusive batch indices of this seq's first/last
+        # token in batch_in. Assumes per-seq tokens are contiguous within the ubatch (the
+        # server's default ordering).
+        if int(batch_in.n_seq_id[:n_tokens].max()) != 1 or int(batch_in.n_seq_id[:n_tokens].min()) != 1:
+            raise SpeculativeError("GGML_ASSERT(batch_in.n_seq_id[k] == 1) failed")
+        seqs = batch_in.seq_id[:n_tokens, 0]
+        i_batch_beg = [-1] * n_seq
+        i_batch_end = [-1] * n_seq
+        for seq_id in range(n_seq):
+            hits = np.flatnonzero(seqs == seq_id)
+            if hits.size:
+                i_batch_beg[seq_id] = int(hits[0])
+                i_batch_end[seq_id] = int(hits[-1])
+
+        ctx_tgt = self.params.ctx_tgt
+        ctx_dft = self.params.ctx_dft
+        n_embd_tgt = self.n_embd_tgt
+        n_embd_dec = self.n_embd_dec
+
+        # Interleave each extract layer's hidden state into a contiguous buffer of shape
+        # [n_tokens, target_layer_ids_n * n_embd_tgt], then run the EAGLE3 encoder to get
+        # one g_embd row per token.
+        if self.features_buf.shape[0] < n_tokens:
+            self.features_buf = np.zeros((n_tokens, self.n_embd_enc), dtype=np.float32)
+        features_buf = self.features_buf[:n_tokens]
+
+        for k in range(self.target_layer_ids_n):
+            lid = int(self.target_layer_ids[k])
+            try:
+                layer = ctx_tgt.get_embeddings_layer_inp(lid, n_tokens)
+            except IndexError:
+                raise SpeculativeError(f"EAGLE3: target layer {lid} input not extracted.") from None
+            features_buf[:, k * n_embd_tgt : (k + 1) * n_embd_tgt] = layer
+
+        if self.g_embd_buf.shape[0] < n_tokens:
+            self.g_embd_buf = np.zeros((n_tokens, n_embd_dec), dtype=np.float32)
+        g_embd_buf = self.g_embd_buf[:n_tokens]
+
+        # llama_encode() requires the full encoder batch to fit in n_ubatch; the eagle3
+        # per-token encoder can be chunked safely, which allows batch > ubatch.
+        n_ubatch_dft = ctx_dft.n_ubatch
+        for i in range(0, n_tokens, n_ubatch_dft):
+            n_chunk = min(n_ubatch_dft, n_tokens - i)
+
+            enc_batch = self._enc_batch.set(features_buf[i : i + n_chunk])
+            rc = ctx_dft.encode_rc(enc_batch)
+            if rc != 0:
+                logger.error("llama_encode(ctx_dft) failed rc=%d (n_tokens=%d, offset=%d)", rc, n_chunk, i)
+                return False
+
+            # g_embd has shape [n_chunk, n_embd_dec] in ctx_dft's pre-norm embeddings buffer.
+            try:
+                g_embd_chunk = ctx_dft.get_embeddings_nextn(n_chunk)
+            except IndexError:
+                raise SpeculativeError("EAGLE3 encoder produced no output.") from None
+            g_embd_buf[i : i + n_chunk] = g_embd_chunk
+
+        g_embd = g_embd_buf
+
+        # EAGLE3 decoder input convention: at memory pos P the input pair is
+        # (token[P+1], g_embd[P]), which shifts the token index "left by one" relative to g_embd.
+        #
+        # Per seq, in order:
+        #   (a) cross-ubatch bridge: when applicable, write the previously deferred pos
+        #       using this ubatch's first token + pending_g_last.
+        #   (b) main write loop: for k in [beg, end-1], write (token[k+1], g_embd[k]) at pos[k].
+        #       The last position (k=end) stays unwritten: the new deferred boundary, completed
+        #       by the next process() or draft() call.
+        #   (c) refresh the deferred state: stash this ubatch's g_embd rows into verify_g and
+        #       set pending_g_last / pending_pos_last to the last row.
+        batch = self.batch
+        common_batch_clear(batch)
+
+        for seq_id in range(n_seq):
+            beg = i_batch_beg[seq_id]
+            end = i_batch_end[seq_id]
+            if beg < 0 or end < 0:
+                continue
+
+            # cross-ubatch bridge: complete the prior ubatch's deferred boundary.
+            # Fires iff all three preconditions hold:
+            #   1) pending_pos_last >= 0
+            #   2) pending_pos_last + 1 == pos[beg]
+            #   3) pending_pos_last > dft_pos_max (the reference asks itself whether this is needed)
+            pending_pos = self.pending_pos_last[seq_id]
+            if pending_pos >= 0 and pending_pos + 1 == int(batch_in.pos[beg]):
+                dft_pos_max = ctx_dft.memory.seq_pos_max(seq_id)
+                if pending_pos > dft_pos_max:
+                    batch.add(int(batch_in.token[beg]), pending_pos, seq_id, False, self.pending_g_last[seq_id])
+
+            # for k in [beg, end): (token[k+1], pos[k], g_embd[k])
+            batch.add_rows(batch_in.token[beg + 1 : end + 1], batch_in.pos[beg:end], seq_id, False, g_embd[beg:end])
+
+            # refresh deferred state
+            n_rows = end - beg + 1
+            self.verify_pos_first[seq_id] = int(batch_in.pos[beg])
+            self.pending_pos_last[seq_id] = int(batch_in.pos[end])
+            self.verify_g_rows[seq_id] = n_rows
+            self.verify_g[seq_id] = g_embd[beg : end + 1].copy()
+            self.pending_g_last[seq_id] = g_embd[end]
+
+        if batch.n_tokens > 0:
+            rc = ctx_dft.decode_rc(batch)
+            if rc != 0:
+                logger.error("llama_decode(ctx_dft) failed rc=%d (n_tokens=%d, ubatch_pos[0]=%d)",
+                             rc, batch.n_tokens, int(batch_in.pos[0]))
+                return False
+
+        return True
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        ctx_dft = self.params.ctx_dft
+        batch = self.batch
+
+        common_batch_clear(batch)
+
+        # keep track of which sequences are still drafting
+        n_drafting = 0
+        drafting = [False] * self.n_seq
+
+        # Complete the deferred boundary pair (dp.id_last, pending_g_last) at memory pos
+        # pending_pos_last. dp.id_last is the target's freshest sample (the corrected token
+        # after verify, or the first generated token after prefill), matching the EAGLE3
+        # input convention (token[P+1], g_embd[P]) at pos P.
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+
+            if not dp.drafting:
+                continue
+            if self.pending_pos_last[seq_id] < 0:
+                continue
+
+            n_drafting += 1
+            drafting[seq_id] = True
+            common_sampler_reset(self.smpls[seq_id])
+
+            ctx_dft.memory.seq_rm(seq_id, self.pending_pos_last[seq_id], -1)
+
+            batch.add(dp.id_last, self.pending_pos_last[seq_id], seq_id, True, self.pending_g_last[seq_id])
+
+        if batch.n_tokens == 0:
+            return
+
+        ret = ctx_dft.decode_rc(batch)
+        if ret != 0:
+            logger.warning("llama_decode returned %d", ret)
+            return
+
+        i = 0
+
+        while n_drafting > 0:
+            i_batch = 0
+
+            common_batch_clear(batch)
+
+            for seq_id in range(self.n_seq):
+                if not drafting[seq_id]:
+                    continue
+
+                smpl = self.smpls[seq_id]
+
+                common_sampler_sample(smpl, ctx_dft, i_batch, True)
+                # the pre-norm hidden state of this position becomes g_embd for the next step
+                prenorm = ctx_dft.get_embeddings_nextn_ith(i_batch)
+                i_batch += 1
+
+                cur_p = common_sampler_get_candidates(smpl, True)
+
+                id = int(cur_p.data[0].id)
+
+                # only collect very high-confidence draft tokens
+                # (configurable via --spec-draft-p-min, set to 0.0 to disable early-stop)
+                if cur_p.data[0].p < self.params.p_min:
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+
+                    continue
+
+                common_sampler_accept(smpl, id, True)
+
+                dp = dparams[seq_id]
+                result = dp.result
+
+                result.append(id)
+
+                if self.params.n_max <= len(result):
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+                    continue
+
+                batch.add(id, self.pending_pos_last[seq_id] + (i + 1), seq_id, True, prenorm)
+
+            if batch.n_tokens == 0:
+                break
+
+            ret = ctx_dft.decode_rc(batch)
+            if ret != 0:
+                logger.warning("llama_decode[%d] returned %d", i, ret)
+                break
+
+            i += 1
+
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            if len(dp.result) < self.params.n_min:
+                dp.result.clear()
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        if seq_id < 0 or seq_id >= self.n_seq:
+            return
+
+        n_rows = self.verify_g_rows[seq_id]
+        if n_rows <= 0:
+            return
+
+        i_g = min(n_accepted, n_rows - 1)
+        self.pending_pos_last[seq_id] = self.verify_pos_first[seq_id] + i_g
+        self.pending_g_last[seq_id] = self.verify_g[seq_id][i_g]
+
+    def need_embd(self) -> bool:
+        return False
+
+
+class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_draft_mtp (speculative.cpp).
+
+    Per-sequence cross-batch carry-over: the pair (h_p, x_{p+1}) sits at MTP pos
+    p+1, so the last h-row of one process() call needs the first token of the
+    NEXT call to pair with; it is stashed in ``pending_h`` until then.
+    ``verify_h`` keeps the hidden rows of the most recent target verification
+    batch per sequence: row 0 is the sampled token, row N the Nth accepted draft.
+    ``last_n_drafted`` is the draft length of the last draft() call per sequence
+    (the reference keeps it to roll back ctx_dft's recurrent state past the
+    autoregressive draft's pre-advancement).
+    """
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+        super().__init__(T.DRAFT_MTP, n_seq)
+        self.params = params.draft  # reuses the draft-model params slot (ctx_tgt/ctx_dft)
+
+        ctx_tgt = self.params.ctx_tgt
+        ctx_dft = self.params.ctx_dft
+        if ctx_tgt is None or ctx_dft is None:
+            raise SpeculativeError("MTP requires ctx_tgt and ctx_dft to be set")
+        _require_ctx(ctx_tgt, "MTP ctx_tgt")
+        _require_ctx(ctx_dft, "MTP ctx_dft")
+
+        self.n_embd = ctx_dft.model.n_embd_out
+        if self.n_embd != ctx_tgt.model.n_embd:
+            raise SpeculativeError("MTP input row width must match the target h_nextn width")
+
+        logger.info("adding speculative implementation 'draft-mtp'")
+        logger.info("- n_max=%d, n_min=%d, p_min=%.2f, n_embd=%d, backend_sampling=%d",
+                    self.params.n_max, self.params.n_min, self.params.p_min, self.n_embd, int(self.params.backend_sampling))
+
+        n_b = ctx_dft.n_batch
+        # llama_batch_init allocates one of token/embd; MTP needs both
+        self.batch = Batch(n_b, self.n_embd, 1, tokens=True)
+
+        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+
+        # offload draft sampling to the backend: one sampler chain per seq, attached to ctx_dft
+        self.backend_chains: list[SamplerChain | None] = [None] * n_seq
+        if self.params.backend_sampling:
+            for seq_id in range(n_seq):
+                chain: SamplerChain | None = SamplerChain(no_perf=True)
+                chain.add_top_k(10)
+
+                if not ctx_dft.set_sampler(seq_id, chain):
+                    logger.warning("backend offload failed for seq_id=%d; using CPU sampler", seq_id)
+                    chain.close()
+                    chain = None
+                self.backend_chains[seq_id] = chain
+
+        ctx_tgt.set_embeddings_nextn(True, False)
+        ctx_dft.set_embeddings_nextn(True, True)
+
+        other = ctx_dft.get_ctx_other_ptr()
+        self.is_mem_shared = other != ffi.NULL and other == ctx_tgt.ptr
+
+        self.pending_h = np.zeros((n_seq, self.n_embd), dtype=np.float32)
+
+        self.i_batch_beg = [-1] * n_seq
+        self.i_batch_end = [-1] * n_seq
+
+        self.verify_h: list[np.ndarray] = [np.zeros((0, self.n_embd), dtype=np.float32) for _ in range(n_seq)]
+        self.verify_h_rows = [0] * n_seq
+
+        self.last_n_drafted = [0] * n_seq
+
+    def close(self) -> None:
+        ctx_dft = self.params.ctx_dft
+        for seq_id, chain in enumerate(self.backend_chains):
+            if chain is None:
+                continue
+            if ctx_dft is not None and not ctx_dft.closed:
+                ctx_dft.set_sampler(seq_id, None)
+            chain.close()
+        self.backend_chains = []
+        for s in self.smpls:
+            s.close()
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        N = len(prompt)
+        if N <= 0:
+            return
+
+        ctx_dft = self.params.ctx_dft
+        pos_max = ctx_dft.memory.seq_pos_max(seq_id)
+
+        if pos_max < N - 1 and not self.is_mem_shared:
+            logger.warning("ctx_dft pos_max=%d < N-1=%d - process() hook may not have run on every prefill ubatch "
+                           "(need_embd / logits=1 on every prompt position?). Drafts may degrade.", pos_max, N - 1)
+
+    def process(self, batch_in: Batch | BatchView) -> bool:
+        if batch_in.n_tokens <= 0:
+            return True
+
+        # vision tokens are not handled (as in the reference)
+        if batch_in.token is None or batch_in.embd is not None:
+            return True
+
+        n_tokens = batch_in.n_tokens
+        n_seq = self.n_seq
+
+        # remember the first and last batch index for each sequence
+        if int(batch_in.n_seq_id[:n_tokens].max()) != 1 or int(batch_in.n_seq_id[:n_tokens].min()) != 1:
+            raise SpeculativeError("GGML_ASSERT(batch_in.n_seq_id[k] == 1) failed")
+        seqs = batch_in.seq_id[:n_tokens, 0]
+        for seq_id in range(n_seq):
+            hits = np.flatnonzero(seqs == seq_id)
+            self.i_batch_beg[seq_id] = int(hits[0]) if hits.size else -1
+            self.i_batch_end[seq_id] = int(hits[-1]) if hits.size else -1
+
+        ctx_tgt = self.params.ctx_tgt
+        ctx_dft = self.params.ctx_dft
+
+        # if the KV is shared with the target (e.g. Gemma4), this catch-up decode is skipped
+        if not self.is_mem_shared:
+            batch = self.batch
+            common_batch_clear(batch)
+
+            if n_tokens > batch.n_tokens_max:
+                raise SpeculativeError(f"llama_batch size exceeded ({n_tokens} > {batch.n_tokens_max})")
+            batch.token[:n_tokens] = batch_in.token[:n_tokens]
+            batch.pos[:n_tokens] = batch_in.pos[:n_tokens]
+            batch.n_seq_id[:n_tokens] = 1
+            batch.seq_id[:n_tokens, 0] = seqs
+            batch.logits[:n_tokens] = 0
+            batch.n_tokens = n_tokens
+
+            # shift the tgt embeddings to the right by one position; assumes the tokens of each
+            # sequence are contiguous in the batch (not [0, 0, 0, 1, 1, 0, 1, 1])
+            h_tgt = ctx_tgt.get_embeddings_nextn(n_tokens)
+            batch.embd[1:n_tokens] = h_tgt[: n_tokens - 1]
+
+            # fill the pending embeddings from a previous run
+            for seq_id in range(n_seq):
+                if self.i_batch_beg[seq_id] < 0:
+                    continue
+
+                batch.embd[self.i_batch_beg[seq_id]] = self.pending_h[seq_id]
+
+            rc = ctx_dft.decode_rc(batch)
+            if rc != 0:
+                logger.error("llama_decode(ctx_dft) failed rc=%d (pos=%d)", rc, int(batch_in.pos[0]))
+                return False
+
+        for seq_id in range(n_seq):
+            if self.i_batch_end[seq_id] < 0:
+                continue
+
+            beg = self.i_batch_beg[seq_id]
+            n_rows = self.i_batch_end[seq_id] - beg + 1
+            self.verify_h_rows[seq_id] = n_rows
+            verify = np.empty((n_rows, self.n_embd), dtype=np.float32)
+
+            for i in range(n_rows):
+                verify[i] = ctx_tgt.get_embeddings_nextn_ith(beg + i)
+            self.verify_h[seq_id] = verify
+
+            self.pending_h[seq_id] = verify[n_rows - 1]
+
+        return True
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        ctx_dft = self.params.ctx_dft
+        batch = self.batch
+
+        common_batch_clear(batch)
+
+        # keep track of which sequences are still drafting
+        n_drafting = 0
+        drafting = [False] * self.n_seq
+
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+
+            if not dp.drafting:
+                continue
+
+            n_drafting += 1
+            drafting[seq_id] = True
+            common_sampler_reset(self.smpls[seq_id])
+
+            batch.add(dp.id_last, dp.n_past, seq_id, True, self.pending_h[seq_id])
+
+        ret = ctx_dft.decode_rc(batch)
+        if ret != 0:
+            logger.warning("llama_decode returned %d", ret)
+            return
+
+        i = 0
+
+        while n_drafting > 0:
+            i_batch = 0
+
+            common_batch_clear(batch)
+
+            for seq_id in range(self.n_seq):
+                if not drafting[seq_id]:
+                    continue
+
+                smpl = self.smpls[seq_id]
+
+                common_sampler_sample(smpl, ctx_dft, i_batch, True)
+                h_row = ctx_dft.get_embeddings_nextn_ith(i_batch)
+                i_batch += 1
+
+                cur_p = common_sampler_get_candidates(smpl, True)
+
+                # add drafted token for each sequence
+                id = int(cur_p.data[0].id)
+
+                # only collect very high-confidence draft tokens
+                if cur_p.data[0].p < self.params.p_min:
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+
+                    continue
+
+                common_sampler_accept(smpl, id, True)
+
+                dp = dparams[seq_id]
+                result = dp.result
+
+                result.append(id)
+
+                if self.params.n_max <= len(result):
+                    drafting[seq_id] = False
+                    n_drafting -= 1
+                    continue
+
+                if self.is_mem_shared:
+                    # with shared memory (e.g. Gemma4 assistants) all draft tokens use the same position
+                    batch.add(id, dp.n_past, seq_id, True, h_row)
+                else:
+                    batch.add(id, dp.n_past + i + 1, seq_id, True, h_row)
+
+            if batch.n_tokens == 0:
+                break
+
+            # evaluate the drafted tokens on the draft model
+            ret = ctx_dft.decode_rc(batch)
+            if ret != 0:
+                logger.warning("llama_decode[%d] returned %d", i, ret)
+                break
+
+            i += 1
+
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            if len(dp.result) < self.params.n_min:
+                dp.result.clear()
+
+            self.last_n_drafted[seq_id] = len(dp.result) & 0xFFFF
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        if seq_id < 0 or seq_id >= self.n_seq:
+            return
+
+        n_rows = self.verify_h_rows[seq_id]
+        if n_rows <= 0:
+            return
+
+        i_h = min(n_accepted, n_rows - 1)
+        self.pending_h[seq_id] = self.verify_h[seq_id][i_h]
+
+    def need_embd(self) -> bool:
+        return False
+
+    def need_embd_nextn(self) -> bool:
+        return True
+
+
+class CommonSpeculativeImplNgramSimple(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_ngram_simple (speculative.cpp): self-speculation, not ngram-map."""
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int, config: CommonNgramSimpleConfig) -> None:
+        super().__init__(T.NGRAM_SIMPLE, n_seq)
+        self.params = params.ngram_simple
+
+        # shared across all sequences
+        self.config = config
+
+        logger.info("adding speculative implementation 'ngram-simple'")
+        logger.info("- size_n=%d, size_m=%d, min_hits=%d", self.params.size_n, self.params.size_m, self.params.min_hits)
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        pass  # noop
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        return True  # the reference has a TODO here
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            dp.result[:] = common_ngram_simple_draft(self.config, dp.prompt, dp.id_last)
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        pass  # noop
+
+    def need_embd(self) -> bool:
+        return False
+
+
+class CommonSpeculativeImplNgramMapK(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_ngram_map_k (speculative.cpp): ngram-map-k and ngram-map-k4v."""
+
+    def __init__(self, config: CommonNgramMap, n_seq: int) -> None:
+        super().__init__(T.NGRAM_MAP_K if config.key_only else T.NGRAM_MAP_K4V, n_seq)
+        # n_seq configs, each a copy
+        self.config = [copy.deepcopy(config) for _ in range(n_seq)]
+
+        logger.info("adding speculative implementation '%s'", common_speculative_type_to_str(self.type))
+        logger.info("- size_key=%d, size_value=%d, key_only=%d, min_hits=%d",
+                    config.size_key, config.size_value, config.key_only, config.min_hits)
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        if not 0 <= seq_id < self.n_seq:
+            raise SpeculativeError(f"GGML_ASSERT(seq_id < n_seq) failed: seq_id {seq_id}, n_seq {self.n_seq}")
+
+        common_ngram_map_begin(self.config[seq_id], prompt)
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        return True  # the reference has a TODO here
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            common_ngram_map_draft(self.config[seq_id], dp.prompt, dp.id_last, dp.result)
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        if not 0 <= seq_id < len(self.config):
+            raise SpeculativeError(f"GGML_ASSERT(seq_id < config.size()) failed: seq_id {seq_id}")
+
+        if is_other:
+            return
+
+        common_ngram_map_accept(self.config[seq_id], n_accepted)
+
+    def need_embd(self) -> bool:
+        return False
+
+
+@dataclass
+class _NgramModSeqInfo:
+    """Mirrors common_speculative_impl_ngram_mod::seq_info (speculative.cpp)."""
+
+    i_last: int = 0        # the last position in the prompt that was added to the ngram container
+    n_draft_last: int = 0  # length of the last drafted n-gram (number of tokens returned by draft)
+    n_low: int = 0         # consecutive accept rounds with low acceptance fraction (< 0.5)
+
+
+class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_ngram_mod (speculative.cpp)."""
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+        super().__init__(T.NGRAM_MOD, n_seq)
+        self.params = params.ngram_mod
+        if self.params.n_match <= 0:
+            raise SpeculativeError(f"ngram_mod n_match must be positive, got {self.params.n_match}")
+        # shared across all sequences
+        self.mod = CommonNgramMod(params.ngram_mod.n_match, 4 * 1024 * 1024)
+        # enable trace logging if LLAMA_TRACE is set
+        self.verbose = os.environ.get("LLAMA_TRACE") is not None
+
+        logger.info("adding speculative implementation 'ngram-mod'")
+        logger.info("- n_match=%d, n_max=%d, n_min=%d", self.params.n_match, self.params.n_max, self.params.n_min)
+        logger.info("- mod size=%d (%.3f MB)", self.mod.size(), self.mod.size_bytes() / 1024 / 1024)
+
+        if self.params.n_match < 16:
+            logger.warning("ngram_mod n_match=%d is too small - poor quality is possible, "
+                           "see: https://github.com/ggml-org/llama.cpp/pull/19164", self.params.n_match)
+
+        self.sinfos = [_NgramModSeqInfo() for _ in range(n_seq)]
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        sinfo = self.sinfos[seq_id]
+
+        sinfo.i_last = 0
+        sinfo.n_draft_last = 0
+
+        mod = self.mod
+        n = mod.get_n()
+        if len(prompt) < n:
+            return
+
+        mod.add_all(prompt, 0, len(prompt) - n)
+
+        sinfo.i_last = len(prompt) - n
+
+        f = mod.get_used() / mod.size()
+        logger.info("ngram_mod occupancy = %d/%d (%.2f)", mod.get_used(), mod.size(), f)
+
+        f_thold = 0.25
+        if f > f_thold:
+            logger.warning("ngram_mod occupancy %.2f exceeds threshold (%.2f) - resetting", f, f_thold)
+
+            mod.reset()
+
+    def draft_one(self, seq_id: int, dparams: CommonSpeculativeDraftParams) -> None:
+        sinfo = self.sinfos[seq_id]
+        result = dparams.result
+        mod = self.mod
+
+        prompt = dparams.prompt
+
+        sinfo.n_draft_last = 0
+
+        cur_len = len(prompt)
+        if cur_len < mod.get_n():
+            return
+
+        n = mod.get_n()
+
+        # add new ngrams in chunks
+        if sinfo.i_last + 32 < cur_len:
+            mod.add_all(prompt, sinfo.i_last, cur_len - n)
+
+            sinfo.i_last = cur_len - n
+
+        # result = [last n-1 prompt tokens, id_last, drafted...]
+        buf = np.zeros(n + max(self.params.n_max, 0), dtype=np.int32)
+        buf[: n - 1] = np.asarray(prompt[cur_len - n + 1 : cur_len], dtype=np.int32)
+        buf[n - 1] = dparams.id_last
+        size = n + max(self.params.n_max, 0)
+
+        for i in range(self.params.n_max):
+            token = mod.get(buf, i)
+            if token == CommonNgramMod.EMPTY:
+                if i < self.params.n_min:
+                    result.clear()
+                    return
+
+                size = n + i
+                break
+            buf[n + i] = token
+
+        # only return the m tokens that were drafted
+        result[:] = buf[n:size].tolist()
+
+        # store length of drafted n-gram for later acceptance analysis
+        sinfo.n_draft_last = len(result)
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        return True  # the reference has a TODO here
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            self.draft_one(seq_id, dp)
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        if is_other:
+            return
+
+        sinfo = self.sinfos[seq_id]
+
+        # compute acceptance fraction if we have a recorded draft length
+        if sinfo.n_draft_last > 0:
+            f_acc = n_accepted / sinfo.n_draft_last
+            if f_acc < 0.25:
+                sinfo.n_low += 1
+                if sinfo.n_low >= 5:
+                    if self.verbose:
+                        logger.warning("low acceptance streak (%d) - resetting ngram_mod", sinfo.n_low)
+
+                    self.mod.reset()
+                    sinfo.n_low = 0
+                    sinfo.i_last = 0
+            else:
+                sinfo.n_low = 0
+
+    def need_embd(self) -> bool:
+        return False
+
+
+@dataclass
+class _NgramCacheSeqInfo:
+    """Mirrors common_speculative_impl_ngram_cache::seq_info (speculative.cpp)."""
+
+    cache_size: int = 0  # number of tokens in n-gram cache
+
+    ngram_cache_context: dict = field(default_factory=dict)
+    ngram_cache_dynamic: dict = field(default_factory=dict)
+    ngram_cache_static: dict = field(default_factory=dict)
+
+
+class CommonSpeculativeImplNgramCache(CommonSpeculativeImpl):
+    """Mirrors struct common_speculative_impl_ngram_cache (speculative.cpp)."""
+
+    def __init__(
+        self,
+        params: CommonParamsSpeculative,
+        n_seq: int,
+        n_draft: int,
+        path_static: str,
+        path_dynamic: str,
+        save_dynamic: bool,
+        save_static: bool,
+    ) -> None:
+        super().__init__(T.NGRAM_CACHE, n_seq)
+        self.params = params.ngram_cache
+        self.n_draft = n_draft
+        self.save_dynamic = save_dynamic
+        self.save_static = save_static
+
+        logger.info("adding speculative implementation 'ngram-cache'")
+        logger.info("- n_draft=%d, cache_static=%s, cache_dynamic=%s",
+                    n_draft, path_static or "none", path_dynamic or "none")
+
+        self.sinfos = [_NgramCacheSeqInfo() for _ in range(n_seq)]
+
+        if path_static:
+            try:
+                ngram_cache_static = common_ngram_cache_load(path_static)
+            except Exception as e:
+                logger.error("failed to open static lookup cache: %s", path_static)
+                raise SpeculativeError(f"Couldn't read static lookup cache: {path_static}") from e
+            for sinfo in self.sinfos:
+                sinfo.ngram_cache_static = copy.deepcopy(ngram_cache_static)
+
+        if path_dynamic:
+            try:
+                ngram_cache_dynamic = common_ngram_cache_load(path_dynamic)
+            except Exception as e:
+                logger.error("failed to open dynamic lookup cache: %s", path_dynamic)
+                raise SpeculativeError(f"Couldn't read dynamic lookup cache: {path_dynamic}") from e
+            for sinfo in self.sinfos:
+                sinfo.ngram_cache_dynamic = copy.deepcopy(ngram_cache_dynamic)
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        pass  # noop
+
+    def draft_one(self, seq_id: int, dparams: CommonSpeculativeDraftParams) -> None:
+        sinfo = self.sinfos[seq_id]
+        result = dparams.result
+
+        prompt = dparams.prompt
+
+        if sinfo.cache_size < len(prompt) + 1:
+            tokens_new = list(prompt[sinfo.cache_size :])
+            tokens_new.append(dparams.id_last)  # add the last token
+
+            # update the context ngram cache with the new dparams.prompt
+            common_ngram_cache_update(
+                sinfo.ngram_cache_context, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, tokens_new, len(tokens_new), False)
+            sinfo.cache_size = len(prompt) + 1
+
+        inp = list(prompt)
+        inp.append(dparams.id_last)
+
+        result.append(dparams.id_last)
+
+        common_ngram_cache_draft(
+            inp, result, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX,
+            sinfo.ngram_cache_context, sinfo.ngram_cache_dynamic, sinfo.ngram_cache_static)
+
+        if len(result) > 0:
+            # delete the first token in result (which is the id_last token)
+            del result[0]
+
+    def process(self, batch: Batch | BatchView) -> bool:
+        return True  # the reference has a TODO here
+
+    def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        for seq_id in range(self.n_seq):
+            dp = dparams[seq_id]
+            if not dp.drafting:
+                continue
+
+            self.draft_one(seq_id, dp)
+
+    def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
+        pass  # noop
+
+    def need_embd(self) -> bool:
+        return False
+
+
+class CommonSpeculative:
+    """Mirrors struct common_speculative (speculative.cpp). Free with close() or ``with``."""
+
+    def __init__(self, dparams: list[CommonSpeculativeDraftParams], impls: list[CommonSpeculativeImpl]) -> None:
+        self.dparams = dparams
+
+        # list of implementations to use and their states
+        self.impls = impls
+
+        # which implementation was used for a given seq_id
+        self.impl_last: list[CommonSpeculativeImpl | None] = [None] * len(dparams)
+
+    def close(self) -> None:
+        """Mirrors common_speculative_free (speculative.cpp)."""
+        for impl in self.impls:
+            impl.close()
+        self.impls = []
+
+    def __enter__(self) -> CommonSpeculative:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def get_common_ngram_map(type: T, config: Any) -> CommonNgramMap:
+    """Mirrors get_common_ngram_map (speculative.cpp)."""
+    size_key = config.size_n
+    size_value = config.size_m
+    key_only = type == T.NGRAM_MAP_K
+    min_hits = config.min_hits
+
+    return CommonNgramMap(size_key, size_value, key_only, min_hits)
+
+
+def create_state_ngram_cache(
+    config: CommonSpeculativeConfig, n_seq: int, path_static: str, path_dynamic: str,
+) -> CommonSpeculativeImplNgramCache:
+    """Mirrors create_state_ngram_cache (speculative.cpp)."""
+    n_draft = 8  # the reference has a TODO to take this from the config
+
+    # the reference has a TODO for params to set save_static / save_dynamic
+    save_static = False
+    save_dynamic = False
+
+    return CommonSpeculativeImplNgramCache(
+        config.params, n_seq, n_draft, path_static, path_dynamic, save_static, save_dynamic)
+
+
+def common_speculative_type_name_str(types: Sequence[T]) -> str:
+    """Mirrors common_speculative_type_name_str (speculative.cpp)."""
+    return ",".join(common_speculative_type_to_str(t) for t in types)
+
+
+def common_speculative_all_types_str() -> str:
+    """Mirrors common_speculative_all_types_str (speculative.cpp)."""
+    return common_speculative_type_name_str([T(i) for i in range(T.COUNT)])
+
+
+def common_speculative_type_to_str(type: int) -> str:
+    """Mirrors common_speculative_type_to_str (speculative.cpp)."""
+    for name, t in common_speculative_type_from_name_map.items():
+        if t == type:
+            return name
+    return "unknown"
+
+
+def common_speculative_types_from_names(names: Sequence[str]) -> list[T]:
+    """Mirrors common_speculative_types_from_names (speculative.cpp)."""
+    types: list[T] = []
+
+    for name in names:
+        t = common_speculative_type_from_name_map.get(name)
+        if t is not None:
+            if t == T.NONE:
+                return [T.NONE]
+            types.append(t)
+            continue
+        raise ValueError("unknown speculative type: " + name)
+
+    return types
+
+
+def common_speculative_type_from_name(name: str) -> T:
+    """Mirrors common_speculative_type_from_name (speculative.cpp): COUNT when unknown."""
+    return common_speculative_type_from_name_map.get(name, T.COUNT)
+
+
+def common_get_enabled_speculative_configs(configs: Sequence[T]) -> int:
+    """Mirrors common_get_enabled_speculative_configs (speculative.cpp)."""
+    result = 0
+    for c in configs:
+        result |= 1 << int(c)
+    return result
+
+
+def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
+    """Mirrors common_speculative_n_max (speculative.cpp)."""
+    n_max = 0
+
+    for type in spec.types:
+        if type in (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP):
+            n_max = max(n_max, max(0, spec.draft.n_max))
+        elif type == T.NGRAM_SIMPLE:
+            n_max = max(n_max, spec.ngram_simple.size_m)
+        elif type == T.NGRAM_MAP_K:
+            n_max = max(n_max, spec.ngram_map_k.size_m)
+        elif type == T.NGRAM_MAP_K4V:
+            n_max = max(n_max, spec.ngram_map_k4v.size_m)
+        elif type == T.NGRAM_MOD:
+            n_max = max(n_max, max(0, spec.ngram_mod.n_max))
+        elif type == T.NGRAM_CACHE:
+            n_max = max(n_max, 8)
+
+    return n_max
+
+
+def common_speculative_init(params: CommonParamsSpeculative, n_seq: int) -> CommonSpeculative | None:
+    """Mirrors common_speculative_init (speculative.cpp): None when no implementation is selected."""
+    if n_seq <= 0:
+        raise ValueError(f"n_seq must be positive, got {n_seq}")
+    for t in params.types:
+        if not 0 <= int(t) < T.COUNT:
+            raise ValueError(f"unknown speculative type: {t}")
+
+    # the implementations to use, in their order of preference
+    configs: list[CommonSpeculativeConfig] = []
+    enabled_configs = common_get_enabled_speculative_configs(params.types)
+
+    has_draft_simple = bool(enabled_configs & (1 << T.DRAFT_SIMPLE))
+    has_draft_eagle3 = bool(enabled_configs & (1 << T.DRAFT_EAGLE3)) and params.draft.ctx_dft is not None
+    has_mtp = bool(enabled_configs & (1 << T.DRAFT_MTP)) and params.draft.ctx_dft is not None
+
+    has_ngram_cache = bool(enabled_configs & (1 << T.NGRAM_CACHE))
+    has_ngram_simple = bool(enabled_configs & (1 << T.NGRAM_SIMPLE))
+    has_ngram_map_k = bool(enabled_configs & (1 << T.NGRAM_MAP_K))
+    has_ngram_map_k4v = bool(enabled_configs & (1 << T.NGRAM_MAP_K4V))
+    has_ngram_mod = bool(enabled_configs & (1 << T.NGRAM_MOD))
+
+    # this list defines the priority of the speculators: highest first
+    if has_ngram_simple:
+        # this implementation can guess a lot of tokens without any draft model
+        configs.append(CommonSpeculativeConfig(T.NGRAM_SIMPLE, params))
+    if has_ngram_map_k:
+        configs.append(CommonSpeculativeConfig(T.NGRAM_MAP_K, params))
+    if has_ngram_map_k4v:
+        # this implementation can guess tokens with a high acceptance rate but is more expensive
+        configs.append(CommonSpeculativeConfig(T.NGRAM_MAP_K4V, params))
+    if has_ngram_mod:
+        configs.append(CommonSpeculativeConfig(T.NGRAM_MOD, params))
+    if has_ngram_cache:
+        configs.append(CommonSpeculativeConfig(T.NGRAM_CACHE, params))
+    if has_draft_simple:
+        configs.append(CommonSpeculativeConfig(T.DRAFT_SIMPLE, params))
+    if has_draft_eagle3:
+        configs.append(CommonSpeculativeConfig(T.DRAFT_EAGLE3, params))
+    if has_mtp:
+        configs.append(CommonSpeculativeConfig(T.DRAFT_MTP, params))
+
+    impls: list[CommonSpeculativeImpl] = []
+
+    try:
+        for config in configs:
+            if config.type == T.DRAFT_SIMPLE:
+                impls.append(CommonSpeculativeImplDraftSimple(config.params, n_seq))
+            elif config.type == T.DRAFT_EAGLE3:
+                impls.append(CommonSpeculativeImplDraftEagle3(config.params, n_seq))
+            elif config.type == T.DRAFT_MTP:
+                impls.append(CommonSpeculativeImplDraftMtp(config.params, n_seq))
+            elif config.type == T.NGRAM_SIMPLE:
+                ngram_map = get_common_ngram_map(config.type, config.params.ngram_simple)
+
+                config_simple = CommonNgramSimpleConfig(
+                    size_ngram=ngram_map.size_key,
+                    size_mgram=ngram_map.size_value,
+                )
+                impls.append(CommonSpeculativeImplNgramSimple(config.params, n_seq, config_simple))
+            elif config.type == T.NGRAM_MAP_K:
+                impls.append(CommonSpeculativeImplNgramMapK(
+                    get_common_ngram_map(config.type, config.params.ngram_map_k), n_seq))
+            elif config.type == T.NGRAM_MAP_K4V:
+                impls.append(CommonSpeculativeImplNgramMapK(
+                    get_common_ngram_map(config.type, config.params.ngram_map_k4v), n_seq))
+            elif config.type == T.NGRAM_MOD:
+                impls.append(CommonSpeculativeImplNgramMod(config.params, n_seq))
+            elif config.type == T.NGRAM_CACHE:
+                impls.append(create_state_ngram_cache(
+                    config, n_seq,
+                    params.ngram_cache.lookup_cache_static,
+                    params.ngram_cache.lookup_cache_dynamic))
+    except Exception:
+        for impl in impls:
+            impl.close()
+        raise
+
+    if not impls:
+        logger.warning("no implementations specified for speculative decoding")
+        return None
+
+    return CommonSpeculative(
+        dparams=[CommonSpeculativeDraftParams() for _ in range(n_seq)],
+        impls=impls,
+    )
+
+
+def common_speculative_free(spec: CommonSpeculative | None) -> None:
+    """Mirrors common_speculative_free (speculative.cpp)."""
+    if spec is None:
+        return
+
+    spec.close()
+
+
+def common_speculative_get_draft_params(spec: CommonSpeculative, seq_id: int) -> CommonSpeculativeDraftParams:
+    """Mirrors common_speculative_get_draft_params (speculative.cpp)."""
+    if spec is None:
+        raise SpeculativeError("GGML_ASSERT(spec) failed")
+    if not 0 <= seq_id < len(spec.dparams):
+        raise SpeculativeError(f"GGML_ASSERT(seq_id < dparams.size()) failed: seq_id {seq_id}, n_seq {len(spec.dparams)}")
+
+    return spec.dparams[seq_id]
+
+
+def common_speculative_begin(spec: CommonSpeculative | None, seq_id: int, prompt: Sequence[int]) -> None:
+    """Mirrors common_speculative_begin (speculative.cpp)."""
+    if spec is None:
+        return
+    if not 0 <= seq_id < len(spec.dparams):
+        raise SpeculativeError(f"seq_id {seq_id} out of range 0..{len(spec.dparams) - 1}")
+
+    for impl in spec.impls:
+        with CommonTimeMeas(impl, "t_begin_us", not impl.gen_perf):
+            impl.begin(seq_id, prompt)
+            impl.n_call_begin += 1
+
+
+def common_speculative_process(spec: CommonSpeculative | None, batch: Batch | BatchView) -> bool:
+    """Mirrors common_speculative_process (speculative.cpp)."""
+    result = True
+
+    if spec is None:
+        return result
+
+    for impl in spec.impls:
+        result = result and impl.process(batch)
+
+    return result
+
+
+def common_speculative_need_embd(spec: CommonSpeculative | None) -> bool:
+    """Mirrors common_speculative_need_embd (speculative.cpp)."""
+    if spec is None:
+        return False
+
+    return any(impl.need_embd() for impl in spec.impls)
+
+
+def common_speculative_need_embd_nextn(spec: CommonSpeculative | None) -> bool:
+    """Mirrors common_speculative_need_embd_nextn (speculative.cpp)."""
+    if spec is None:
+        return False
+
+    return any(impl.need_embd_nextn() for impl in spec.impls)
+
+
+def common_speculative_draft(spec: CommonSpeculative | None) -> None:
+    """Mirrors common_speculative_draft (speculative.cpp): chain the implementations, truncate to dp.n_max."""
+    if spec is None:
+        return
+
+    dparams = spec.dparams
+
+    n_drafting = 0
+
+    for dp in dparams:
+        if dp.drafting and dp.result:
+            raise SpeculativeError("GGML_ASSERT(!dp.drafting || dp.result->empty()) failed")
+
+        if dp.drafting:
+            n_drafting += 1
+
+    if n_drafting == 0:
+        return
+
+    for impl in spec.impls:
+        with CommonTimeMeas(impl, "t_draft_us", not impl.gen_perf):
+            impl.draft(dparams)
+            impl.n_call_draft += 1
+
+        n_drafting = 0
+
+        for seq_id, dp in enumerate(dparams):
+            result = dp.result
+
+            # a new draft has been sampled
+            if dp.drafting and result:
+                dp.drafting = False
+
+                if dp.n_max > 0:
+                    if result and len(result) > dp.n_max:
+                        logger.debug("truncating draft to %d tokens", dp.n_max)
+                        del result[dp.n_max :]
+
+                if result:
+                    logger.debug("called impl %s, hist size = %d, call_count = %d, gen = %d",
+                                 common_speculative_type_to_str(impl.type), len(dp.prompt), impl.n_call_draft, len(result))
+
+                    # remember which implementation was used
+                    spec.impl_last[seq_id] = impl
+
+                    impl.n_gen_drafts += 1
+                    impl.n_gen_tokens += len(result)
+
+            if dp.drafting:
+                n_drafting += 1
+
+        if n_drafting == 0:
+            break
+
+    # these sequences failed to generate a draft
+    for dp in dparams:
+        if dp.drafting:
+            dp.drafting = False
+
+
+def common_speculative_accept(spec: CommonSpeculative, seq_id: int, n_accepted: int) -> None:
+    """Mirrors common_speculative_accept (speculative.cpp)."""
+    if spec is None:
+        raise SpeculativeError("common_speculative_accept: spec is NULL")
+    if not 0 <= seq_id < len(spec.impl_last):
+        raise SpeculativeError(f"seq_id {seq_id} out of range 0..{len(spec.impl_last) - 1}")
+    if not 0 <= n_accepted <= 0xFFFF:
+        raise ValueError(f"n_accepted must fit in uint16, got {n_accepted}")
+    impl = spec.impl_last[seq_id]
+
+    if impl is None:
+        raise SpeculativeError("GGML_ASSERT(impl) failed: no draft was made for this sequence")
+
+    with CommonTimeMeas(impl, "t_accept_us", not impl.gen_perf):
+        if n_accepted > 0:
+            impl.n_acc_drafts += 1
+            impl.n_acc_tokens += n_accepted
+
+        impl.accept(seq_id, n_accepted, False)
+        impl.n_call_accept += 1
+
+    # accept with the rest of the implementations, using is_other == true
+    for impl_other in spec.impls:
+        if impl_other is not impl:
+            impl_other.accept(seq_id, n_accepted, True)
+
+
+def common_speculative_print_stats(spec: CommonSpeculative | None) -> list[str]:
+    """Mirrors common_speculative_print_stats (speculative.cpp); logs and returns the lines."""
+    if spec is None:
+        return []
+
+    lines = []
+    for impl in spec.impls:
+        if impl.gen_perf:
+            str_perf = (f", dur(b,g,a) = {impl.t_begin_us / 1000.0:.3f}, {impl.t_draft_us / 1000.0:.3f}, "
+                        f"{impl.t_accept_us / 1000.0:.3f} ms")
+        else:
+            str_perf = ""
+
+        line = (f"statistics {common_speculative_type_to_str(impl.type):>16}: "
+                f"#calls(b,g,a) = {impl.n_call_begin:4d} {impl.n_call_draft:6d} {impl.n_call_accept:6d}, "
+                f"#gen drafts = {impl.n_gen_drafts:6d}, #acc drafts = {impl.n_acc_drafts:5d}, "
+                f"#gen tokens = {impl.n_gen_tokens:6d}, #acc tokens = {impl.n_acc_tokens:5d}{str_perf}")
+        logger.info("%s", line)
+        lines.append(line)
+    return lines

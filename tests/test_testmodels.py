@@ -1,0 +1,185 @@
+"""pyspec.testmodels writes tiny GGUF models: cached, deterministic, with the metadata llama.cpp reads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pyspec import testmodels
+
+MODELS = ("target", "draft", "eagle3", "mtp")
+ARCH = {"target": "llama", "draft": "llama", "eagle3": "eagle3", "mtp": "qwen35"}
+
+
+def _have_llama_cpp() -> bool:
+    try:
+        testmodels.llama_cpp_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"
+)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def models(cache: Path) -> dict[str, Path]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYSPEC_MODEL_CACHE", str(cache))
+        return testmodels.make_all()
+
+
+@pytest.fixture(scope="module")
+def readers(models: dict[str, Path]) -> dict[str, Any]:
+    gguf = testmodels._gguf()
+    return {name: gguf.GGUFReader(path) for name, path in models.items()}
+
+
+def kv(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    assert field is not None, f"missing key {key}"
+    return field.contents()
+
+
+# --- files and cache -------------------------------------------------------
+
+
+def test_make_all_writes_every_model_into_the_cache_folder(models: dict[str, Path], cache: Path) -> None:
+    assert set(models) == set(MODELS)
+    for name, path in models.items():
+        assert path.parent == cache
+        assert path.is_file() and path.stat().st_size > 0
+        assert name in path.name and testmodels.GENERATOR_VERSION in path.name
+
+
+def test_cache_folder_holds_no_leftover_temp_files(models: dict[str, Path], cache: Path) -> None:
+    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in models.values())
+
+
+def test_cached_models_are_returned_without_rewriting(
+    models: dict[str, Path], cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = {name: path.stat().st_mtime_ns for name, path in models.items()}
+
+    def no_write(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a cached model was written again")
+
+    monkeypatch.setenv("PYSPEC_MODEL_CACHE", str(cache))
+    monkeypatch.setattr(testmodels, "_write_atomic", no_write)
+    assert testmodels.make_all() == models
+    assert {name: path.stat().st_mtime_ns for name, path in models.items()} == before
+
+
+def test_a_fresh_process_writes_byte_identical_models(models: dict[str, Path], tmp_path: Path) -> None:
+    env = dict(os.environ, PYSPEC_MODEL_CACHE=str(tmp_path))
+    repo = Path(testmodels.__file__).resolve().parents[1]
+    code = "from pyspec import testmodels; print(testmodels.make_all())"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=repo, capture_output=True)
+    for path in models.values():
+        assert sha256(tmp_path / path.name) == sha256(path), path.name
+
+
+def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYSPEC_MODEL_CACHE", str(tmp_path / "sub"))
+    assert testmodels.cache_dir() == tmp_path / "sub"
+    assert (tmp_path / "sub").is_dir()
+
+
+def test_missing_llama_cpp_tree_says_how_to_fetch_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYSPEC_LLAMA_CPP", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="scripts/fetch_llama.py"):
+        testmodels.llama_cpp_dir()
+
+
+def test_vocab_source_is_a_vendored_vocab_file() -> None:
+    path = testmodels.vocab_source()
+    assert path.parent == testmodels.llama_cpp_dir() / "models"
+    assert path.name.startswith("ggml-vocab-") and path.suffix == ".gguf"
+
+
+# --- metadata --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_architecture(readers: dict[str, Any], name: str) -> None:
+    assert kv(readers[name], "general.architecture") == ARCH[name]
+
+
+def test_all_models_share_the_vocabulary_of_the_source(readers: dict[str, Any]) -> None:
+    source = testmodels._gguf().GGUFReader(testmodels.vocab_source())
+    tokens = kv(source, "tokenizer.ggml.tokens")
+    assert len(tokens) == 32000
+    for name, reader in readers.items():
+        assert kv(reader, "tokenizer.ggml.tokens") == tokens, name
+        for key in ("tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            assert kv(reader, key) == kv(source, key), (name, key)
+        assert kv(reader, f"{ARCH[name]}.vocab_size") == len(tokens)
+
+
+def test_draft_is_smaller_than_target(readers: dict[str, Any]) -> None:
+    assert kv(readers["draft"], "llama.block_count") < kv(readers["target"], "llama.block_count")
+
+
+def test_eagle3_reads_three_target_layers(readers: dict[str, Any]) -> None:
+    e3 = readers["eagle3"]
+    layers = kv(e3, "eagle3.target_layers")
+    assert len(layers) == 3
+    assert all(0 <= il < kv(readers["target"], "llama.block_count") for il in layers)
+    assert kv(e3, "eagle3.target_hidden_size") == kv(readers["target"], "llama.embedding_length")
+    assert kv(e3, "eagle3.block_count") == 1
+    names = {t.name for t in e3.tensors}
+    assert {"fc.weight", "d2t", "blk.0.attn_norm_2.weight"} <= names
+    assert "token_embd.weight" not in names  # borrowed from the target through ctx_other
+
+
+def test_mtp_has_one_nextn_layer_after_the_trunk(readers: dict[str, Any]) -> None:
+    mtp = readers["mtp"]
+    assert kv(mtp, "qwen35.nextn_predict_layers") == 1
+    last = kv(mtp, "qwen35.block_count") - 1
+    names = {t.name for t in mtp.tensors}
+    assert f"blk.{last}.nextn.eh_proj.weight" in names
+    nextn_blocks = {n.split(".")[1] for n in names if ".nextn." in n}
+    assert nextn_blocks == {str(last)}
+
+
+# --- broken files ----------------------------------------------------------
+
+
+def test_write_empty(tmp_path: Path) -> None:
+    path = testmodels.write_empty(tmp_path / "empty.gguf")
+    assert path.stat().st_size == 0
+
+
+def test_write_truncated_keeps_the_header_and_half_the_bytes(
+    models: dict[str, Path], cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYSPEC_MODEL_CACHE", str(cache))
+    path = testmodels.write_truncated(tmp_path / "half.gguf")
+    full = models["target"].read_bytes()
+    assert path.read_bytes() == full[: len(full) // 2]
+    assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_write_random_bytes_is_deterministic_and_not_gguf(tmp_path: Path) -> None:
+    a = testmodels.write_random_bytes(tmp_path / "a.gguf")
+    b = testmodels.write_random_bytes(tmp_path / "b.gguf")
+    assert a.read_bytes() == b.read_bytes()
+    assert a.stat().st_size == 4096
+    assert a.read_bytes()[:4] != b"GGUF"
