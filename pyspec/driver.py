@@ -32,6 +32,8 @@ from pyspec.errors import PyspecError
 from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
 
 PieceCallback = Callable[[int, str], Any]
+# on_event(name, data): a trace of every call into the implementation, for the parity harness
+EventCallback = Callable[[str, dict], Any]
 
 
 def greedy_sampling() -> CommonParamsSampling:
@@ -63,6 +65,7 @@ class GenerationStats:
     n_steps: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_checkpoint_restores: int = 0  # partial acceptances undone through a checkpoint (recurrent / hybrid targets)
     t_decode_s: float = 0.0  # wall time inside llama_decode / llama_encode of the target and draft contexts
     impls: list[dict[str, Any]] = field(default_factory=list)
 
@@ -171,6 +174,7 @@ class SpeculativeGenerator:
         *,
         n_seq: int | None = None,
         engine: str = "python",
+        on_event: EventCallback | None = None,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"engine must be one of {sorted(ENGINES)}, not {engine!r}")
@@ -194,9 +198,31 @@ class SpeculativeGenerator:
             self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
 
         self.engine = ENGINES[engine](ctx_tgt.model, spec, self.sampling, self.n_seq)
+        wants_spec = spec is not None and any(int(t) != 0 for t in spec.types)
+        if wants_spec and not self.engine.has_spec:
+            self.engine.close()
+            raise PyspecError(
+                "no implementations specified for speculative decoding "
+                "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
         self.vocab = ctx_tgt.model.vocab
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
         self.stats = GenerationStats()
+        self.on_event = on_event
+
+    def _event(self, name: str, slots: list[_Slot], **data: Any) -> None:
+        """Report one call with the state the parity harness compares."""
+        if self.on_event is None:
+            return
+        mem_t = self.ctx_tgt.memory
+        data["tgt_pos"] = {s.id: (mem_t.seq_pos_min(s.id), mem_t.seq_pos_max(s.id)) for s in slots}
+        if self.ctx_dft is not None:
+            mem_d = self.ctx_dft.memory
+            data["dft_pos"] = {s.id: (mem_d.seq_pos_min(s.id), mem_d.seq_pos_max(s.id)) for s in slots}
+        data["counters"] = [
+            {k: v for k, v in st.items() if k.startswith("n_") or k == "name"} for st in self.engine.impl_stats()
+        ]
+        data["generated"] = {s.id: list(s.result.tokens) for s in slots}
+        self.on_event(name, data)
 
     # --- public API --------------------------------------------------------
 
@@ -316,11 +342,13 @@ class SpeculativeGenerator:
             ctx_tgt.decode(batch)
             if not eng.process(batch):
                 raise PyspecError("failed to process speculative batch")
+            self._event("process", slots, n_tokens=batch.n_tokens)
             for s in slots:
                 if s.i_batch < 0:
                     continue
                 if eng.has_spec:
                     eng.begin(s.id, s.tokens)
+                    self._event("begin", slots, seq_id=s.id)
                 tok = eng.sample(s.id, ctx_tgt, s.i_batch)
                 s.i_batch = -1
                 eng.accept_token(s.id, tok, True)
@@ -359,6 +387,7 @@ class SpeculativeGenerator:
                 drafts = eng.draft(requests)
                 for s in drafting:
                     s.spec_draft = drafts.get(s.id, [])
+                self._event("draft", slots, drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part
         for s in drafting:
@@ -396,6 +425,7 @@ class SpeculativeGenerator:
         ctx_tgt.decode(batch)
         if not eng.process(batch):
             raise PyspecError("failed to process speculative batch")
+        self._event("process", slots, n_tokens=batch.n_tokens)
 
         # sequences without a draft: plain sampling
         for s in active:
@@ -430,11 +460,13 @@ class SpeculativeGenerator:
                     common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
                 del s.tokens[ckpt.n_tokens :]
                 eng.restore_sampler(s.id, saved)
+                self.stats.n_checkpoint_restores += 1
                 continue
             eng.drop_saved(saved)
 
             eng.accept(s.id, len(accepted) - 1)
             s.result.n_accepted += len(accepted) - 1
+            self._event("accept", slots, seq_id=s.id, accepted=list(accepted))
 
             # the memory keeps the prompt, the sampled token and the accepted draft tokens
             del s.tokens[len(s.tokens) - n_draft :]

@@ -1,0 +1,158 @@
+"""The port of common/speculative.cpp: dispatcher rules and every implementation's drafting."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyspec import Context, Model, SpeculativeError
+from pyspec import speculative as sp
+from pyspec import testmodels as tm
+from pyspec.params import CommonParamsSpeculative
+from pyspec.params import CommonSpeculativeType as T
+
+# a history that repeats with period 5: every n-gram of it has a known continuation
+PERIOD = [101, 102, 103, 104, 105]
+HISTORY = PERIOD * 8
+
+
+def ngram_params(**kw) -> CommonParamsSpeculative:
+    p = CommonParamsSpeculative(**kw)
+    for m in (p.ngram_simple, p.ngram_map_k, p.ngram_map_k4v):
+        m.size_n, m.size_m, m.min_hits = 3, 6, 1
+    p.ngram_mod.n_match, p.ngram_mod.n_min, p.ngram_mod.n_max = 3, 1, 6
+    return p
+
+
+def draft_once(spec: sp.CommonSpeculative, history: list[int], id_last: int, n_max: int = -1, seq_id: int = 0) -> list[int]:
+    dp = sp.common_speculative_get_draft_params(spec, seq_id)
+    dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, n_max, len(history), id_last
+    dp.prompt, dp.result = history, []
+    sp.common_speculative_draft(spec)
+    return dp.result
+
+
+def test_type_names_round_trip():
+    for name, t in sp.common_speculative_type_from_name_map.items():
+        assert sp.common_speculative_type_to_str(t) == name
+        assert sp.common_speculative_type_from_name(name) == t
+    assert sp.common_speculative_type_from_name("bogus") == T.COUNT
+    assert sp.common_speculative_types_from_names(["ngram-mod", "draft-simple"]) == [T.NGRAM_MOD, T.DRAFT_SIMPLE]
+    assert sp.common_speculative_types_from_names(["ngram-mod", "none"]) == [T.NONE]
+    with pytest.raises(ValueError, match="unknown speculative type: bogus"):
+        sp.common_speculative_types_from_names(["bogus"])
+    assert sp.common_speculative_all_types_str().startswith("none,draft-simple,draft-eagle3,draft-mtp")
+
+
+def test_n_max_takes_the_largest_of_the_enabled_types():
+    p = ngram_params(types=[T.NGRAM_SIMPLE, T.DRAFT_SIMPLE, T.NGRAM_CACHE])
+    p.draft.n_max = 16
+    assert sp.common_speculative_n_max(p) == 16
+    p.draft.n_max = 2
+    assert sp.common_speculative_n_max(p) == 8  # ngram-cache's fixed 8
+
+
+@pytest.mark.parametrize(
+    "t", [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
+)
+def test_each_ngram_type_continues_a_periodic_history(t):
+    spec = sp.common_speculative_init(ngram_params(types=[t]), 1)
+    sp.common_speculative_begin(spec, 0, HISTORY)
+    # the history ends with 105; the sampled token 101 starts the period again
+    draft = draft_once(spec, HISTORY, 101)
+    assert len(draft) > 0
+    expected = (PERIOD[1:] + PERIOD) * 3
+    assert draft == expected[: len(draft)]
+    impl = spec.impls[0]
+    assert (impl.n_call_draft, impl.n_gen_drafts, impl.n_gen_tokens) == (1, 1, len(draft))
+
+
+def test_init_orders_implementations_by_the_reference_priority():
+    types = [T.NGRAM_CACHE, T.NGRAM_MOD, T.NGRAM_MAP_K4V, T.NGRAM_MAP_K, T.NGRAM_SIMPLE]
+    spec = sp.common_speculative_init(ngram_params(types=types), 1)
+    assert [i.type for i in spec.impls] == [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
+
+
+def test_init_without_implementations_returns_none():
+    assert sp.common_speculative_init(CommonParamsSpeculative(types=[T.NONE]), 1) is None
+    # EAGLE3 / MTP without a draft context are not selected, as in the reference
+    assert sp.common_speculative_init(CommonParamsSpeculative(types=[T.DRAFT_EAGLE3, T.DRAFT_MTP]), 1) is None
+
+
+def test_draft_chains_to_the_next_implementation_when_one_is_empty():
+    # ngram-simple needs a 3-gram match; a history without repetition gives it nothing,
+    # but ngram-mod (n_match 2 here) still finds the bigram 7 -> 8
+    p = ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD])
+    p.ngram_mod.n_match = 2
+    spec = sp.common_speculative_init(p, 1)
+    history = [5, 6, 7, 8, 9] + list(range(200, 240)) + [7]
+    sp.common_speculative_begin(spec, 0, history)
+    draft = draft_once(spec, history, 8)
+    simple, mod = spec.impls
+    assert simple.type == T.NGRAM_SIMPLE and simple.n_call_draft == 1 and simple.n_gen_drafts == 0
+    assert mod.n_gen_drafts == 1 and draft[:1] == [9]
+    assert spec.impl_last[0] is mod
+
+
+def test_draft_is_truncated_to_dp_n_max():
+    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    assert draft_once(spec, HISTORY, 101, n_max=2) == [102, 103]
+    assert spec.impls[0].n_gen_tokens == 2
+
+
+def test_accept_counts_go_to_the_implementation_that_drafted():
+    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MAP_K]), 1)
+    draft_once(spec, HISTORY, 101)
+    sp.common_speculative_accept(spec, 0, 3)
+    simple, mapk = spec.impls
+    assert (simple.n_acc_drafts, simple.n_acc_tokens, simple.n_call_accept) == (1, 3, 1)
+    assert (mapk.n_acc_drafts, mapk.n_call_accept) == (0, 0)
+
+
+def test_accept_before_any_draft_raises_instead_of_aborting():
+    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 2)
+    with pytest.raises(SpeculativeError, match="GGML_ASSERT"):
+        sp.common_speculative_accept(spec, 1, 0)
+    with pytest.raises(SpeculativeError):
+        sp.common_speculative_get_draft_params(spec, 2)
+
+
+def test_draft_with_a_stale_result_raises():
+    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    dp = sp.common_speculative_get_draft_params(spec, 0)
+    dp.drafting, dp.prompt, dp.result, dp.id_last = True, HISTORY, [1], 101
+    with pytest.raises(SpeculativeError, match="result->empty"):
+        sp.common_speculative_draft(spec)
+
+
+def test_print_stats_lists_each_implementation():
+    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD]), 1)
+    lines = sp.common_speculative_print_stats(spec)
+    assert len(lines) == 2 and "ngram-simple" in lines[0] and "#gen drafts" in lines[0]
+
+
+# --- implementations that need a draft context -----------------------------
+
+
+def test_draft_simple_rejects_a_draft_context_with_another_n_seq(target_model, draft_model):
+    ctx = Context(target_model, n_ctx=256, n_batch=32, n_seq_max=1)
+    ctxd = Context(draft_model, n_ctx=512, n_batch=32, n_seq_max=2)
+    p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+    p.draft.ctx_tgt, p.draft.ctx_dft = ctx, ctxd
+    with pytest.raises(SpeculativeError, match="number of sequences is incompatible"):
+        sp.common_speculative_init(p, 1)
+
+
+def test_eagle3_rejects_a_draft_without_three_extract_layers(target_model, draft_model):
+    ctx = Context(target_model, n_ctx=256, n_batch=32)
+    ctxd = Context(draft_model, n_ctx=256, n_batch=32)
+    p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
+    p.draft.ctx_tgt, p.draft.ctx_dft = ctx, ctxd
+    with pytest.raises(SpeculativeError, match=r"expected 3 extract layers, got 0"):
+        sp.common_speculative_init(p, 1)
+
+
+def test_vocab_compatibility_compares_token_texts(target_model, draft_model):
+    assert sp.common_speculative_are_compatible(target_model, draft_model)
+    other = Model(tm.llama_cpp_dir() / "models" / "ggml-vocab-gpt-2.gguf", vocab_only=True)
+    assert not sp.common_speculative_are_compatible(target_model, other)
+    other.close()
