@@ -67,6 +67,8 @@ def _tokens_list(tokens: TokenSequence) -> list[int]:
 
 # Data structures to map n-grams to empirical token probabilities:
 
+_NULL_TOKENS = [[LLAMA_TOKEN_NULL] * k for k in range(LLAMA_NGRAM_MAX + 1)]  # padding, by length
+
 
 class CommonNgram(tuple):
     """Mirrors struct common_ngram (ngram-cache.h): LLAMA_NGRAM_MAX tokens, unused ones LLAMA_TOKEN_NULL.
@@ -80,21 +82,22 @@ class CommonNgram(tuple):
 
     def __new__(cls, input: TokenSequence | None = None, ngram_size: int = 0, start: int = 0) -> CommonNgram:
         if input is None:
-            return tuple.__new__(cls, (LLAMA_TOKEN_NULL,) * LLAMA_NGRAM_MAX)
+            return tuple.__new__(cls, _NULL_TOKENS[LLAMA_NGRAM_MAX])
         # tokens[i] = i < ngram_size ? input[i] : LLAMA_TOKEN_NULL
-        k = max(0, min(ngram_size, LLAMA_NGRAM_MAX))
-        head = input[start : start + k] if k > 0 else []
+        k = ngram_size if 0 <= ngram_size <= LLAMA_NGRAM_MAX else (0 if ngram_size < 0 else LLAMA_NGRAM_MAX)
+        head = input[start : start + k]
         if len(head) != k or start < 0:
             raise IndexError(f"common_ngram: {k} tokens at {start} run outside the input of {len(input)} tokens")
         if type(head) is not list:
             head = [int(t) for t in head]
-        if k == LLAMA_NGRAM_MAX:
-            return tuple.__new__(cls, head)
-        return tuple.__new__(cls, head + [LLAMA_TOKEN_NULL] * (LLAMA_NGRAM_MAX - k))
+        return tuple.__new__(cls, head + _NULL_TOKENS[LLAMA_NGRAM_MAX - k] if k < LLAMA_NGRAM_MAX else head)
 
     @property
     def tokens(self) -> tuple[int, ...]:
         return tuple(self)
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy / deepcopy / pickle rebuild through __new__
+        return (list(self), LLAMA_NGRAM_MAX)
 
     def __repr__(self) -> str:
         return f"CommonNgram({list(self)!r})"
@@ -300,7 +303,8 @@ def common_ngram_cache_update(
                 eta_min = eta_ms // (60 * 1000)
                 eta_s = (eta_ms - 60 * 1000 * eta_min) // 1000
 
-                print(f"common_ngram_cache_update: {n_done}/{n_todo} done, ETA: {eta_min:02d}:{eta_s:02d}", file=sys.stderr)
+                print(f"common_ngram_cache_update: {n_done}/{n_todo} done, ETA: {eta_min:02d}:{eta_s:02d}",
+                      file=sys.stderr)
 
 
 def get_token(inp: Sequence[int], draft: Sequence[int], i: int) -> int:
@@ -311,7 +315,7 @@ def get_token(inp: Sequence[int], draft: Sequence[int], i: int) -> int:
     if i < 0:
         # the C++ takes i as size_t: a negative index wraps and reads out of bounds
         raise ValueError(f"get_token: index {i} is before the start of inp (n-gram longer than the sequence)")
-    return inp[i] if i < len(inp) else draft[1 + i - len(inp)]
+    return int(inp[i] if i < len(inp) else draft[1 + i - len(inp)])
 
 
 # If sample size or percentage are below these thresholds the draft is aborted early:
@@ -322,7 +326,7 @@ draft_min_percent_strict = (75, 66, 66, 66)
 
 
 def _try_draft_static(nc_static: Mapping[CommonNgram, Mapping[int, int]], ngram_static: CommonNgram) -> int:
-    """Mirrors try_draft(nc_static, ngram_static) (ngram-cache.cpp, static, first overload).
+    """Mirrors the first try_draft overload (ngram-cache.cpp, static): try_draft(nc_static, ngram_static).
 
     Helper function that tries to draft a token from only the static ngram cache.
     """
@@ -357,7 +361,8 @@ def _try_draft_primary(
     min_sample_size: Sequence[int],
     min_percent: Sequence[int],
 ) -> int:
-    """Mirrors try_draft(nc_primary, ngrams_primary, part_static, min_sample_size, min_percent) (ngram-cache.cpp, static, second overload).
+    """Mirrors the second try_draft overload (ngram-cache.cpp, static):
+    try_draft(nc_primary, ngrams_primary, part_static, min_sample_size, min_percent).
 
     Try to draft a token from primary cache (context/dynamic), validate with static cache.
     """
@@ -463,9 +468,11 @@ def common_ngram_cache_draft(
                 tokens[j - ngram_start_cd] = get_token(inp, draft, j)
             ngrams_cd.append(CommonNgram(tokens, LLAMA_NGRAM_MAX))
         if drafted_token == LLAMA_TOKEN_NULL:
-            drafted_token = try_draft(nc_context, ngrams_cd, part_static, draft_min_sample_size_lax, draft_min_percent_lax)
+            drafted_token = try_draft(
+                nc_context, ngrams_cd, part_static, draft_min_sample_size_lax, draft_min_percent_lax)
         if drafted_token == LLAMA_TOKEN_NULL:
-            drafted_token = try_draft(nc_dynamic, ngrams_cd, part_static, draft_min_sample_size_strict, draft_min_percent_strict)
+            drafted_token = try_draft(
+                nc_dynamic, ngrams_cd, part_static, draft_min_sample_size_strict, draft_min_percent_strict)
         if drafted_token == LLAMA_TOKEN_NULL:
             drafted_token = try_draft(nc_static, ngram_static)
 
