@@ -7,7 +7,7 @@ llama.cpp's ``common/speculative.cpp`` lives in :mod:`pyspec.speculative`.
 from pyspec.backend import Device, devices, system_info
 from pyspec.batch import Batch, BatchFullError
 from pyspec.context import Context
-from pyspec.errors import ClosedError, ContextError, DecodeError, ModelLoadError, PyspecError, SpeculativeError
+from pyspec.errors import ClosedError, ConcurrentUseError, ContextError, DecodeError, ModelLoadError, PyspecError, SpeculativeError
 from pyspec.model import Model
 from pyspec.sampler import SamplerChain
 from pyspec.vocab import Vocab
@@ -18,6 +18,7 @@ __all__ = [
     "Batch",
     "BatchFullError",
     "ClosedError",
+    "ConcurrentUseError",
     "Context",
     "ContextError",
     "DecodeError",

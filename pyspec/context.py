@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Union
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from pyspec._abi import ext, ffi, llama
 from pyspec._handle import Handle
 from pyspec.batch import Batch, BatchView
-from pyspec.errors import ContextError, DecodeError
+from pyspec.errors import ConcurrentUseError, ContextError, DecodeError
 from pyspec.model import Model
 
 AnyBatch = Union[Batch, BatchView]
@@ -22,6 +23,9 @@ _KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8
 _SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
 _POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "n_samplers"}
+# architectures whose graph (src/models/<arch>.cpp) records each layer's input: on any
+# other, a decode with set_embeddings_layer_inp enabled hits a GGML_ASSERT and aborts
+_LAYER_INP_ARCHS = {"llama", "qwen3", "qwen3moe", "gpt-oss", "gemma4"}
 
 
 def _convert(table: dict[Any, int], name: str, value: Any) -> int:
@@ -106,6 +110,7 @@ class Context(Handle):
 
     def __init__(self, model: Model, **params: Any) -> None:
         super().__init__()
+        self._busy = threading.Lock()
         unknown = set(params) - _FIELDS - {"samplers"}
         if unknown:
             raise TypeError(f"unknown llama_context_params field(s): {', '.join(sorted(unknown))}")
@@ -136,6 +141,15 @@ class Context(Handle):
         if cparams.n_ubatch > cparams.n_batch and cparams.n_batch > 0:
             # llama.cpp clamps n_ubatch to n_batch; do it explicitly so n_ubatch reads back true
             cparams.n_ubatch = cparams.n_batch
+
+        if cparams.ctx_type == _CTX_TYPES["mtp"]:
+            # llama.cpp refuses this too, but only with a log line; say why here
+            arch = model.meta("general.architecture") or "?"
+            if int(model.meta(f"{arch}.nextn_predict_layers") or 0) <= 0:
+                raise ValueError(
+                    f"ctx_type='mtp' needs a model with MTP (NextN) layers; this {arch} model has none "
+                    f"({arch}.nextn_predict_layers is absent or 0)"
+                )
 
         self.model = model
         self.other: Context | None = params.get("ctx_other")
@@ -170,6 +184,12 @@ class Context(Handle):
         self.n_embd = model.n_embd
         self.n_embd_out = model.n_embd_out
         self.memory = Memory(self)
+        # what the C output buffer holds after the last decode/encode, to bound the views
+        self._embeddings = bool(cparams.embeddings)
+        self._n_outputs = 0
+        self._nextn_masked = True
+        self._layer_inp_on: set[int] = set()
+        self._layer_inp_ready: set[int] = set()
 
     # --- decode -----------------------------------------------------------
 
@@ -203,17 +223,29 @@ class Context(Handle):
             bad = lo if lo < 0 else hi
             raise ValueError(f"seq_id {bad} out of range 0..{self.n_seq_max - 1}")
 
+    def _enter(self) -> None:
+        # a llama_context is not thread-safe: a second thread is refused, not interleaved
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUseError("this context is in use by another thread; give each thread its own Context")
+
     def decode(self, batch: AnyBatch) -> None:
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError."""
-        self._check_batch(batch)
-        rc = llama.llama_decode(self.ptr, batch.c[0])
+        rc = self.decode_rc(batch)
         if rc != 0:
             raise DecodeError(rc, "llama_decode")
 
     def decode_rc(self, batch: AnyBatch) -> int:
         """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks."""
         self._check_batch(batch)
-        return int(llama.llama_decode(self.ptr, batch.c[0]))
+        self._enter()
+        try:
+            rc = int(llama.llama_decode(self._ptr, batch.c[0]))
+            n = batch.n_tokens
+            self._n_outputs = (n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))) if rc == 0 else 0
+            self._layer_inp_ready = set(self._layer_inp_on) if rc == 0 else set()
+            return rc
+        finally:
+            self._busy.release()
 
     def encode(self, batch: AnyBatch) -> None:
         """Mirrors llama_encode (llama.h); a non-zero result raises DecodeError."""
@@ -227,9 +259,25 @@ class Context(Handle):
             raise ValueError("batch is empty")
         if batch.n_tokens > self.n_ubatch:
             raise ValueError(f"encoder batch of {batch.n_tokens} tokens exceeds n_ubatch={self.n_ubatch}")
-        return int(llama.llama_encode(self.ptr, batch.c[0]))
+        if not self.model.has_encoder:
+            # llama_encode on a decoder-only model crashes at this revision
+            raise ValueError("llama_encode needs a model with an encoder (T5, EAGLE3); use decode() for this model")
+        self._enter()
+        try:
+            rc = int(llama.llama_encode(self._ptr, batch.c[0]))
+            self._n_outputs = batch.n_tokens if rc == 0 else 0
+            return rc
+        finally:
+            self._busy.release()
 
     # --- outputs (numpy views over C memory, valid until the next decode) ---
+
+    def _check_rows(self, n: int, what: str, n_max: int | None = None) -> None:
+        # a view past the rows llama.cpp wrote would read (or crash on) memory it does not own;
+        # its output buffer holds at least max(outputs of the last decode, n_seq_max) rows
+        limit = max(self._n_outputs, self.n_seq_max) if n_max is None else n_max
+        if not 0 <= n <= limit:
+            raise IndexError(f"{what}: {n} rows requested, the last decode produced at most {limit}")
 
     def _view(self, p: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
         if p == ffi.NULL:
@@ -245,12 +293,14 @@ class Context(Handle):
 
     def get_logits(self, n_outputs: int) -> np.ndarray:
         """Mirrors llama_get_logits: the first n_outputs rows as an (n_outputs, n_vocab) view."""
+        self._check_rows(n_outputs, "logits")
         return self._view(llama.llama_get_logits(self.ptr), (n_outputs, self.n_vocab), "logits")
 
     def get_embeddings_ith(self, i: int) -> np.ndarray:
         return self._view(llama.llama_get_embeddings_ith(self.ptr, i), (self.n_embd_out,), f"embeddings for index {i}")
 
     def get_embeddings(self, n_outputs: int) -> np.ndarray:
+        self._check_rows(n_outputs, "embeddings")
         return self._view(llama.llama_get_embeddings(self.ptr), (n_outputs, self.n_embd_out), "embeddings")
 
     def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
@@ -258,13 +308,17 @@ class Context(Handle):
 
     def set_embeddings(self, value: bool) -> None:
         llama.llama_set_embeddings(self.ptr, value)
+        self._embeddings = bool(value)
 
     # --- staging API of llama-ext.h (through the pyspec_ext shim) ---------
 
     def set_embeddings_nextn(self, value: bool, masked: bool) -> None:
         ext.pyspec_set_embeddings_nextn(self.ptr, value, masked)
+        self._nextn_masked = bool(masked)
 
     def get_embeddings_nextn(self, n_rows: int) -> np.ndarray:
+        # unmasked: one row per batch token (n_batch rows); masked: one per output
+        self._check_rows(n_rows, "nextn embeddings", None if self._nextn_masked else self.n_batch)
         return self._view(ext.pyspec_get_embeddings_nextn(self.ptr), (n_rows, self.n_embd), "nextn embeddings")
 
     def get_embeddings_nextn_ith(self, i: int) -> np.ndarray:
@@ -273,11 +327,22 @@ class Context(Handle):
     def set_embeddings_layer_inp(self, layer: int, value: bool) -> None:
         if not 0 <= layer < self.model.n_layer:
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
+        arch = self.model.meta("general.architecture")
+        if value and arch not in _LAYER_INP_ARCHS:
+            raise ValueError(
+                f"layer input extraction (EAGLE3 targets) is not implemented for the {arch!r} architecture "
+                f"at this llama.cpp revision; it is for {', '.join(sorted(_LAYER_INP_ARCHS))}"
+            )
         ext.pyspec_set_embeddings_layer_inp(self.ptr, layer, value)
+        (self._layer_inp_on.add if value else self._layer_inp_on.discard)(layer)
 
     def get_embeddings_layer_inp(self, layer: int, n_tokens: int) -> np.ndarray:
         if not 0 <= layer < self.model.n_layer:
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
+        if layer not in self._layer_inp_ready:
+            # llama.cpp asserts (aborts) when the layer's buffer was not filled by a decode
+            raise IndexError(f"layer {layer} input not available: enable set_embeddings_layer_inp({layer}, True), then decode")
+        self._check_rows(n_tokens, f"layer {layer} input", self.n_batch)
         return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd), f"layer {layer} input")
 
     def get_ctx_other_ptr(self):  # noqa: ANN201 - cffi cdata
@@ -369,4 +434,10 @@ class Context(Handle):
         llama.llama_perf_context_reset(self.ptr)
 
     def close(self) -> None:
-        super().close()
+        """Free the context (deferred while an MTP/EAGLE3 context still uses it); refused mid-decode."""
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentUseError("cannot close a context while another thread is decoding on it")
+        try:
+            super().close()
+        finally:
+            self._busy.release()

@@ -24,6 +24,10 @@ class ClosedError(PyspecError):
     """An object was used after close()."""
 
 
+class ConcurrentUseError(PyspecError):
+    """A context was used from a second thread while the first was still in llama.cpp."""
+
+
 # llama_decode / llama_encode return codes (include/llama.h)
 _DECODE_MEANING = {
     1: "could not find a KV slot for the batch (try reducing the batch or increasing the context)",
