@@ -43,6 +43,16 @@ int32_t pyspec_model_n_expert(const llama_model * model) {
     return llama_model_n_expert(model);
 }
 
+// The candidate array of common_sampler::set_logits (common/sampling.cpp) for a
+// full logits row: {id, logit, 0}. A C loop, because numpy's strided writes
+// into the interleaved llama_token_data array cost several times more for a
+// 262k-token vocabulary, on every sampled token.
+void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab) {
+    for (llama_token token_id = 0; token_id < n_vocab; token_id++) {
+        dst[token_id] = llama_token_data{token_id, logits[token_id], 0.0f};
+    }
+}
+
 // Sizes of the structs that cffi lays out from our declarations: pyspec
 // compares them at load time, so a layout drift fails loudly instead of
 // corrupting memory.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from pyspec._abi import ffi, llama
+from pyspec._abi import ext, ffi, llama
 from pyspec.common import LLAMA_TOKEN_NULL, CommonTimeMeas
 from pyspec.errors import SpeculativeError
 from pyspec.params import CommonParamsSampling, CommonSamplerType
@@ -43,7 +43,6 @@ class CommonSampler:
         # ring_buffer<llama_token> prev(max(32, n_prev))
         self.prev: deque[int] = deque(maxlen=max(32, params.n_prev))
         self.n_vocab = n_vocab
-        self._ids = np.arange(n_vocab, dtype=np.int32)
         self._cur_buf = np.zeros(n_vocab, dtype=TOKEN_DATA)
         self._cur_cbuf = ffi.from_buffer(self._cur_buf)
         self._cur_ptr = ffi.cast("llama_token_data *", self._cur_cbuf)
@@ -84,9 +83,7 @@ class CommonSampler:
                 raise SpeculativeError(f"GGML_ASSERT(logits != nullptr) failed: no logits for batch index {idx}")
             n = self.n_vocab
             cur = buf
-            cur["id"] = self._ids
-            cur["logit"] = np.frombuffer(ffi.buffer(logits, 4 * n), dtype=np.float32)
-            cur["p"] = 0.0
+            ext.pyspec_fill_candidates(self._cur_ptr, logits, n)
 
         self.cur = cur
         cp = self.cur_p

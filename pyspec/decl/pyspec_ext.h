@@ -10,6 +10,9 @@ const int32_t * pyspec_model_target_layer_ids(const struct llama_model * model);
 uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model);
 int32_t         pyspec_model_n_expert(const struct llama_model * model);
 
+/* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
+void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
+
 /* struct sizes as the C++ compiler sees them (checked at load time) */
 size_t pyspec_sizeof_context_params(void);
 size_t pyspec_sizeof_model_params(void);
