@@ -24,7 +24,12 @@ class BatchFullError(PyspecError, IndexError):
 class Batch:
     """A llama_batch of capacity ``n_tokens_max`` (see llama_batch_init in llama.h)."""
 
-    def __init__(self, n_tokens_max: int, embd: int = 0, n_seq_max: int = 1, *, tokens: bool | None = None) -> None:
+    def __init__(
+        self, n_tokens_max: int, embd: int = 0, n_seq_max: int = 1, *, tokens: bool | None = None,
+        embd_row_alloc: int = 0,
+    ) -> None:
+        """``embd_row_alloc`` over-allocates the embeddings buffer to that many floats per row,
+        for readers that stride rows wider than ``embd`` (see the EAGLE3 note in speculative.py)."""
         if n_tokens_max <= 0:
             raise ValueError(f"n_tokens_max must be positive, got {n_tokens_max}")
         if n_seq_max <= 0:
@@ -37,7 +42,10 @@ class Batch:
         self.n_embd = embd
         self.n_seq_max = n_seq_max
         self.token = np.zeros(n_tokens_max, dtype=np.int32) if tokens else None
-        self.embd = np.zeros((n_tokens_max, embd), dtype=np.float32) if embd else None
+        self._embd_store = (
+            np.zeros(n_tokens_max * max(embd, embd_row_alloc), dtype=np.float32) if embd else None
+        )
+        self.embd = self._embd_store[: n_tokens_max * embd].reshape(n_tokens_max, embd) if embd else None
         self.pos = np.zeros(n_tokens_max, dtype=np.int32)
         self.n_seq_id = np.zeros(n_tokens_max, dtype=np.int32)
         self.seq_id = np.zeros((n_tokens_max, n_seq_max), dtype=np.int32)

@@ -438,8 +438,14 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         self.n_embd_enc = self.target_layer_ids_n * self.n_embd_tgt         # target_layer_ids_n * target_hidden_size
 
         n_b = ctx_dft.n_batch
-        # llama_batch_init allocates one of token/embd; the eagle3 decoder needs both
-        self.batch = Batch(n_b, self.n_embd_dec, 1, tokens=True)
+        # llama_batch_init allocates one of token/embd; the eagle3 decoder needs both.
+        # Upstream finding (kept for parity): llama_context::decode strides embedding rows by
+        # n_embd_inp (3 x n_embd_tgt for eagle3), not by the decoder's n_embd, once a draft
+        # decode splits into several ubatches (n_batch > n_ubatch, or several sequences in
+        # separate KV streams); later ubatches then read rows from the wrong place, in the C++
+        # past the end of the batch. The reference's drafts degrade there; give the draft
+        # context n_ubatch >= n_batch. Here the buffer is over-allocated so such reads stay in it.
+        self.batch = Batch(n_b, self.n_embd_dec, 1, tokens=True, embd_row_alloc=model_dft.n_embd_inp)
 
         self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
 

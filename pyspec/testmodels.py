@@ -15,6 +15,15 @@ any two of them are compatible for speculative decoding.
   ``d2t`` map).
 - ``mtp``: a qwen35 (hybrid gated-delta-net + attention) model with one
   NextN/MTP block, for a second context of type ``LLAMA_CONTEXT_TYPE_MTP``.
+- ``cyclic-target``: llama architecture, 4 layers, wired so that the next
+  token is mostly a fixed function of the last one (a "successor" map made of
+  short cycles over a few hundred ordinary tokens): greedy decoding falls into
+  a repeating cycle after a token or two, so the n-gram speculative types find
+  matches in the history and their drafts are accepted.
+- ``cyclic-draft``: the cyclic target's first 2 layers (same embeddings and
+  head), a draft-simple draft for it.
+- ``cyclic-eagle3``: an EAGLE3 head for ``cyclic-target`` (same wiring as
+  ``eagle3``).
 
 File names carry ``GENERATOR_VERSION``: bump it whenever the bytes a generator
 writes change, so that stale cached files are not reused.
@@ -43,13 +52,17 @@ __all__ = [
     "make_draft",
     "make_eagle3",
     "make_mtp",
+    "make_cyclic_target",
+    "make_cyclic_draft",
+    "make_cyclic_eagle3",
+    "cyclic_successor",
     "make_all",
     "write_empty",
     "write_truncated",
     "write_random_bytes",
 ]
 
-GENERATOR_VERSION = "v1"
+GENERATOR_VERSION = "v2"
 
 VOCAB_FILE = "ggml-vocab-llama-spm.gguf"
 
@@ -98,6 +111,23 @@ MTP_TRUNK_SCALE = 0.05  # qwen35 trunk layers
 MTP_HEAD_SCALE = 0.05  # qwen35 NextN block's attention / FFN
 
 SEED = 20240607
+
+# The cyclic models. CYCLIC_N_STATES ordinary tokens (type NORMAL) are split into
+# cycles of CYCLIC_MIN_LEN..CYCLIC_MAX_LEN tokens; every other token points at
+# one of them. Token t's embedding is the "key" of succ(t) plus noise, and the
+# head row of a cycle token is its key (unit length times CYCLIC_LOGIT_SCALE), so
+# the head reads succ(t) off the residual stream; the layers add small updates.
+# Logits: about 8 * CYCLIC_LOGIT_SCALE for succ(t), about N(0, scale^2) for the
+# other cycle tokens: greedy follows the cycle, temperature 0.8 / top-k 40 leaves
+# it now and then (p(succ) around 0.7) for another cycle.
+CYCLIC_SEED = SEED + 10
+CYCLIC_N_STATES = 256
+CYCLIC_MIN_LEN = 5
+CYCLIC_MAX_LEN = 12
+CYCLIC_EMBD_NOISE = 0.3  # per-element noise on top of the successor's key (RMS 1)
+CYCLIC_LOGIT_SCALE = 0.6
+CYCLIC_OTHER_ROW_SCALE = 0.3  # logit std of the non-cycle tokens (never the argmax)
+CYCLIC_LAYER_SCALE = 0.1
 
 
 # ---------------------------------------------------------------------------
@@ -370,8 +400,53 @@ def make_draft() -> Path:
     return _make("draft", "llama", fill)
 
 
-def _llama_tensor(name: str) -> np.ndarray:
-    return dict(_llama_tensors())[name]
+def _eagle3_fill(name: str, seed: int, head: tuple[tuple[str, np.ndarray], ...]) -> Callable[[Any], None]:
+    """The writer of an EAGLE3 head for the llama target whose tensors are ``head``."""
+    n_vocab = _n_vocab()
+    n_embd_tgt = N_EMBD  # the borrowed token embeddings fix n_embd to the target's
+    n_head_kv = N_HEAD  # V must carry the whole token embedding
+    tgt = dict(head)
+
+    def fill(writer: Any) -> None:
+        _add_common_kv(writer, name, 1, n_head_kv=n_head_kv)
+        writer.add_rope_dimension_count(HEAD_DIM)
+        writer.add_array("eagle3.target_layers", list(EAGLE3_TARGET_LAYERS))
+        writer.add_uint32("eagle3.target_hidden_size", n_embd_tgt)
+        writer.add_bool("eagle3.norm_before_residual", True)
+
+        w = _Weights(seed)
+        d2t = w.rng.permutation(n_vocab).astype(np.int64)
+        eye = np.eye(N_EMBD, dtype=np.float32)
+
+        def from_embd(m: np.ndarray, g_scale: float) -> np.ndarray:
+            # attention input is [norm(token embd) ; norm(g)]: mostly read the first half
+            g_part = w.mat(m.shape[0], N_EMBD, g_scale).astype(np.float32)
+            return np.concatenate([m.astype(np.float32), g_part], axis=1).astype(np.float16)
+
+        qk = w.mat(N_HEAD * HEAD_DIM, N_EMBD, 2.5)  # same for q and k: self-attention wins
+        _add_tensors(
+            writer,
+            (
+                ("fc.weight", w.mat(N_EMBD, len(EAGLE3_TARGET_LAYERS) * n_embd_tgt, 0.5)),
+                ("output_norm.weight", tgt["output_norm.weight"]),
+                # draft row i scores target token d2t[i]
+                ("output.weight", tgt["output.weight"][d2t]),
+                # the converter stores d2t as absolute target ids, int64
+                ("d2t", d2t),
+                ("blk.0.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32)),
+                ("blk.0.attn_norm_2.weight", 0.1 * w.norm(N_EMBD)),
+                ("blk.0.attn_q.weight", from_embd(qk, 0.1)),
+                ("blk.0.attn_k.weight", from_embd(qk, 0.1)),
+                ("blk.0.attn_v.weight", from_embd(eye, 0.1)),
+                ("blk.0.attn_output.weight", (4.0 * eye + w.mat(N_EMBD, N_EMBD, 0.1)).astype(np.float16)),
+                ("blk.0.ffn_norm.weight", w.norm(N_EMBD)),
+                ("blk.0.ffn_gate.weight", w.mat(N_FF, N_EMBD)),
+                ("blk.0.ffn_up.weight", w.mat(N_FF, N_EMBD)),
+                ("blk.0.ffn_down.weight", w.mat(N_EMBD, N_FF, 0.2)),
+            ),
+        )
+
+    return fill
 
 
 def make_eagle3() -> Path:
@@ -388,51 +463,120 @@ def make_eagle3() -> Path:
     reordered through ``d2t``), so the draft predicts roughly what the target
     would predict from the last token alone. ``norm_before_residual`` keeps
     the fed-back hidden state from piling up over autoregressive steps.
+
+    At this llama.cpp revision ``llama_decode`` splits an EAGLE3 decoder batch
+    with the encoder's row width (``n_embd_inp`` = 3 * n_embd), so only the
+    first ubatch of a draft-context decode reads the right ``embd`` rows; give
+    the draft context ``n_ubatch >= n_batch`` (and ``kv_unified=True`` for
+    several sequences) or the drafts are garbage.
     """
+    return _make("eagle3", "eagle3", _eagle3_fill("pyspec-tiny-eagle3", SEED + 3, _llama_tensors()))
+
+
+# ---------------------------------------------------------------------------
+# cyclic models: greedy output that repeats
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _cyclic_plan() -> tuple[np.ndarray, np.ndarray, tuple[tuple[int, ...], ...]]:
+    """(succ over the whole vocabulary, the cycle tokens, the cycles)."""
     n_vocab = _n_vocab()
-    n_embd_tgt = N_EMBD  # the borrowed token embeddings fix n_embd to the target's
-    n_head_kv = N_HEAD  # V must carry the whole token embedding
+    token_type = dict((k, v) for k, v, _, _ in _vocab_kv())["tokenizer.ggml.token_type"]
+    normal = np.flatnonzero(np.asarray(token_type) == 1)  # no control, byte or unknown tokens
+    rng = np.random.default_rng(CYCLIC_SEED)
+    states = rng.choice(normal, CYCLIC_N_STATES, replace=False)
+    cycles: list[tuple[int, ...]] = []
+    i = 0
+    while i < len(states):
+        n = int(rng.integers(CYCLIC_MIN_LEN, CYCLIC_MAX_LEN + 1))
+        if len(states) - i - n < CYCLIC_MIN_LEN:
+            n = len(states) - i  # the last cycle takes the rest
+        cycles.append(tuple(int(t) for t in states[i : i + n]))
+        i += n
+    succ = states[rng.integers(0, len(states), n_vocab)].astype(np.int64)  # every token enters a cycle
+    for cyc in cycles:
+        for k, t in enumerate(cyc):
+            succ[t] = cyc[(k + 1) % len(cyc)]
+    return succ, np.sort(states), tuple(cycles)
+
+
+def cyclic_successor() -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
+    """The map the cyclic models follow: ``succ[t]`` for every token id, and the cycles."""
+    succ, _, cycles = _cyclic_plan()
+    return succ.copy(), cycles
+
+
+@functools.lru_cache(maxsize=1)
+def _cyclic_tensors() -> tuple[tuple[str, np.ndarray], ...]:
+    """All tensors of the cyclic target, in file order; the cyclic draft takes its first layers."""
+    n_vocab = _n_vocab()
+    succ, states, _ = _cyclic_plan()
+    w = _Weights(CYCLIC_SEED + 1)
+    keys = w.rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32)  # rows of the cycle tokens are used
+    keys[states] /= np.sqrt((keys[states] ** 2).mean(axis=1, keepdims=True))  # RMS 1
+    embd = keys[succ] + np.float32(CYCLIC_EMBD_NOISE) * w.rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32)
+    # head: a cycle token's row is its key, unit length * scale (the normed residual has length
+    # sqrt(N_EMBD), so succ(t) scores about sqrt(N_EMBD) * scale); other rows are small noise
+    head = np.float32(CYCLIC_OTHER_ROW_SCALE / np.sqrt(N_EMBD)) * w.rng.standard_normal(
+        (n_vocab, N_EMBD), dtype=np.float32)
+    head[states] = keys[states] * np.float32(CYCLIC_LOGIT_SCALE / np.sqrt(N_EMBD))
+    special = np.asarray(dict((k, v) for k, v, _, _ in _vocab_kv())["tokenizer.ggml.token_type"]) != 1
+    head[special] = 0.0  # control / byte tokens (eos among them) score 0, far below the top-k
+    out: list[tuple[str, np.ndarray]] = [
+        ("token_embd.weight", embd.astype(np.float16)),
+        ("output_norm.weight", np.ones(N_EMBD, dtype=np.float32)),
+        ("output.weight", head.astype(np.float16)),
+    ]
+    for il in range(TARGET_LAYERS):
+        out.extend(_llama_layer(w, il, CYCLIC_LAYER_SCALE))
+    return tuple(out)
+
+
+def make_cyclic_target() -> Path:
+    """A llama target (4 layers, like ``target``) whose greedy output falls into short cycles.
+
+    The next token is mostly ``cyclic_successor()[0][last token]``: after the
+    prompt, greedy decoding enters one of the cycles (5 to 12 tokens long)
+    and repeats it, which gives the n-gram speculative types matches to draft
+    from. Sampling (temperature 0.8, top-k 40) follows the map most of the
+    time and jumps to other cycles now and then.
+    """
 
     def fill(writer: Any) -> None:
-        _add_common_kv(writer, "pyspec-tiny-eagle3", 1, n_head_kv=n_head_kv)
+        _add_common_kv(writer, "pyspec-tiny-cyclic-target", TARGET_LAYERS)
         writer.add_rope_dimension_count(HEAD_DIM)
-        writer.add_array("eagle3.target_layers", list(EAGLE3_TARGET_LAYERS))
-        writer.add_uint32("eagle3.target_hidden_size", n_embd_tgt)
-        writer.add_bool("eagle3.norm_before_residual", True)
+        _add_tensors(writer, _cyclic_tensors())
 
-        w = _Weights(SEED + 3)
-        d2t = w.rng.permutation(n_vocab).astype(np.int64)
-        eye = np.eye(N_EMBD, dtype=np.float32)
+    return _make("cyclic-target", "llama", fill)
 
-        def from_embd(m: np.ndarray, g_scale: float) -> np.ndarray:
-            # attention input is [norm(token embd) ; norm(g)]: mostly read the first half
-            g_part = w.mat(m.shape[0], N_EMBD, g_scale).astype(np.float32)
-            return np.concatenate([m.astype(np.float32), g_part], axis=1).astype(np.float16)
 
-        qk = w.mat(N_HEAD * HEAD_DIM, N_EMBD, 2.5)  # same for q and k: self-attention wins
+def make_cyclic_draft() -> Path:
+    """The cyclic target's first 2 layers, same embeddings, head and vocabulary (draft-simple)."""
+
+    def fill(writer: Any) -> None:
+        _add_common_kv(writer, "pyspec-tiny-cyclic-draft", DRAFT_LAYERS)
+        writer.add_rope_dimension_count(HEAD_DIM)
         _add_tensors(
             writer,
             (
-                ("fc.weight", w.mat(N_EMBD, len(EAGLE3_TARGET_LAYERS) * n_embd_tgt, 0.5)),
-                ("output_norm.weight", _llama_tensor("output_norm.weight")),
-                # draft row i scores target token d2t[i]
-                ("output.weight", _llama_tensor("output.weight")[d2t]),
-                # the converter stores d2t as absolute target ids, int64
-                ("d2t", d2t),
-                ("blk.0.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32)),
-                ("blk.0.attn_norm_2.weight", 0.1 * w.norm(N_EMBD)),
-                ("blk.0.attn_q.weight", from_embd(qk, 0.1)),
-                ("blk.0.attn_k.weight", from_embd(qk, 0.1)),
-                ("blk.0.attn_v.weight", from_embd(eye, 0.1)),
-                ("blk.0.attn_output.weight", (4.0 * eye + w.mat(N_EMBD, N_EMBD, 0.1)).astype(np.float16)),
-                ("blk.0.ffn_norm.weight", w.norm(N_EMBD)),
-                ("blk.0.ffn_gate.weight", w.mat(N_FF, N_EMBD)),
-                ("blk.0.ffn_up.weight", w.mat(N_FF, N_EMBD)),
-                ("blk.0.ffn_down.weight", w.mat(N_EMBD, N_FF, 0.2)),
+                (name, data)
+                for name, data in _cyclic_tensors()
+                if not name.startswith("blk.") or int(name.split(".")[1]) < DRAFT_LAYERS
             ),
         )
 
-    return _make("eagle3", "eagle3", fill)
+    return _make("cyclic-draft", "llama", fill)
+
+
+def make_cyclic_eagle3() -> Path:
+    """An EAGLE3 head for ``cyclic-target``, wired like ``eagle3`` (see make_eagle3 for the ubatch caveat).
+
+    It borrows the token embeddings of the target it runs with: use it with
+    ``cyclic-target`` as ``ctx_other``.
+    """
+    fill = _eagle3_fill("pyspec-tiny-cyclic-eagle3", CYCLIC_SEED + 3, _cyclic_tensors())
+    return _make("cyclic-eagle3", "eagle3", fill)
 
 
 def _qwen35_attn(w: _Weights, blk: str, scale: float) -> Iterator[tuple[str, np.ndarray]]:
@@ -533,6 +677,9 @@ def make_all() -> dict[str, Path]:
         "draft": make_draft(),
         "eagle3": make_eagle3(),
         "mtp": make_mtp(),
+        "cyclic-target": make_cyclic_target(),
+        "cyclic-draft": make_cyclic_draft(),
+        "cyclic-eagle3": make_cyclic_eagle3(),
     }
 
 

@@ -13,8 +13,16 @@ import pytest
 
 from pyspec import testmodels
 
-MODELS = ("target", "draft", "eagle3", "mtp")
-ARCH = {"target": "llama", "draft": "llama", "eagle3": "eagle3", "mtp": "qwen35"}
+MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3")
+ARCH = {
+    "target": "llama",
+    "draft": "llama",
+    "eagle3": "eagle3",
+    "mtp": "qwen35",
+    "cyclic-target": "llama",
+    "cyclic-draft": "llama",
+    "cyclic-eagle3": "eagle3",
+}
 
 
 def _have_llama_cpp() -> bool:
@@ -157,6 +165,146 @@ def test_mtp_has_one_nextn_layer_after_the_trunk(readers: dict[str, Any]) -> Non
     assert f"blk.{last}.nextn.eh_proj.weight" in names
     nextn_blocks = {n.split(".")[1] for n in names if ".nextn." in n}
     assert nextn_blocks == {str(last)}
+
+
+def test_cyclic_models_have_the_target_shapes(readers: dict[str, Any]) -> None:
+    tgt, dft, e3 = readers["cyclic-target"], readers["cyclic-draft"], readers["cyclic-eagle3"]
+    assert kv(tgt, "llama.block_count") == kv(readers["target"], "llama.block_count")
+    assert kv(dft, "llama.block_count") < kv(tgt, "llama.block_count")
+    for key in ("llama.embedding_length", "llama.attention.head_count", "llama.attention.head_count_kv"):
+        assert kv(tgt, key) == kv(readers["target"], key) == kv(dft, key), key
+    assert kv(e3, "eagle3.target_hidden_size") == kv(tgt, "llama.embedding_length")
+    assert kv(tgt, "general.name") == "pyspec-tiny-cyclic-target"
+    # the draft shares the target's embeddings and head
+    t_tensors = {t.name: t for t in tgt.tensors}
+    for t in dft.tensors:
+        if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < kv(dft, "llama.block_count"):
+            assert bytes(t.data) == bytes(t_tensors[t.name].data), t.name
+
+
+def test_cyclic_successor_is_a_set_of_short_cycles() -> None:
+    succ, cycles = testmodels.cyclic_successor()
+    gguf_types = dict((k, v) for k, v, _, _ in testmodels._vocab_kv())["tokenizer.ggml.token_type"]
+    assert succ.shape == (len(gguf_types),)
+    members = [t for cyc in cycles for t in cyc]
+    assert len(members) == len(set(members)) == testmodels.CYCLIC_N_STATES
+    assert set(succ.tolist()) == set(members)  # every token leads into a cycle
+    for cyc in cycles:
+        assert testmodels.CYCLIC_MIN_LEN <= len(cyc) <= testmodels.CYCLIC_MAX_LEN
+        assert [int(succ[t]) for t in cyc] == list(cyc[1:]) + [cyc[0]]
+        assert all(gguf_types[t] == 1 for t in cyc)  # ordinary tokens: no eos, no bytes
+    succ[0] = -1  # a copy: the generator's map is not touched
+    assert testmodels.cyclic_successor()[0][0] != -1
+
+
+# --- behaviour of the cyclic models ----------------------------------------
+
+
+def _period(tokens: list[int]) -> int | None:
+    """The smallest p such that the last 3p tokens repeat with period p."""
+    for p in range(1, len(tokens) // 3 + 1):
+        tail = tokens[-3 * p :]
+        if all(tail[i] == tail[i + p] for i in range(2 * p)):
+            return p
+    return None
+
+
+@pytest.fixture(scope="module")
+def cyclic_model(models: dict[str, Path]) -> Any:
+    from pyspec import Model
+
+    with Model(models["cyclic-target"]) as m:
+        yield m
+
+
+def _greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    from pyspec import Batch, Context, SamplerChain
+
+    with Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as ctx, SamplerChain().add_greedy() as smpl:
+        batch = Batch(64)
+        batch.add_sequence(prompt, 0, 0, True)
+        ctx.decode(batch)
+        out: list[int] = []
+        for _ in range(n):
+            tok = smpl.sample(ctx, -1)
+            smpl.accept(tok)
+            out.append(tok)
+            batch.clear()
+            batch.add(tok, len(prompt) + len(out) - 1, 0, True)
+            ctx.decode(batch)
+        return out
+
+
+@pytest.mark.parametrize("text", ["def fib(n): return fib(n-1) + fib(n-2)", "Hello"])
+def test_cyclic_target_greedy_output_repeats(cyclic_model: Any, text: str) -> None:
+    succ, cycles = testmodels.cyclic_successor()
+    out = _greedy(cyclic_model, cyclic_model.vocab.tokenize(text, True, False), 40)
+    period = _period(out)
+    assert period is not None and 2 <= period <= 20, out
+    assert period in {len(c) for c in cycles}
+    assert all(int(succ[a]) == b for a, b in zip(out, out[1:])), out  # the map, from the first token on
+
+
+def test_cyclic_target_sampling_is_not_degenerate(cyclic_model: Any) -> None:
+    from pyspec import Batch, Context, SamplerChain
+
+    prompt = cyclic_model.vocab.tokenize("Hello", True, False)
+    runs = []
+    for seed in (1, 2):
+        with Context(cyclic_model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=1) as ctx:
+            smpl = SamplerChain().add_top_k(40).add_temp(0.8).add_dist(seed)
+            batch = Batch(64)
+            batch.add_sequence(prompt, 0, 0, True)
+            ctx.decode(batch)
+            out: list[int] = []
+            for _ in range(64):
+                tok = smpl.sample(ctx, -1)
+                smpl.accept(tok)
+                out.append(tok)
+                batch.clear()
+                batch.add(tok, len(prompt) + len(out) - 1, 0, True)
+                ctx.decode(batch)
+            smpl.close()
+        runs.append(out)
+        assert len(set(out)) >= 10, out
+    assert runs[0] != runs[1]
+
+
+def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -> tuple[int, int, list[int]]:
+    from pyspec import Context
+    from pyspec.driver import SpeculativeGenerator
+    from pyspec.params import CommonParamsSpeculative
+
+    with Context(model, n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1) as ctx:
+        spec = CommonParamsSpeculative(types=[spec_type])
+        spec.ngram_simple.size_n = 3
+        spec.ngram_simple.size_m = 8
+        with SpeculativeGenerator(ctx, spec, engine=engine) as gen:
+            (res,) = gen.generate([prompt], n_predict=64, add_special=not isinstance(prompt, list))
+            return gen.stats.n_drafted, gen.stats.n_accepted, list(res.tokens)
+
+
+def test_ngram_simple_drafts_are_accepted_on_the_cyclic_target(cyclic_model: Any) -> None:
+    from pyspec.params import CommonSpeculativeType as T
+
+    text = "def fib(n): return fib(n-1) + fib(n-2)\n"
+    n_drafted, n_accepted, tokens = _spec_run(cyclic_model, T.NGRAM_SIMPLE, text)
+    prompt = cyclic_model.vocab.tokenize(text, True, False)
+    assert tokens == _greedy(cyclic_model, prompt, 64)  # speculation does not change greedy output
+    assert n_drafted >= 32
+    assert n_accepted > 0.5 * n_drafted
+
+
+def test_ngram_cache_drafts_from_a_cyclic_prompt(cyclic_model: Any) -> None:
+    # ngram-cache learns the n-grams of the prompt (new tokens arrive one or two at a
+    # time, too few to add n-grams): the prompt must hold the cycle
+    from pyspec.params import CommonSpeculativeType as T
+
+    _, cycles = testmodels.cyclic_successor()
+    prompt = [cyclic_model.vocab.bos] + list(cycles[0]) * 3
+    n_drafted, n_accepted, _ = _spec_run(cyclic_model, T.NGRAM_CACHE, prompt)
+    assert n_drafted >= 32
+    assert n_accepted > 0.5 * n_drafted
 
 
 # --- broken files ----------------------------------------------------------
