@@ -14,7 +14,7 @@ import cffi
 
 _DECL_DIR = Path(__file__).with_name("decl")
 # order matters: later files use the types of earlier ones
-_DECL_FILES = ("ggml.h", "llama.h", "pyspec_ext.h", "pyspec_ref.h")
+_DECL_FILES = ("ggml.h", "llama.h", "pyspec_ext.h", "pyspec_ref.h", "pyspec_loop.h")
 
 
 def lib_dir() -> Path:

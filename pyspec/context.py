@@ -275,6 +275,7 @@ class Context(Handle):
     def _check_rows(self, n: int, what: str, n_max: int | None = None) -> None:
         # a view past the rows llama.cpp wrote would read (or crash on) memory it does not own;
         # its output buffer holds at least max(outputs of the last decode, n_seq_max) rows
+        self.ptr  # raises ClosedError first
         limit = max(self._n_outputs, self.n_seq_max) if n_max is None else n_max
         if not 0 <= n <= limit:
             raise IndexError(f"{what}: {n} rows requested, the last decode produced at most {limit}")
@@ -324,15 +325,22 @@ class Context(Handle):
     def get_embeddings_nextn_ith(self, i: int) -> np.ndarray:
         return self._view(ext.pyspec_get_embeddings_nextn_ith(self.ptr, i), (self.n_embd,), f"nextn embeddings for index {i}")
 
-    def set_embeddings_layer_inp(self, layer: int, value: bool) -> None:
+    def check_layer_inp(self, layer: int) -> None:
+        """Raise ValueError unless this context can export the input of ``layer`` (llama.cpp aborts otherwise)."""
         if not 0 <= layer < self.model.n_layer:
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
         arch = self.model.meta("general.architecture")
-        if value and arch not in _LAYER_INP_ARCHS:
+        if arch not in _LAYER_INP_ARCHS:
             raise ValueError(
                 f"layer input extraction (EAGLE3 targets) is not implemented for the {arch!r} architecture "
                 f"at this llama.cpp revision; it is for {', '.join(sorted(_LAYER_INP_ARCHS))}"
             )
+
+    def set_embeddings_layer_inp(self, layer: int, value: bool) -> None:
+        if not 0 <= layer < self.model.n_layer:
+            raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
+        if value:
+            self.check_layer_inp(layer)
         ext.pyspec_set_embeddings_layer_inp(self.ptr, layer, value)
         (self._layer_inp_on.add if value else self._layer_inp_on.discard)(layer)
 

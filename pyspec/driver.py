@@ -14,6 +14,7 @@ The loop runs either implementation (``engine="python"`` for the port,
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -28,10 +29,11 @@ from pyspec.common import (
 )
 from pyspec.context import Context
 from pyspec.engines import ENGINES
-from pyspec.errors import PyspecError
+from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError
 from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
 
 PieceCallback = Callable[[int, str], Any]
+_GENERATING_LOCK = threading.Lock()  # guards the per-context "a generation is running" flag
 # on_event(name, data): a trace of every call into the implementation, for the parity harness
 EventCallback = Callable[[str, dict], Any]
 
@@ -252,6 +254,7 @@ class SpeculativeGenerator:
         yield from pieces
 
     def close(self) -> None:
+        self._closed = True
         self.engine.close()
 
     def __enter__(self) -> SpeculativeGenerator:
@@ -273,6 +276,8 @@ class SpeculativeGenerator:
 
     def _run(self, prompts: Sequence[str | Sequence[int]], n_predict: int, stop: Sequence[str], add_special: bool,
              on_piece: PieceCallback | None, step_hook: bool = False) -> Iterator[Any]:
+        if getattr(self, "_closed", False):
+            raise ClosedError("speculative generator is closed")
         if isinstance(prompts, (str, bytes)):
             raise TypeError("prompts must be a list of prompts")
         if not 1 <= len(prompts) <= self.n_seq:
@@ -286,6 +291,22 @@ class SpeculativeGenerator:
             if s.n_prompt + 1 > n_ctx_seq:
                 raise ValueError(f"prompt of {s.n_prompt} tokens does not fit the context ({n_ctx_seq} per sequence)")
 
+        # one generation per context at a time: a second one (another thread, another
+        # generator, a callback) would interleave its memory edits with this one's
+        ctxs = [c for c in (ctx_tgt, ctx_dft) if c is not None]
+        with _GENERATING_LOCK:
+            if any(getattr(c, "_generating", False) for c in ctxs):
+                raise ConcurrentUseError("a generation is already running on this context (another thread or generator)")
+            for c in ctxs:
+                c._generating = True  # type: ignore[union-attr]
+        try:
+            yield from self._run_claimed(slots, ctx_tgt, ctx_dft, eng, on_piece, stop, step_hook)
+        finally:
+            for c in ctxs:
+                c._generating = False  # type: ignore[union-attr]
+
+    def _run_claimed(self, slots: list[_Slot], ctx_tgt: Context, ctx_dft: Context | None, eng: Any,
+                     on_piece: PieceCallback | None, stop: Sequence[str], step_hook: bool) -> Iterator[Any]:
         timer = _TimedContext()
         undo = [timer.wrap(ctx_tgt)] + ([timer.wrap(ctx_dft)] if ctx_dft is not None else [])
         self.stats = st = GenerationStats()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Sequence
@@ -27,6 +28,24 @@ def _gguf_problem(path: Path) -> str:
     if magic != b"GGUF":
         return f"not a GGUF file (magic {magic!r})"
     return ""
+
+
+class _ErrorLines(logging.Handler):
+    """Collects llama.cpp's error lines while a model loads, so the exception can say why."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def reason(self) -> str:
+        # llama_model_load logs "error loading model: <what>"; the line after it is generic
+        for line in self.lines:
+            if "error loading model:" in line:
+                return line.split("error loading model:", 1)[1].strip()
+        return "; ".join(self.lines[:2])
 
 
 class Model(Handle):
@@ -83,9 +102,15 @@ class Model(Handle):
             params.devices = arr
             self._devices_arr = arr
 
-        ptr = llama.llama_model_load_from_file(str(self.path).encode(), params)
+        errors = _ErrorLines()
+        llama_log = logging.getLogger("pyspec.llama")
+        llama_log.addHandler(errors)
+        try:
+            ptr = llama.llama_model_load_from_file(str(self.path).encode(), params)
+        finally:
+            llama_log.removeHandler(errors)
         if ptr == ffi.NULL:
-            raise ModelLoadError(str(self.path), "llama.cpp rejected the file (see the pyspec.llama log)")
+            raise ModelLoadError(str(self.path), errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
         self._own(ptr, llama.llama_model_free)
         self.vocab = Vocab(self)
 

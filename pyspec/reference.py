@@ -99,6 +99,54 @@ def _fill_ngram_map(dst: Any, src: CommonParamsSpeculativeNgramMap) -> None:
     dst.min_hits = src.min_hits
 
 
+def _check_eagle3_layers(params: CommonParamsSpeculative) -> None:
+    """Refuse what the C++ EAGLE3 constructor / first decode would abort on (GGML_ASSERT).
+
+    An extract layer the target lacks, or a target architecture whose graph does not
+    record layer inputs: Context.check_layer_inp raises ValueError naming it.
+    """
+    from pyspec.context import Context
+
+    d = params.draft
+    if 2 not in [int(t) for t in params.types]:  # COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3
+        return
+    if isinstance(d.ctx_tgt, Context) and isinstance(d.ctx_dft, Context):
+        for lid in d.ctx_dft.model.target_layer_ids():
+            d.ctx_tgt.check_layer_inp(int(lid))
+
+
+def spec_params_struct(params: CommonParamsSpeculative) -> tuple[Any, list[Any]]:
+    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    _check_eagle3_layers(params)
+    types = np.asarray([int(t) for t in params.types], dtype=np.int32)
+    cache_static = params.ngram_cache.lookup_cache_static.encode()
+    cache_dynamic = params.ngram_cache.lookup_cache_dynamic.encode()
+    keep: list[Any] = [types, ffi.new("char[]", cache_static), ffi.new("char[]", cache_dynamic)]
+
+    p = ffi.new("pyspec_ref_spec_params *")
+    _lib.pyspec_ref_spec_params_default(p)
+    p.types = ffi.cast("int32_t *", ffi.from_buffer(types)) if types.size else ffi.NULL
+    p.n_types = int(types.size)
+    d = params.draft
+    p.draft.n_max = d.n_max
+    p.draft.n_min = d.n_min
+    p.draft.p_split = d.p_split
+    p.draft.p_min = d.p_min
+    p.draft.backend_sampling = d.backend_sampling
+    p.draft.ctx_tgt = _cdata_ptr(d.ctx_tgt, "struct llama_context *")
+    p.draft.ctx_dft = _cdata_ptr(d.ctx_dft, "struct llama_context *")
+    p.draft.n_gpu_layers = d.n_gpu_layers
+    p.ngram_mod.n_match = params.ngram_mod.n_match
+    p.ngram_mod.n_max = params.ngram_mod.n_max
+    p.ngram_mod.n_min = params.ngram_mod.n_min
+    _fill_ngram_map(p.ngram_simple, params.ngram_simple)
+    _fill_ngram_map(p.ngram_map_k, params.ngram_map_k)
+    _fill_ngram_map(p.ngram_map_k4v, params.ngram_map_k4v)
+    p.lookup_cache_static = keep[1]
+    p.lookup_cache_dynamic = keep[2]
+    return p, keep
+
+
 class RefSpeculative(Handle):
     """Mirrors struct common_speculative and its functions (speculative.h), run by the C++.
 
@@ -118,32 +166,8 @@ class RefSpeculative(Handle):
         super().__init__()
         if n_seq <= 0:
             raise ValueError(f"n_seq must be positive, got {n_seq}")
-        types = np.asarray([int(t) for t in params.types], dtype=np.int32)
-        cache_static = params.ngram_cache.lookup_cache_static.encode()
-        cache_dynamic = params.ngram_cache.lookup_cache_dynamic.encode()
-        keep = [ffi.new("char[]", cache_static), ffi.new("char[]", cache_dynamic)]
-
-        p = ffi.new("pyspec_ref_spec_params *")
-        _lib.pyspec_ref_spec_params_default(p)
-        p.types = ffi.cast("int32_t *", ffi.from_buffer(types)) if types.size else ffi.NULL
-        p.n_types = int(types.size)
+        p, _keep = spec_params_struct(params)
         d = params.draft
-        p.draft.n_max = d.n_max
-        p.draft.n_min = d.n_min
-        p.draft.p_split = d.p_split
-        p.draft.p_min = d.p_min
-        p.draft.backend_sampling = d.backend_sampling
-        p.draft.ctx_tgt = _cdata_ptr(d.ctx_tgt, "struct llama_context *")
-        p.draft.ctx_dft = _cdata_ptr(d.ctx_dft, "struct llama_context *")
-        p.draft.n_gpu_layers = d.n_gpu_layers
-        p.ngram_mod.n_match = params.ngram_mod.n_match
-        p.ngram_mod.n_max = params.ngram_mod.n_max
-        p.ngram_mod.n_min = params.ngram_mod.n_min
-        _fill_ngram_map(p.ngram_simple, params.ngram_simple)
-        _fill_ngram_map(p.ngram_map_k, params.ngram_map_k)
-        _fill_ngram_map(p.ngram_map_k4v, params.ngram_map_k4v)
-        p.lookup_cache_static = keep[0]
-        p.lookup_cache_dynamic = keep[1]
 
         err = ffi.new("char[]", _ERR_LEN)
         ptr = _lib.pyspec_ref_spec_init(p, n_seq, err, _ERR_LEN)
@@ -290,6 +314,38 @@ class Candidates(NamedTuple):
     sorted: bool
 
 
+def sampling_params_struct(params: CommonParamsSampling) -> tuple[Any, list[Any]]:
+    """A ``pyspec_ref_sampling_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    p = ffi.new("pyspec_ref_sampling_params *")
+    _lib.pyspec_ref_sampling_params_default(p)
+    for name in (
+        "seed", "n_prev", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability",
+        "xtc_threshold", "typ_p", "temp", "dynatemp_range", "dynatemp_exponent", "penalty_last_n",
+        "penalty_repeat", "penalty_freq", "penalty_present", "dry_multiplier", "dry_base",
+        "dry_allowed_length", "dry_penalty_last_n", "adaptive_target", "adaptive_decay", "mirostat",
+        "top_n_sigma", "mirostat_tau", "mirostat_eta", "ignore_eos", "no_perf", "timing_per_token",
+        "backend_sampling",
+    ):  # fmt: skip
+        setattr(p, name, getattr(params, name))
+
+    breakers = [ffi.new("char[]", s.encode()) for s in params.dry_sequence_breakers]
+    breakers_arr = ffi.new("const char *[]", breakers) if breakers else ffi.NULL
+    p.dry_sequence_breakers = breakers_arr
+    p.n_dry_sequence_breakers = len(breakers)
+    samplers = np.asarray([int(s) for s in params.samplers], dtype=np.int32)
+    p.samplers = ffi.cast("int32_t *", ffi.from_buffer(samplers)) if samplers.size else ffi.NULL
+    p.n_samplers = int(samplers.size)
+    grammar = ffi.new("char[]", params.grammar.encode())
+    p.grammar = grammar
+    bias_tok = np.asarray([t for t, _ in params.logit_bias], dtype=np.int32)
+    bias_val = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
+    if bias_tok.size:
+        p.logit_bias_tokens = ffi.cast("llama_token *", ffi.from_buffer(bias_tok))
+        p.logit_bias_values = ffi.cast("float *", ffi.from_buffer(bias_val))
+    p.n_logit_bias = int(bias_tok.size)
+    return p, [breakers, breakers_arr, samplers, grammar, bias_tok, bias_val]
+
+
 class RefSampler(Handle):
     """Mirrors struct common_sampler and its functions (sampling.h), run by the C++.
 
@@ -302,33 +358,7 @@ class RefSampler(Handle):
     def __init__(self, model: Any, params: CommonParamsSampling) -> None:
         """Mirrors common_sampler_init; raises RefError with the reason on failure."""
         super().__init__()
-        p = ffi.new("pyspec_ref_sampling_params *")
-        _lib.pyspec_ref_sampling_params_default(p)
-        for name in (
-            "seed", "n_prev", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability",
-            "xtc_threshold", "typ_p", "temp", "dynatemp_range", "dynatemp_exponent", "penalty_last_n",
-            "penalty_repeat", "penalty_freq", "penalty_present", "dry_multiplier", "dry_base",
-            "dry_allowed_length", "dry_penalty_last_n", "adaptive_target", "adaptive_decay", "mirostat",
-            "top_n_sigma", "mirostat_tau", "mirostat_eta", "ignore_eos", "no_perf", "timing_per_token",
-            "backend_sampling",
-        ):  # fmt: skip
-            setattr(p, name, getattr(params, name))
-
-        breakers = [ffi.new("char[]", s.encode()) for s in params.dry_sequence_breakers]
-        breakers_arr = ffi.new("const char *[]", breakers) if breakers else ffi.NULL
-        p.dry_sequence_breakers = breakers_arr
-        p.n_dry_sequence_breakers = len(breakers)
-        samplers = np.asarray([int(s) for s in params.samplers], dtype=np.int32)
-        p.samplers = ffi.cast("int32_t *", ffi.from_buffer(samplers)) if samplers.size else ffi.NULL
-        p.n_samplers = int(samplers.size)
-        grammar = ffi.new("char[]", params.grammar.encode())
-        p.grammar = grammar
-        bias_tok = np.asarray([t for t, _ in params.logit_bias], dtype=np.int32)
-        bias_val = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
-        if bias_tok.size:
-            p.logit_bias_tokens = ffi.cast("llama_token *", ffi.from_buffer(bias_tok))
-            p.logit_bias_values = ffi.cast("float *", ffi.from_buffer(bias_val))
-        p.n_logit_bias = int(bias_tok.size)
+        p, _keep = sampling_params_struct(params)
 
         err = ffi.new("char[]", _ERR_LEN)
         ptr = _lib.pyspec_ref_sampler_init(_cdata_ptr(model, "struct llama_model *"), p, err, _ERR_LEN)

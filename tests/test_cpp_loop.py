@@ -1,0 +1,214 @@
+"""The C++ reference loop (pyspec.cpp_loop) generates what the Python driver generates."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyspec import Context, Model
+from pyspec import testmodels as tm
+from pyspec._abi import ffi
+from pyspec._abi import ref as lib
+from pyspec.cpp_loop import LoopInputError, cpp_generate
+from pyspec.driver import SpeculativeGenerator
+from pyspec.params import CommonParamsSpeculative
+from pyspec.params import CommonSpeculativeType as T
+from pyspec.reference import RefError
+
+PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3
+N_PREDICT = 32
+# one thread: deterministic and quick even on a loaded machine
+THREADS = {"n_threads": 1, "n_threads_batch": 1}
+
+
+@pytest.fixture(scope="module")
+def eagle3_model():
+    with Model(tm.make_eagle3()) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    with Model(tm.make_mtp()) as m:
+        yield m
+
+
+def _setup(kind: str, n_seq: int, request: pytest.FixtureRequest) -> tuple[Context, CommonParamsSpeculative | None, list]:
+    """Target context and speculative params for one kind, as the driver's users set them up."""
+    n_ctx = 1024 * n_seq
+    contexts: list[Context] = []
+    if kind == "mtp":
+        model = request.getfixturevalue("mtp_model")
+        ctx = Context(model, n_ctx=n_ctx, n_batch=32, n_ubatch=16, n_seq_max=n_seq, n_rs_seq=4, **THREADS)
+    else:
+        model = request.getfixturevalue("target_model")
+        # EAGLE3: one ubatch per batch; when the prompt batches are split into several ubatches its
+        # drafts (not the tokens) vary from run to run
+        n_b, n_ub = (32, 32) if kind == "eagle3" else (128, 64)
+        ctx = Context(model, n_ctx=n_ctx, n_batch=n_b, n_ubatch=n_ub, n_seq_max=n_seq, **THREADS)
+    contexts.append(ctx)
+    spec: CommonParamsSpeculative | None = None
+    if kind == "draft-simple":
+        ctxd = Context(request.getfixturevalue("draft_model"), n_ctx=n_ctx, n_batch=128, n_ubatch=64,
+                       n_seq_max=n_seq, **THREADS)
+        contexts.append(ctxd)
+        spec = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+        spec.draft.ctx_dft = ctxd
+    elif kind == "ngram-simple":
+        spec = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+        spec.ngram_simple.size_n = 1  # the random tiny target rarely repeats longer n-grams
+        spec.ngram_simple.size_m = 8
+    elif kind == "eagle3":
+        ctxd = Context(request.getfixturevalue("eagle3_model"), n_ctx=n_ctx, n_batch=32, n_ubatch=32,
+                       n_seq_max=n_seq, ctx_other=ctx, **THREADS)
+        contexts.append(ctxd)
+        spec = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
+        spec.draft.ctx_dft = ctxd
+        spec.draft.n_max = 4
+    elif kind == "mtp":
+        ctxd = Context(model, n_ctx=n_ctx, n_batch=32, n_ubatch=16, n_seq_max=n_seq, ctx_type="mtp",
+                       ctx_other=ctx, **THREADS)
+        contexts.append(ctxd)
+        spec = CommonParamsSpeculative(types=[T.DRAFT_MTP])
+        spec.draft.ctx_dft = ctxd
+        spec.draft.n_max = 3
+    return ctx, spec, contexts
+
+
+def _close(contexts: list[Context]) -> None:
+    for c in reversed(contexts):
+        c.close()
+
+
+def _driver(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], engine: str,
+            n_predict: int) -> tuple:
+    with SpeculativeGenerator(ctx, spec, n_seq=len(prompts), engine=engine) as gen:
+        rs = gen.generate(prompts, n_predict)
+        return ([r.tokens for r in rs], [r.stop_reason for r in rs], [r.n_drafted for r in rs],
+                [r.n_accepted for r in rs])
+
+
+def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest) -> dict:
+    """Run the driver and the C++ loop, each on fresh contexts; assert the same outcome; return the loop's stats."""
+    prompts = [PROMPT, PROMPT[:50]][:n_seq]
+    n_predict = 128 if kind == "ngram-simple" else N_PREDICT  # n-gram drafts need some history
+    ctx, spec, contexts = _setup(kind, n_seq, request)
+    try:
+        expected = _driver(ctx, spec, prompts, engine, n_predict)
+    finally:
+        _close(contexts)
+    ctx, spec, contexts = _setup(kind, n_seq, request)
+    try:
+        toks, st = cpp_generate(ctx, prompts, n_predict, spec)
+    finally:
+        _close(contexts)
+    if kind == "eagle3" and n_seq > 1:
+        # the C++ reference's EAGLE3 drafts for two sequences vary from run to run (sequence 0
+        # sometimes drafts only rejected tokens); the verified tokens do not
+        expected, got = expected[:2], (toks, st["stop_reasons"])
+    else:
+        got = (toks, st["stop_reasons"], st["n_drafted_seq"], st["n_accepted_seq"])
+    assert got == expected
+    assert all(len(t) == n_predict for t in toks)
+    return st
+
+
+@pytest.mark.parametrize("n_seq", [1, 2])
+@pytest.mark.parametrize("kind", ["none", "draft-simple", "ngram-simple", "eagle3", "mtp"])
+def test_cpp_loop_generates_the_python_drivers_tokens(kind: str, n_seq: int, request: pytest.FixtureRequest) -> None:
+    st = _compare(kind, n_seq, "python", request)
+    if kind != "none":
+        assert st["n_drafted"] > 0  # the speculative path ran
+    assert st["n_steps"] > 0 and st["t_gen_s"] > 0 and st["t_decode_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["draft-simple", "mtp"])
+def test_cpp_loop_generates_the_cpp_engines_tokens(kind: str, request: pytest.FixtureRequest) -> None:
+    _compare(kind, 2, "cpp", request)
+
+
+def test_cpp_loop_stops_at_n_predict_within_a_draft(request: pytest.FixtureRequest) -> None:
+    ctx, spec, contexts = _setup("draft-simple", 1, request)
+    try:
+        for n in (1, 2, 5):
+            (toks,), st = cpp_generate(ctx, [PROMPT], n, spec)
+            assert len(toks) == n and st["stop_reasons"] == ["n_predict"]
+    finally:
+        _close(contexts)
+
+
+# --- bad input: clear Python errors, no crash --------------------------------
+
+
+def test_more_prompts_than_the_targets_sequences_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(ValueError, match=r"n_seq must be 1\.\.2 .* got 3"):
+        cpp_generate(target_ctx, [PROMPT] * 3, 4)
+
+
+def test_no_prompt_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(ValueError, match=r"n_seq must be 1\.\.2 .* got 0"):
+        cpp_generate(target_ctx, [], 4)
+
+
+def test_an_empty_prompt_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(LoopInputError, match="prompt 1 is empty"):
+        cpp_generate(target_ctx, [[1, 2], []], 4)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(ValueError, match="does not fit the context"):
+        cpp_generate(target_ctx, [[1] * 600], 4)
+
+
+def test_a_token_outside_the_vocabulary_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(ValueError, match="token 32000 out of range"):
+        cpp_generate(target_ctx, [[1, 32000]], 4)
+
+
+def test_a_non_positive_n_predict_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(ValueError, match="n_predict must be in 1"):
+        cpp_generate(target_ctx, [[1, 2]], 0)
+
+
+def test_draft_simple_without_a_draft_context_is_refused(target_ctx: Context) -> None:
+    spec = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+    with pytest.raises(RefError, match="draft-simple requires ctx_tgt and ctx_dft"):
+        cpp_generate(target_ctx, [[1, 2]], 4, spec)
+
+
+def test_more_prompts_than_the_drafts_sequences_is_refused(target_ctx: Context, draft_model: Model) -> None:
+    with Context(draft_model, n_ctx=512, n_batch=128, n_seq_max=1) as ctxd:
+        spec = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+        spec.draft.ctx_dft = ctxd
+        with pytest.raises(ValueError, match="exceeds the draft context's n_seq_max 1"):
+            cpp_generate(target_ctx, [[1, 2], [1, 3]], 4, spec)
+
+
+def test_null_pointers_are_refused_by_the_c_api(target_ctx: Context) -> None:
+    err = ffi.new("char[]", 256)
+    assert lib.pyspec_loop_generate(ffi.NULL, ffi.NULL, err, 256) == lib.PYSPEC_REF_E_NULL
+    assert b"NULL" in ffi.string(err)
+    p = ffi.new("pyspec_loop_params *")
+    r = ffi.new("pyspec_loop_result *")
+    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_NULL
+    assert ffi.string(err) == b"ctx_tgt is NULL"
+    p.ctx_tgt = ffi.cast("struct llama_context *", target_ctx.ptr)
+    p.n_seq, p.n_predict = 1, 4
+    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_NULL  # no prompts, no output buffers
+    p.n_predict = 0
+    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_RANGE
+    assert ffi.string(err) == b"n_predict must be positive, got 0"
+
+
+def test_an_output_buffer_smaller_than_n_predict_is_refused_by_the_c_api(target_ctx: Context) -> None:
+    prompt = ffi.new("llama_token[]", [1, 2])
+    lens = ffi.new("int32_t[]", [2])
+    bufs = [ffi.new("int32_t[]", 8) for _ in range(5)]
+    p = ffi.new("pyspec_loop_params *", {"ctx_tgt": ffi.cast("struct llama_context *", target_ctx.ptr), "n_seq": 1,
+                                         "prompt_tokens": prompt, "prompt_lens": lens, "n_predict": 8})
+    r = ffi.new("pyspec_loop_result *", {"tokens": bufs[0], "tokens_cap": 4, "n_tokens": bufs[1],
+                                         "n_drafted": bufs[2], "n_accepted": bufs[3], "stop_reason": bufs[4]})
+    err = ffi.new("char[]", 256)
+    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_CAPACITY
+    r.tokens_cap = 8
+    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_OK
+    assert bufs[1][0] == 8 and bufs[4][0] == 2  # eight tokens, stopped at n_predict
