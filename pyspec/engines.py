@@ -19,16 +19,18 @@ def _has_spec(params: CommonParamsSpeculative | None) -> bool:
     return params is not None and any(t != CommonSpeculativeType.NONE for t in params.types)
 
 
-class PortEngine:
-    """The Python port: pyspec.speculative + pyspec.sampling."""
+class _Engine:
+    """What both engines share: one speculative state, one sampler per sequence."""
 
-    name = "python"
+    spec: Any
+    smpls: list[Any]
 
-    def __init__(self, model_tgt: Any, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling, n_seq: int) -> None:
+    def __init__(self, spec: Any, make_sampler: Any, n_seq: int) -> None:
         self.n_seq = n_seq
-        self.spec = sp.common_speculative_init(spec, n_seq) if _has_spec(spec) else None
+        self.spec = spec
+        self.smpls = []
         try:
-            self.smpls = [smp.common_sampler_init(model_tgt, copy.deepcopy(sampling)) for _ in range(n_seq)]
+            self.smpls = [make_sampler() for _ in range(n_seq)]
         except Exception:
             self.close()
             raise
@@ -36,6 +38,34 @@ class PortEngine:
     @property
     def has_spec(self) -> bool:
         return self.spec is not None
+
+    def restore_sampler(self, seq_id: int, saved: Any) -> None:
+        self.smpls[seq_id].close()
+        self.smpls[seq_id] = saved
+
+    def drop_saved(self, saved: Any) -> None:
+        saved.close()
+
+    def close(self) -> None:
+        for s in self.smpls:
+            s.close()
+        self.smpls = []
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
+
+
+class PortEngine(_Engine):
+    """The Python port: pyspec.speculative + pyspec.sampling."""
+
+    name = "python"
+
+    def __init__(self, model_tgt: Any, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling, n_seq: int) -> None:
+        super().__init__(
+            sp.common_speculative_init(spec, n_seq) if _has_spec(spec) else None,
+            lambda: smp.common_sampler_init(model_tgt, copy.deepcopy(sampling)),
+            n_seq,
+        )
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         sp.common_speculative_begin(self.spec, seq_id, prompt)
@@ -78,29 +108,14 @@ class PortEngine:
     def save_sampler(self, seq_id: int) -> Any:
         return smp.common_sampler_clone(self.smpls[seq_id])
 
-    def restore_sampler(self, seq_id: int, saved: Any) -> None:
-        self.smpls[seq_id].close()
-        self.smpls[seq_id] = saved
-
-    def drop_saved(self, saved: Any) -> None:
-        saved.close()
-
     def impl_stats(self) -> list[dict[str, Any]]:
         if self.spec is None:
             return []
         return [{"name": sp.common_speculative_type_to_str(i.type), **i.counters(),
                  "t_draft_us": i.t_draft_us} for i in self.spec.impls]
 
-    def close(self) -> None:
-        for s in getattr(self, "smpls", []):
-            s.close()
-        self.smpls = []
-        if self.spec is not None:
-            self.spec.close()
-            self.spec = None
 
-
-class RefEngine:
+class RefEngine(_Engine):
     """The C++ reference: common_speculative_* and common_sampler_* through libpyspec_ref."""
 
     name = "cpp"
@@ -108,17 +123,11 @@ class RefEngine:
     def __init__(self, model_tgt: Any, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling, n_seq: int) -> None:
         from pyspec.reference import RefSampler, RefSpeculative
 
-        self.n_seq = n_seq
-        self.spec = RefSpeculative.init(spec, n_seq) if _has_spec(spec) else None
-        try:
-            self.smpls = [RefSampler(model_tgt, sampling) for _ in range(n_seq)]
-        except Exception:
-            self.close()
-            raise
-
-    @property
-    def has_spec(self) -> bool:
-        return self.spec is not None
+        super().__init__(
+            RefSpeculative.init(spec, n_seq) if _has_spec(spec) else None,
+            lambda: RefSampler(model_tgt, sampling),
+            n_seq,
+        )
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         if self.spec is not None:
@@ -149,23 +158,8 @@ class RefEngine:
     def save_sampler(self, seq_id: int) -> Any:
         return self.smpls[seq_id].clone()
 
-    def restore_sampler(self, seq_id: int, saved: Any) -> None:
-        self.smpls[seq_id].close()
-        self.smpls[seq_id] = saved
-
-    def drop_saved(self, saved: Any) -> None:
-        saved.close()
-
     def impl_stats(self) -> list[dict[str, Any]]:
         return [] if self.spec is None else self.spec.impl_stats()
-
-    def close(self) -> None:
-        for s in getattr(self, "smpls", []):
-            s.close()
-        self.smpls = []
-        if self.spec is not None:
-            self.spec.close()
-            self.spec = None
 
 
 ENGINES = {"python": PortEngine, "cpp": RefEngine}
