@@ -882,3 +882,17 @@ llama_token_data_array * pyspec_ref_sampler_get_candidates(pyspec_ref_sampler * 
 }
 
 } // extern "C"
+
+extern "C" {
+
+// llama.cpp's common log (LOG_INF/LOG_WRN/... of common/) prints from a worker
+// thread to stderr; pyspec keeps it silent unless asked (-1 silences all).
+void pyspec_ref_log_set_verbosity(int verbosity) {
+    common_log_set_verbosity_thold(verbosity);
+}
+
+int pyspec_ref_log_get_verbosity(void) {
+    return common_log_get_verbosity_thold();
+}
+
+} // extern "C"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from pyspec._abi import ffi, ggml, llama
+from pyspec._abi import ffi, ggml, llama, ref
 
 logger = logging.getLogger("pyspec.llama")
 
@@ -43,9 +43,16 @@ def _on_log(level: int, text, _user_data) -> None:  # noqa: ANN001 - cffi cdata
 
 
 def install() -> None:
-    """Send llama.cpp and ggml logs to the ``pyspec.llama`` logger."""
+    """Send llama.cpp and ggml logs to the ``pyspec.llama`` logger; keep the C++ common log quiet."""
     llama.llama_log_set(_on_log, ffi.NULL)
     ggml.ggml_log_set(_on_log, ffi.NULL)
+    set_common_log_verbosity(-1)
+
+
+def set_common_log_verbosity(verbosity: int) -> None:
+    """Threshold of llama.cpp's common log, which the C++ reference writes to stderr
+    (-1 silences it, 0 shows info, warnings and errors, 1 and up adds debug lines)."""
+    ref.pyspec_ref_log_set_verbosity(verbosity)
 
 
 if logger.level == logging.NOTSET:

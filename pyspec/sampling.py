@@ -43,7 +43,7 @@ class CommonSampler:
         # ring_buffer<llama_token> prev(max(32, n_prev))
         self.prev: deque[int] = deque(maxlen=max(32, params.n_prev))
         self.n_vocab = n_vocab
-        self._cur_buf = np.zeros(n_vocab, dtype=TOKEN_DATA)
+        self._cur_buf = np.empty(n_vocab, dtype=TOKEN_DATA)  # filled by set_logits before any use
         self._cur_cbuf = ffi.from_buffer(self._cur_buf)
         self._cur_ptr = ffi.cast("llama_token_data *", self._cur_cbuf)
         self.cur = self._cur_buf[:0]
@@ -261,7 +261,8 @@ def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab)
     out.prev = deque(gsmpl.prev, maxlen=gsmpl.prev.maxlen)
     n = int(gsmpl.cur.size)
-    out._cur_buf[:n] = gsmpl._cur_buf[:n]
+    # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
+    ffi.memmove(out._cur_ptr, gsmpl._cur_ptr, n * TOKEN_DATA.itemsize)
     out.cur = out._cur_buf[:n]
     return out
 

@@ -205,3 +205,7 @@ int pyspec_ref_sampler_get_seed(const pyspec_ref_sampler * smpl, uint32_t * out)
 /* common_sampler_get_candidates: a view into the sampler, valid until its
  * next sample/reset/free; NULL (and last_error) when there is none yet */
 llama_token_data_array * pyspec_ref_sampler_get_candidates(pyspec_ref_sampler * smpl, bool do_sort);
+
+/* verbosity threshold of llama.cpp's common log (-1: silent, 0: info/warnings/errors, 1+: debug) */
+void pyspec_ref_log_set_verbosity(int verbosity);
+int  pyspec_ref_log_get_verbosity(void);

