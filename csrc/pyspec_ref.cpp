@@ -48,6 +48,25 @@
 #include <vector>
 
 namespace pyspec_ref_impl {
+
+// Memory-safety shim around an upstream bug, leaving the reference's logic as it is.
+// speculative.cpp's EAGLE3 implementation allocates its decoder batch with
+// llama_batch_init(n_b, n_embd_dec, 1), but llama_context::decode strides embedding
+// rows by n_embd_inp (3 x n_embd_tgt for EAGLE3) once a decode splits into several
+// ubatches, reading past the end of that allocation (valgrind: invalid reads). This
+// overload, found first by the unqualified calls inside this namespace, gives every
+// batch room for 4 x n_tokens rows and zeroes it, so those reads stay in bounds and
+// read zeros. The Python port over-allocates its zeroed batch the same way, so both
+// sides read the same values and stay token-identical.
+static llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max) {
+    constexpr int32_t pad = 4;
+    llama_batch batch = ::llama_batch_init(embd ? n_tokens * pad : n_tokens, embd, n_seq_max);
+    if (batch.embd != nullptr) {
+        std::memset(batch.embd, 0, sizeof(float) * (size_t) n_tokens * pad * embd);
+    }
+    return batch;
+}
+
 #include "speculative.cpp"
 } // namespace pyspec_ref_impl
 
@@ -853,6 +872,10 @@ int pyspec_ref_sampler_get_seed(const pyspec_ref_sampler * smpl, uint32_t * out)
         *out = common_sampler_get_seed(smpl->smpl);
         return (int) PYSPEC_REF_OK;
     });
+}
+
+llama_sampler * pyspec_ref_sampler_get_chain(pyspec_ref_sampler * smpl) {
+    return (smpl == nullptr || smpl->smpl == nullptr) ? nullptr : common_sampler_get(smpl->smpl);
 }
 
 llama_token_data_array * pyspec_ref_sampler_get_candidates(pyspec_ref_sampler * smpl, bool do_sort) {

@@ -39,6 +39,13 @@ class _Engine:
     def has_spec(self) -> bool:
         return self.spec is not None
 
+    def attach_backend_sampler(self, ctx: Any, seq_id: int, on: bool) -> bool:
+        """llama_set_sampler with this sequence's chain (or none): sampling on the backend."""
+        from pyspec._abi import ffi, llama
+
+        chain = self._chain(seq_id) if on else ffi.NULL
+        return bool(llama.llama_set_sampler(ctx.ptr, seq_id, chain))
+
     def restore_sampler(self, seq_id: int, saved: Any) -> None:
         self.smpls[seq_id].close()
         self.smpls[seq_id] = saved
@@ -108,6 +115,9 @@ class PortEngine(_Engine):
     def save_sampler(self, seq_id: int) -> Any:
         return smp.common_sampler_clone(self.smpls[seq_id])
 
+    def _chain(self, seq_id: int) -> Any:
+        return smp.common_sampler_get(self.smpls[seq_id])
+
     def impl_stats(self) -> list[dict[str, Any]]:
         if self.spec is None:
             return []
@@ -157,6 +167,9 @@ class RefEngine(_Engine):
 
     def save_sampler(self, seq_id: int) -> Any:
         return self.smpls[seq_id].clone()
+
+    def _chain(self, seq_id: int) -> Any:
+        return self.smpls[seq_id].chain
 
     def impl_stats(self) -> list[dict[str, Any]]:
         return [] if self.spec is None else self.spec.impl_stats()

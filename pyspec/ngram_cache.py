@@ -313,8 +313,11 @@ def get_token(inp: Sequence[int], draft: Sequence[int], i: int) -> int:
     Helper function to get a token from the combined, speculative sequence of inp and draft.
     """
     if i < 0:
-        # the C++ takes i as size_t: a negative index wraps and reads out of bounds
-        raise ValueError(f"get_token: index {i} is before the start of inp (n-gram longer than the sequence)")
+        # An n-gram longer than inp + draft (common_ngram_cache_draft on a sequence of fewer than
+        # LLAMA_NGRAM_MAX tokens). The C++ takes i as size_t: it wraps and reads the heap before
+        # draft's buffer (undefined behaviour, in practice a token no cached n-gram starts with).
+        # LLAMA_TOKEN_NULL never starts a cached n-gram, so that n-gram finds nothing, as in the C++.
+        return LLAMA_TOKEN_NULL
     return int(inp[i] if i < len(inp) else draft[1 + i - len(inp)])
 
 

@@ -587,6 +587,15 @@ def common_ngram_map_accept(map: CommonNgramMap, n_accepted: int) -> None:
     key_idx = map.last_draft_key_idx
     val_idx = map.last_draft_value_idx
 
+    # the C++ indexes without a check (undefined behaviour when common_ngram_map_begin
+    # dropped the key since the draft); say so instead of an IndexError
+    if not (key_idx < len(map.keys) and val_idx < len(map.keys[key_idx].values)):
+        from pyspec.errors import SpeculativeError
+
+        raise SpeculativeError(
+            f"common_ngram_map_accept: the drafted key {key_idx} no longer exists "
+            "(common_ngram_map_begin dropped it); accept must follow the draft it accepts")
+
     # find key corresponding to key_idx.
     curr_key = map.keys[key_idx]
     # find value corresponding to val_idx.

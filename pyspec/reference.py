@@ -368,6 +368,11 @@ class RefSampler(Handle):
         # common_sampler_init turns backend sampling off when a grammar is set
         self.backend_sampling = bool(_lib.pyspec_ref_sampler_backend_sampling(ptr))
 
+    @property
+    def chain(self) -> Any:
+        """Mirrors common_sampler_get: the llama_sampler chain, e.g. for llama_set_sampler."""
+        return _lib.pyspec_ref_sampler_get_chain(self.ptr)
+
     def clone(self) -> RefSampler:
         """Mirrors common_sampler_clone."""
         ptr = _lib.pyspec_ref_sampler_clone(self.ptr)

@@ -186,6 +186,9 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const struct llama_model * model,
                                              char * err, size_t err_len);
 void pyspec_ref_sampler_free(pyspec_ref_sampler * smpl);
 
+/* common_sampler_get: the sampler chain (owned by the sampler), e.g. for llama_set_sampler. */
+struct llama_sampler * pyspec_ref_sampler_get_chain(pyspec_ref_sampler * smpl);
+
 /* common_sampler_clone: an independent copy (chain state, previous tokens). */
 pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl);
 /* backend_sampling after init (common_sampler_init may turn it off) */

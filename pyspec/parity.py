@@ -1,0 +1,351 @@
+"""The parity harness: one scenario through the C++ reference and the Python port, compared call by call.
+
+Each side gets its own, identically made set of models and contexts and its own
+SpeculativeGenerator (``engine="cpp"`` and ``engine="python"``). The generation
+loop reports every call into the implementation (``process``, ``begin``,
+``draft``, ``accept``) through ``on_event`` with the drafts, each
+implementation's counters, the target and draft contexts' per-sequence
+(pos_min, pos_max) and the tokens generated so far. Both loops are
+deterministic, so their traces must be equal event for event: the C++ side runs
+first and records its trace, then the Python side runs and is stopped at the
+first event that differs.
+
+    sc = ParityScenario(target=path, types=["ngram-simple"], prompts=["...", "..."], n_seq=2)
+    report = run_parity(sc)  # report.ok, report.divergence (event, field, python, cpp)
+    assert_parity(sc)        # the same, raising ParityError at the first divergence
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pyspec.context import Context
+from pyspec.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.model import Model
+from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSpeculativeType as T
+from pyspec.speculative import common_speculative_type_from_name, common_speculative_type_to_str
+
+DRAFT_KINDS = ("none", "draft", "eagle3", "mtp")
+
+Prompt = str | Sequence[int]
+
+
+def parse_type(t: T | int | str) -> T:
+    """A speculative type from its enum value or its llama.cpp name ("ngram-simple", ...)."""
+    if isinstance(t, str):
+        parsed = common_speculative_type_from_name(t)
+        if parsed == T.COUNT:
+            raise ValueError(f"unknown speculative type: {t}")
+        return parsed
+    return T(t)
+
+
+def draft_kind_for(types: Sequence[T]) -> str:
+    """The draft context the types need: a separate draft model, an EAGLE3 head, an MTP context, or none."""
+    if T.DRAFT_MTP in types:
+        return "mtp"
+    if T.DRAFT_EAGLE3 in types:
+        return "eagle3"
+    if T.DRAFT_SIMPLE in types:
+        return "draft"
+    return "none"
+
+
+@dataclass
+class ParityScenario:
+    """One scenario: models, contexts, speculative and sampling parameters, prompts.
+
+    ``types`` go to CommonParamsSpeculative.types together (one dispatcher). The
+    prompts are generated ``n_seq`` at a time with one generator per side, so
+    later groups also test the state the implementations keep between requests.
+    ``draft_kind`` "auto" follows the types: "draft" loads ``draft`` as a separate
+    model (the target itself when ``draft`` is None), "eagle3" loads ``draft`` as
+    an EAGLE3 head reading the target context (ctx_other), "mtp" opens an MTP
+    context on the target model. ``n_ctx`` is per sequence.
+    """
+
+    target: str
+    types: Sequence[T | int | str] = (T.NONE,)
+    prompts: Sequence[Prompt] = ("Hello",)
+    draft: str | None = None
+    draft_kind: str = "auto"
+    n_seq: int = 1
+    n_predict: int = 32
+    n_ctx: int = 256
+    n_batch: int = 32
+    n_ubatch: int = 16
+    # the draft context's n_ubatch; None: n_ubatch, except for EAGLE3 (see _eagle3_dft_params)
+    n_ubatch_dft: int | None = None
+    n_threads: int | None = None
+    # CommonParamsSpeculative knobs (draft-*, the three n-gram maps alike, ngram-mod, ngram-cache)
+    n_max: int = 3
+    n_min: int = 0
+    p_min: float = 0.0
+    ngram_size_n: int = 3
+    ngram_size_m: int = 8
+    ngram_min_hits: int = 1
+    ngram_mod_n_match: int = 4
+    ngram_mod_n_min: int = 1
+    ngram_mod_n_max: int = 8
+    lookup_cache_static: str = ""
+    lookup_cache_dynamic: str = ""
+    # MTP only: n_rs_seq 0 on the target, so rollbacks go through checkpoints
+    mtp_checkpoint: bool = False
+    sampling: CommonParamsSampling = field(default_factory=greedy_sampling)
+    name: str = ""
+
+    def spec_types(self) -> list[T]:
+        return [parse_type(t) for t in self.types]
+
+    def resolved_draft_kind(self) -> str:
+        kind = draft_kind_for(self.spec_types()) if self.draft_kind == "auto" else self.draft_kind
+        if kind not in DRAFT_KINDS:
+            raise ValueError(f"draft_kind must be 'auto' or one of {DRAFT_KINDS}, not {kind!r}")
+        if kind == "eagle3" and not self.draft:
+            raise ValueError("draft_kind 'eagle3' needs the EAGLE3 model path in 'draft'")
+        return kind
+
+    def spec_params(self, ctx_dft: Context | None) -> CommonParamsSpeculative:
+        sp = CommonParamsSpeculative(types=self.spec_types())
+        sp.draft.n_max, sp.draft.n_min, sp.draft.p_min = self.n_max, self.n_min, self.p_min
+        sp.draft.ctx_dft = ctx_dft
+        for m in (sp.ngram_simple, sp.ngram_map_k, sp.ngram_map_k4v):
+            m.size_n, m.size_m, m.min_hits = self.ngram_size_n, self.ngram_size_m, self.ngram_min_hits
+        sp.ngram_mod.n_match, sp.ngram_mod.n_min, sp.ngram_mod.n_max = (
+            self.ngram_mod_n_match, self.ngram_mod_n_min, self.ngram_mod_n_max)
+        sp.ngram_cache.lookup_cache_static = self.lookup_cache_static
+        sp.ngram_cache.lookup_cache_dynamic = self.lookup_cache_dynamic
+        return sp
+
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        s = self.sampling
+        smp = "greedy" if s.samplers == greedy_sampling().samplers and s.top_k == 1 else f"temp={s.temp},seed={s.seed}"
+        types = "+".join(common_speculative_type_to_str(t) for t in self.spec_types())
+        return (f"{types} n_seq={self.n_seq} n_max={self.n_max} n_min={self.n_min} p_min={self.p_min} "
+                f"{smp} prompts={len(self.prompts)} n_predict={self.n_predict}")
+
+
+@dataclass
+class ContextSet:
+    """The models and contexts of one side; close() frees them."""
+
+    models: list[Model]
+    ctx_tgt: Context
+    ctx_dft: Context | None
+
+    def close(self) -> None:
+        for c in (self.ctx_dft, self.ctx_tgt):
+            if c is not None:
+                c.close()
+        for m in self.models:
+            m.close()
+
+    def __enter__(self) -> ContextSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _eagle3_dft_params(sc: ParityScenario) -> dict[str, Any]:
+    # At this revision llama_decode reads a batch's embd rows n_embd_inp() floats apart; for an
+    # EAGLE3 decoder that is 3 * n_embd_tgt, while its rows (g_embd) are n_embd wide. A ubatch whose
+    # tokens are rows 0..n-1 of the batch comes out right all the same; any other ubatch (the second
+    # of a split batch, or a per-sequence ubatch of split_equal when each sequence has its own KV
+    # stream) reads the wrong rows, partly past the end of the buffer: garbage, NaN logits, drafts
+    # that change from run to run on both sides alike. One ubatch per decode (n_ubatch = n_batch)
+    # over a unified KV cache (split_simple) keeps the EAGLE3 decoder on the path that works.
+    return {"n_ubatch": sc.n_ubatch_dft or sc.n_batch, "kv_unified": True}
+
+
+def build_contexts(sc: ParityScenario) -> ContextSet:
+    """A fresh set of models and contexts for the scenario; every call makes an identical one."""
+    kind = sc.resolved_draft_kind()
+    cparams: dict[str, Any] = dict(n_ctx=sc.n_ctx * sc.n_seq, n_batch=sc.n_batch, n_ubatch=sc.n_ubatch,
+                                   n_seq_max=sc.n_seq)
+    if sc.n_threads is not None:
+        cparams.update(n_threads=sc.n_threads, n_threads_batch=sc.n_threads)
+    tgt = Model(sc.target)
+    models, ctxs = [tgt], []
+    try:
+        n_rs_seq = 0 if kind != "mtp" or sc.mtp_checkpoint else sc.spec_params(None).need_n_rs_seq()
+        ctx_tgt = Context(tgt, n_rs_seq=n_rs_seq, **cparams)
+        ctxs.append(ctx_tgt)
+        if kind == "none":
+            return ContextSet(models, ctx_tgt, None)
+        dparams = dict(cparams, n_ubatch=sc.n_ubatch_dft or sc.n_ubatch)
+        if kind == "mtp":
+            dft = tgt  # the MTP block of the target model, in a context of its own type
+            dparams.update(ctx_type="mtp", ctx_other=ctx_tgt)
+        elif kind == "draft" and (sc.draft is None or sc.draft == sc.target):
+            dft = tgt  # draft = target: the same model, a second context
+        else:
+            dft = Model(sc.draft)  # type: ignore[arg-type]
+            models.append(dft)
+        if kind == "eagle3":
+            dparams.update(_eagle3_dft_params(sc), ctx_other=ctx_tgt)
+        return ContextSet(models, ctx_tgt, Context(dft, **dparams))
+    except BaseException:
+        for h in ctxs + models:
+            h.close()
+        raise
+
+
+@dataclass
+class Divergence:
+    """The first event where the two sides differ."""
+
+    index: int  # event number in the trace
+    step: int  # target decodes so far (prefill chunks included)
+    event: str
+    field: str
+    python: Any
+    cpp: Any
+
+    def __str__(self) -> str:
+        return (f"event #{self.index} ({self.event}, after {self.step} target decodes), {self.field}: "
+                f"python={self.python!r} cpp={self.cpp!r}")
+
+
+@dataclass
+class ParityReport:
+    """The outcome of one scenario."""
+
+    scenario: str
+    ok: bool
+    n_events: int  # events compared
+    divergence: Divergence | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # side -> exception, when a side raised
+    tokens: list[list[int]] = field(default_factory=list)  # the C++ side's generated tokens, per prompt
+    n_drafted: int = 0
+    n_accepted: int = 0
+
+    def verdict(self) -> str:
+        if self.ok:
+            return (f"OK    {self.scenario}: {self.n_events} events, {sum(map(len, self.tokens))} tokens, "
+                    f"drafted {self.n_drafted}, accepted {self.n_accepted}")
+        why = str(self.divergence) if self.divergence else "; ".join(f"{k}: {v}" for k, v in self.errors.items())
+        return f"DIVERGE {self.scenario}: {why}"
+
+
+class ParityError(AssertionError):
+    """The Python port and the C++ reference disagree (or one of them failed) on a scenario."""
+
+    def __init__(self, report: ParityReport) -> None:
+        super().__init__(report.verdict())
+        self.report = report
+
+
+class _Stop(Exception):
+    """Stops the Python side's loop at the first divergence."""
+
+
+def _first_diff(py: Any, cpp: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first (path, python, cpp) where two event payloads differ; lists of scalars compare whole."""
+    if isinstance(py, dict) and isinstance(cpp, dict):
+        for k in sorted(set(py) | set(cpp), key=str):
+            sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else str(k))
+            if k not in py or k not in cpp:
+                return sub, py.get(k, "<missing>"), cpp.get(k, "<missing>")
+            d = _first_diff(py[k], cpp[k], sub)
+            if d:
+                return d
+        return None
+    if isinstance(py, list) and isinstance(cpp, list) and py and isinstance(py[0], dict):
+        if len(py) != len(cpp):
+            return f"{path} (length)", len(py), len(cpp)
+        for i, (a, b) in enumerate(zip(py, cpp)):
+            d = _first_diff(a, b, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if py == cpp else (path, py, cpp)
+
+
+def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> tuple[list[list[int]], int, int]:
+    """Run the scenario on one side; returns the generated tokens per prompt, n_drafted, n_accepted."""
+    tokens: list[list[int]] = []
+    n_drafted = n_accepted = 0
+    with build_contexts(sc) as cs:
+        spec = sc.spec_params(cs.ctx_dft)
+        with SpeculativeGenerator(cs.ctx_tgt, spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
+                                  on_event=on_event) as gen:
+            for i in range(0, len(sc.prompts), sc.n_seq):
+                for r in gen.generate(list(sc.prompts[i : i + sc.n_seq]), sc.n_predict):
+                    tokens.append(r.tokens)
+                n_drafted += gen.stats.n_drafted
+                n_accepted += gen.stats.n_accepted
+    return tokens, n_drafted, n_accepted
+
+
+def run_parity(sc: ParityScenario) -> ParityReport:
+    """Run the scenario through the C++ reference, then the Python port, comparing after every call."""
+    label = sc.label()
+    trace: list[tuple[str, dict]] = []
+    errors: dict[str, str] = {}
+    try:
+        tokens, n_drafted, n_accepted = _run_side(sc, "cpp", lambda name, data: trace.append((name, data)))
+    except Exception as e:  # the reference failed: still see whether the port fails the same way
+        errors["cpp"] = f"{type(e).__name__}: {e}"
+        tokens, n_drafted, n_accepted = [], 0, 0
+
+    n = 0
+    steps = 0
+    found: list[Divergence] = []
+
+    def compare(name: str, data: dict) -> None:
+        nonlocal n, steps
+        if n >= len(trace):
+            found.append(Divergence(n, steps, name, "event", name, "<end of trace>"))
+            raise _Stop
+        cpp_name, cpp_data = trace[n]
+        d = ("event", name, cpp_name) if name != cpp_name else _first_diff(data, cpp_data, "")
+        if d is not None:
+            found.append(Divergence(n, steps, cpp_name, *d))
+            raise _Stop
+        steps += name == "process"
+        n += 1
+
+    try:
+        py_tokens, _, _ = _run_side(sc, "python", compare)
+    except _Stop:
+        py_tokens = None
+    except Exception as e:
+        errors["python"] = f"{type(e).__name__}: {e}"
+        py_tokens = None
+    if not found and not errors:
+        if n < len(trace):
+            found.append(Divergence(n, steps, trace[n][0], "event", "<end of trace>", trace[n][0]))
+        elif py_tokens != tokens:
+            found.append(Divergence(n, steps, "result", "tokens", py_tokens, tokens))
+    div = found[0] if found else None
+    if div is None and set(errors) == {"cpp", "python"} and errors["cpp"] != errors["python"]:
+        div = Divergence(n, steps, "error", "exception", errors["python"], errors["cpp"])
+    return ParityReport(label, ok=div is None and not errors, n_events=n, divergence=div, errors=errors,
+                        tokens=tokens, n_drafted=n_drafted, n_accepted=n_accepted)
+
+
+def assert_parity(sc: ParityScenario) -> ParityReport:
+    """run_parity, raising ParityError unless both sides agree on every event; returns the report."""
+    report = run_parity(sc)
+    if not report.ok:
+        raise ParityError(report)
+    return report
+
+
+@functools.lru_cache(maxsize=32)
+def continued_prompt(target: str, text: str, n: int = 24) -> tuple[int, ...]:
+    """The tokens of ``text`` followed by the target's own greedy continuation (n tokens).
+
+    Generating after such a prompt carries on where the prompt left off, so the
+    n-gram statistics of the prompt (ngram-cache's context cache) already hold
+    what comes next, on a target whose output repeats itself.
+    """
+    with Model(target) as m, Context(m, n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1, n_threads_batch=1) as ctx:
+        with SpeculativeGenerator(ctx, None, greedy_sampling(), n_seq=1) as gen:
+            (r,) = gen.generate([text], n)
+        return tuple(m.vocab.tokenize(text, add_special=True) + r.tokens)

