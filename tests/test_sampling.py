@@ -1,0 +1,150 @@
+"""The common_sampler port against the C++ common_sampler, call for call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pyspec import Batch, Context
+from pyspec import sampling as smp
+from pyspec._abi import llama
+from pyspec.params import CommonParamsSampling
+from pyspec.params import CommonSamplerType as S
+from pyspec.reference import RefSampler
+
+PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
+
+
+class Side:
+    """One sampler (Python port or C++ reference) with its own context."""
+
+    def __init__(self, model, params: CommonParamsSampling, cpp: bool, backend: bool = False) -> None:
+        self.ctx = Context(model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1)
+        p = dataclasses.replace(params)
+        self.cpp = cpp
+        self.s = RefSampler(model, p) if cpp else smp.common_sampler_init(model, p)
+        if backend:
+            chain = self.s.chain if cpp else smp.common_sampler_get(self.s)
+            assert llama.llama_set_sampler(self.ctx.ptr, 0, chain)
+        self.batch = Batch(32)
+        self.n_past = 0
+
+    def feed(self, tokens, all_logits: bool = False) -> None:
+        self.batch.clear()
+        for i, t in enumerate(tokens):
+            self.batch.add(t, self.n_past + i, 0, all_logits or i == len(tokens) - 1)
+        self.n_past += len(tokens)
+        self.ctx.decode(self.batch)
+
+    def sample(self, idx: int = -1, grammar_first: bool = False) -> int:
+        if self.cpp:
+            return self.s.sample(self.ctx, idx, grammar_first)
+        return smp.common_sampler_sample(self.s, self.ctx, idx, grammar_first)
+
+    def accept(self, tok: int) -> None:
+        if self.cpp:
+            self.s.accept(tok, True)
+        else:
+            smp.common_sampler_accept(self.s, tok, True)
+
+    def generate(self, n: int, grammar_first: bool = False) -> list[int]:
+        self.feed(PROMPT)
+        out = []
+        for _ in range(n):
+            tok = self.sample(-1, grammar_first)
+            self.accept(tok)
+            out.append(tok)
+            self.feed([tok])
+        return out
+
+
+STOCHASTIC = CommonParamsSampling(seed=4242, temp=0.9)  # the full default chain, seeded
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        CommonParamsSampling(top_k=1, samplers=[S.TOP_K]),
+        STOCHASTIC,
+        CommonParamsSampling(seed=7, temp=1.5, penalty_repeat=1.3, dry_multiplier=0.8, xtc_probability=0.5,
+                             xtc_threshold=0.05, min_p=0.0, top_p=0.9, typ_p=0.9),
+        CommonParamsSampling(seed=3, mirostat=2),
+        CommonParamsSampling(seed=11, logit_bias=[(450, 5.0), (29916, -100.0)]),
+    ],
+    ids=["greedy", "default-chain", "penalties-dry-xtc", "mirostat2", "logit-bias"],
+)
+def test_sampling_matches_the_cpp_sampler(target_model, params):
+    py = Side(target_model, params, cpp=False).generate(12)
+    cpp = Side(target_model, params, cpp=True).generate(12)
+    assert py == cpp
+
+
+def test_backend_sampling_matches_and_is_taken(target_model):
+    params = CommonParamsSampling(seed=99, temp=0.8, top_k=20, samplers=[S.TOP_K, S.TEMPERATURE], backend_sampling=True)
+    sides = [Side(target_model, params, cpp=c, backend=True) for c in (False, True)]
+    outs = [s.generate(10) for s in sides]
+    assert outs[0] == outs[1]
+    # the context sampled on the backend: the token is already there after decode
+    side = sides[0]
+    side.feed([outs[0][-1]])
+    backend_tok = int(llama.llama_get_sampled_token_ith(side.ctx.ptr, -1))
+    assert backend_tok != -1 and side.sample() == backend_tok
+
+
+@pytest.mark.parametrize("grammar_first", [False, True])
+def test_grammar_constrains_both_sides_identically(target_model, grammar_first):
+    grammar = 'root ::= ("yes" | "no" | "maybe") " " [0-9] [0-9]'
+    params = CommonParamsSampling(seed=5, temp=1.0, grammar=grammar)
+    py_side = Side(target_model, params, cpp=False)
+    py = py_side.generate(4, grammar_first)
+    cpp = Side(target_model, params, cpp=True).generate(4, grammar_first)
+    assert py == cpp
+    # every sampled token keeps the text a prefix of a sentence of the grammar
+    text = target_model.vocab.detokenize(py)
+    sentences = [f"{w} {a}{b}" for w in ("yes", "no", "maybe") for a in "0123456789" for b in "0123456789"]
+    assert text and any(s.startswith(text) for s in sentences)
+
+
+@pytest.mark.parametrize("with_idxs", [False, True])
+def test_sample_and_accept_n_matches_and_stops_at_the_first_mismatch(target_model, with_idxs):
+    params = CommonParamsSampling(top_k=1, samplers=[S.TOP_K])
+    ref = Side(target_model, params, cpp=True)
+    truth = ref.generate(3)  # the greedy continuation
+    results = []
+    for cpp in (False, True):
+        side = Side(target_model, params, cpp=cpp)
+        side.feed(PROMPT[:-1])
+        draft = [truth[0], truth[1] + 1, truth[2]]  # second draft token is wrong
+        side.feed([PROMPT[-1], *draft], all_logits=True)
+        idxs = [0, 1, 2, 3] if with_idxs else None
+        if cpp:
+            results.append(side.s.sample_and_accept_n(side.ctx, draft, idxs=idxs))
+        else:
+            results.append(smp.common_sampler_sample_and_accept_n(side.s, side.ctx, draft, idxs))
+    assert results[0] == results[1] == truth[:2]
+
+
+def test_candidates_last_and_seed_match(target_model):
+    params = CommonParamsSampling(seed=1234, temp=0.7, top_k=10, samplers=[S.TOP_K, S.TEMPERATURE])
+    py, cpp = Side(target_model, params, cpp=False), Side(target_model, params, cpp=True)
+    for side in (py, cpp):
+        side.feed(PROMPT)
+        side.accept(side.sample())
+    cand_py = smp.candidates_array(smp.common_sampler_get_candidates(py.s, True))
+    cand_cpp = cpp.s.candidates(do_sort=True)
+    np.testing.assert_array_equal(cand_py["id"], cand_cpp.ids)
+    np.testing.assert_allclose(cand_py["p"], cand_cpp.probs, rtol=1e-6)
+    assert smp.common_sampler_last(py.s) == cpp.s.last()
+    assert smp.common_sampler_get_seed(py.s) == cpp.s.get_seed() == 1234
+
+
+def test_clone_continues_identically(target_model):
+    side = Side(target_model, STOCHASTIC, cpp=False)
+    side.feed(PROMPT)
+    clone = smp.common_sampler_clone(side.s)
+    a = smp.common_sampler_sample(side.s, side.ctx, -1)
+    b = smp.common_sampler_sample(clone, side.ctx, -1)
+    assert a == b
+    clone.close()
