@@ -67,7 +67,10 @@ def extract(archive: Path, tmp: Path) -> None:
                 continue
             if m.name.startswith("/") or ".." in Path(m.name).parts:
                 fail(f"unsafe path in archive: {m.name}")
-            tar.extract(m, tmp, filter="data") if hasattr(tarfile, "data_filter") else tar.extract(m, tmp)
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links leaving the tree
+                tar.extract(m, tmp, filter="data")
+            else:
+                tar.extract(m, tmp)
 
 
 def main() -> None:
