@@ -506,6 +506,18 @@ int pyspec_ref_spec_accept(pyspec_ref_spec * spec, llama_seq_id seq_id, int32_t 
     // the reference GGML_ASSERTs that a draft was made for seq_id
     REQUIRE(spec->spec->impl_last[seq_id] != nullptr, PYSPEC_REF_E_STATE,
             "seq_id %d: accept without a previous draft (impl_last is null)", (int) seq_id);
+    // common_ngram_map_accept indexes keys[last_draft_key_idx] unchecked, and a
+    // common_ngram_map_begin since the draft may have dropped that key
+    for (const auto & impl : spec->spec->impls) {
+        const auto * mk = dynamic_cast<const ref::common_speculative_impl_ngram_map_k *>(impl.get());
+        if (mk == nullptr || impl.get() != spec->spec->impl_last[seq_id]) {
+            continue;
+        }
+        const common_ngram_map & map = mk->config[seq_id];
+        REQUIRE(!map.last_draft_created || map.last_draft_key_idx < map.keys.size(), PYSPEC_REF_E_STATE,
+                "common_ngram_map_accept: the drafted key %zu no longer exists (common_ngram_map_begin dropped it)",
+                map.last_draft_key_idx);
+    }
     return guarded([&] {
         ref::common_speculative_accept(spec->spec, seq_id, (uint16_t) n_accepted);
         return (int) PYSPEC_REF_OK;

@@ -46,5 +46,5 @@ class DecodeError(PyspecError):
         super().__init__(f"{op} returned {code}: {meaning}")
 
 
-class SpeculativeError(PyspecError):
+class SpeculativeError(PyspecError, RuntimeError):
     """A check of the speculative decoding reference failed (throw / GGML_ASSERT / GGML_ABORT)."""

@@ -26,6 +26,8 @@ from typing import Union
 
 import numpy as np
 
+from pyspec.errors import SpeculativeError
+
 logger = logging.getLogger(__name__)
 
 TokenSequence = Union[Sequence[int], np.ndarray]
@@ -391,11 +393,11 @@ def common_ngram_map_draft(map: CommonNgramMap, inp: TokenSequence, sampled: int
         raise ValueError("common_ngram_map_draft: size_key must be > 0")
     if cur_len >= UINT32_MAX:
         # key_map uses uint32_t instead of size_t.
-        raise RuntimeError(f"common_ngram_map_draft: cur_len exceeds UINT32_MAX: {cur_len}")
+        raise SpeculativeError(f"common_ngram_map_draft: cur_len exceeds UINT32_MAX: {cur_len}")
 
     if map.idx_last_check > cur_len:
         # Should not happen because of common_ngram_map_begin().
-        raise RuntimeError(
+        raise SpeculativeError(
             f"common_ngram_map_draft: map.idx_last_check > cur_len: {map.idx_last_check} > {cur_len}")
     map.idx_last_check = cur_len
 
@@ -406,7 +408,7 @@ def common_ngram_map_draft(map: CommonNgramMap, inp: TokenSequence, sampled: int
     # search for the key in the map
     match_pos = 0
     if map.size_last_begin > cur_len:
-        raise RuntimeError(
+        raise SpeculativeError(
             f"common_ngram_map_draft: map.size_last_begin > cur_len: {map.size_last_begin} > {cur_len}")
     if map.key_map.size != 0:
         # Search for the key in the map key_map from hash of ngrams to index of ngram.
@@ -590,8 +592,6 @@ def common_ngram_map_accept(map: CommonNgramMap, n_accepted: int) -> None:
     # the C++ indexes without a check (undefined behaviour when common_ngram_map_begin
     # dropped the key since the draft); say so instead of an IndexError
     if not (key_idx < len(map.keys) and val_idx < len(map.keys[key_idx].values)):
-        from pyspec.errors import SpeculativeError
-
         raise SpeculativeError(
             f"common_ngram_map_accept: the drafted key {key_idx} no longer exists "
             "(common_ngram_map_begin dropped it); accept must follow the draft it accepts")

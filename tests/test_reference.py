@@ -263,3 +263,4 @@ def test_invalid_sampler_configurations_raise(target: Model) -> None:
 def test_grammar_turns_backend_sampling_off(target: Model) -> None:
     with RefSampler(target, CommonParamsSampling(grammar='root ::= "a"', backend_sampling=True)) as smpl:
         assert smpl.backend_sampling is False
+
