@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
