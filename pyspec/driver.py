@@ -165,7 +165,9 @@ class SpeculativeGenerator:
     ``ctx_tgt`` here, and ``draft.ctx_dft`` must be set by the caller for
     draft-simple, EAGLE3 and MTP. ``sampling`` defaults to greedy. The
     generator owns the speculative state and the samplers; close() frees them
-    (the contexts stay the caller's).
+    (the contexts stay the caller's). Creating it probes how the contexts can
+    roll back, which clears their memory (all sequences), as the server's
+    start-up does; each generate() starts its sequences from empty memory.
     """
 
     def __init__(
