@@ -1,34 +1,82 @@
-"""pyspec: low-level Python bindings over llama.cpp for speculative decoding.
+"""pyspec: llama.cpp speculative decoding from Python.
 
-The core objects own C handles and free them deterministically; the port of
-llama.cpp's ``common/speculative.cpp`` lives in :mod:`pyspec.speculative`.
+The layers, bottom up: ``pyspec.ffi`` (cffi declarations of llama.h and the
+library handles: the raw route), ``pyspec.core`` (objects owning C handles),
+``pyspec.common`` (the line-for-line port of llama.cpp's common/speculative.cpp
+and the files it needs), ``pyspec.generation`` (the generation loop over the
+port or the C++ reference), ``pyspec.reference`` (the C++ side and the parity
+harness), ``pyspec.cli`` (the command line). Importing pyspec opens no library:
+llama.cpp is loaded on the first call into it.
+
+    from pyspec import CommonParamsSpeculative, CommonSpeculativeType, Context, Model, generate
 """
 
-from pyspec.backend import Device, devices, system_info
-from pyspec.batch import Batch, BatchFullError
-from pyspec.context import Context
-from pyspec.errors import ClosedError, ConcurrentUseError, ContextError, DecodeError, ModelLoadError, PyspecError, SpeculativeError
-from pyspec.model import Model
-from pyspec.sampler import SamplerChain
-from pyspec.vocab import Vocab
-
-__version__ = "0.1.0"
+from pyspec.common.params import (
+    CommonParamsSampling,
+    CommonParamsSpeculative,
+    CommonParamsSpeculativeDraft,
+    CommonParamsSpeculativeNgramCache,
+    CommonParamsSpeculativeNgramMap,
+    CommonParamsSpeculativeNgramMod,
+    CommonSamplerType,
+    CommonSpeculativeType,
+)
+from pyspec.core import Batch, BatchView, Context, Device, Memory, Model, SamplerChain, Vocab, devices, system_info
+from pyspec.errors import (
+    BatchFullError,
+    ClosedError,
+    ConcurrentUseError,
+    ContextError,
+    DecodeError,
+    LibraryNotFoundError,
+    ModelLoadError,
+    PyspecError,
+    SpeculativeError,
+)
+from pyspec.generation import (
+    GenerationStats,
+    ImplStats,
+    SequenceResult,
+    SpeculativeGenerator,
+    generate,
+    greedy_sampling,
+)
+from pyspec.version import LLAMA_CPP_REVISION, __version__
 
 __all__ = [
+    "LLAMA_CPP_REVISION",
     "Batch",
     "BatchFullError",
+    "BatchView",
     "ClosedError",
+    "CommonParamsSampling",
+    "CommonParamsSpeculative",
+    "CommonParamsSpeculativeDraft",
+    "CommonParamsSpeculativeNgramCache",
+    "CommonParamsSpeculativeNgramMap",
+    "CommonParamsSpeculativeNgramMod",
+    "CommonSamplerType",
+    "CommonSpeculativeType",
     "ConcurrentUseError",
     "Context",
     "ContextError",
     "DecodeError",
     "Device",
+    "GenerationStats",
+    "ImplStats",
+    "LibraryNotFoundError",
+    "Memory",
     "Model",
     "ModelLoadError",
     "PyspecError",
     "SamplerChain",
+    "SequenceResult",
     "SpeculativeError",
+    "SpeculativeGenerator",
     "Vocab",
+    "__version__",
     "devices",
+    "generate",
+    "greedy_sampling",
     "system_info",
 ]

@@ -1,7 +1,7 @@
-"""``python -m pyspec``: the command line (see :mod:`pyspec.cli`)."""
+"""``python -m pyspec``: the command line (see :mod:`pyspec.cli.commands`)."""
 
 import sys
 
-from pyspec.cli import main
+from pyspec.cli.commands import main
 
 sys.exit(main())

@@ -1,10 +1,34 @@
-"""Exceptions raised by pyspec."""
+"""Every exception pyspec raises on purpose, and the mapping from C status codes to them."""
 
 from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BatchFullError",
+    "ClosedError",
+    "ConcurrentUseError",
+    "ContextError",
+    "DecodeError",
+    "LibraryNotFoundError",
+    "LoopInputError",
+    "MissingModelPackage",
+    "ModelLoadError",
+    "ParityError",
+    "PyspecError",
+    "RefError",
+    "SpeculativeError",
+    "decode_error",
+    "ref_error",
+]
 
 
 class PyspecError(Exception):
     """Base class of every error pyspec raises on purpose."""
+
+
+class LibraryNotFoundError(PyspecError, ImportError):
+    """A shared library of the package is missing (the package was not built)."""
 
 
 class ModelLoadError(PyspecError):
@@ -14,6 +38,10 @@ class ModelLoadError(PyspecError):
         self.path = path
         msg = f"failed to load model from {path!r}"
         super().__init__(f"{msg}: {reason}" if reason else msg)
+
+
+class MissingModelPackage(PyspecError):
+    """The real model's PyPI package is not installed."""
 
 
 class ContextError(PyspecError):
@@ -28,6 +56,45 @@ class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
 
 
+class BatchFullError(PyspecError, IndexError):
+    """A token was added to a batch that is already at capacity."""
+
+
+class DecodeError(PyspecError):
+    """llama_decode / llama_encode returned a non-zero code."""
+
+    def __init__(self, code: int, op: str = "llama_decode", meaning: str = "") -> None:
+        self.code = code
+        self.op = op
+        super().__init__(f"{op} returned {code}: {meaning or ('fatal error' if code < 0 else 'warning')}")
+
+
+class SpeculativeError(PyspecError, RuntimeError):
+    """A check of the speculative decoding reference failed (throw / GGML_ASSERT / GGML_ABORT)."""
+
+
+class RefError(SpeculativeError):
+    """The C++ reference refused a call or threw; ``status`` is the PYSPEC_REF_E_* code."""
+
+    def __init__(self, message: str, status: int = -5) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LoopInputError(RefError, ValueError):
+    """The C++ loop refused its input (PYSPEC_REF_E_NULL / _RANGE / _CAPACITY)."""
+
+
+class ParityError(AssertionError):
+    """The Python port and the C++ reference disagree (or one of them failed) on a scenario."""
+
+    def __init__(self, report: Any) -> None:
+        super().__init__(report.verdict())
+        self.report = report
+
+
+# --- C status codes -----------------------------------------------------------
+
 # llama_decode / llama_encode return codes (include/llama.h)
 _DECODE_MEANING = {
     1: "could not find a KV slot for the batch (try reducing the batch or increasing the context)",
@@ -36,15 +103,24 @@ _DECODE_MEANING = {
 }
 
 
-class DecodeError(PyspecError):
-    """llama_decode / llama_encode returned a non-zero code."""
-
-    def __init__(self, code: int, op: str = "llama_decode") -> None:
-        self.code = code
-        self.op = op
-        meaning = _DECODE_MEANING.get(code, "fatal error" if code < 0 else "warning")
-        super().__init__(f"{op} returned {code}: {meaning}")
+def decode_error(code: int, op: str = "llama_decode") -> DecodeError:
+    """The exception for a non-zero llama_decode / llama_encode result."""
+    return DecodeError(code, op, _DECODE_MEANING.get(code, ""))
 
 
-class SpeculativeError(PyspecError, RuntimeError):
-    """A check of the speculative decoding reference failed (throw / GGML_ASSERT / GGML_ABORT)."""
+def ref_error(status: int, message: str = "", *, what: str = "", input_error: bool = False) -> RefError:
+    """The exception for a negative PYSPEC_REF_E_* status (decl/pyspec_ref.h).
+
+    With ``input_error`` (the C++ loop's entry checks), a refusal of the input
+    itself (NULL, RANGE, CAPACITY) is a :class:`LoopInputError`, a ValueError.
+    """
+    from pyspec.ffi import c_const, ffi  # errors.py sits below ffi.py
+
+    names = ffi.typeof("enum pyspec_ref_status").elements
+    text = message or names.get(status, str(status))
+    if what:
+        text = f"{what}: {text}"
+    bad_input = {c_const(n) for n in ("PYSPEC_REF_E_NULL", "PYSPEC_REF_E_RANGE", "PYSPEC_REF_E_CAPACITY")}
+    if input_error and status in bad_input:
+        return LoopInputError(text, status)
+    return RefError(text, status)

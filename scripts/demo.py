@@ -14,7 +14,7 @@ _repo = Path(__file__).resolve().parents[1]
 if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("libllama*")):
     sys.path.insert(0, str(_repo))
 
-from pyspec.cli import main  # noqa: E402
+from pyspec.cli.commands import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["demo", *sys.argv[1:]]))

@@ -29,9 +29,10 @@ cat > "$work/driver.py" <<'PY'
 import os
 import sys
 sys.path.insert(0, ".")
-from pyspec import Batch, Context, Model, PyspecError, testmodels as tm
-from pyspec.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.params import CommonParamsSpeculative, CommonSpeculativeType as T
+from pyspec import Batch, Context, Model, PyspecError
+from pyspec.testing import models as tm
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.common.params import CommonParamsSpeculative, CommonSpeculativeType as T
 
 paths = tm.make_all()
 tgt, dft, e3, mtp = (Model(paths[k]) for k in ("target", "draft", "eagle3", "mtp"))

@@ -25,11 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pyspec import Context, Model  # noqa: E402
-from pyspec import speculative as sp  # noqa: E402
-from pyspec import testmodels as tm  # noqa: E402
-from pyspec.driver import SpeculativeGenerator, greedy_sampling  # noqa: E402
-from pyspec.params import CommonParamsSpeculative  # noqa: E402
-from pyspec.params import CommonSpeculativeType as T  # noqa: E402
+from pyspec.common import speculative as sp  # noqa: E402
+from pyspec.testing import models as tm  # noqa: E402
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling  # noqa: E402
+from pyspec.common.params import CommonParamsSpeculative  # noqa: E402
+from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
 
 PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model
-from pyspec import testmodels as tm
-
-
+from pyspec.testing import models as tm
 @pytest.fixture(scope="session")
 def target_path():
     return tm.make_target()

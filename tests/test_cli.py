@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyspec import cli
-from pyspec import testmodels as tm
-
+from pyspec.testing import models as tm
 REPO = Path(__file__).resolve().parents[1]
 # the cyclic tiny target repeats itself, so n-gram drafts are accepted
 NGRAM = ["--types", "ngram-simple", "--ngram-n", "3", "--ngram-m", "8"]
@@ -110,9 +109,9 @@ def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys
 
 def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):
     seen = []
-    fake = types.ModuleType("pyspec.parity_cli")
+    fake = types.ModuleType("pyspec.cli.parity")
     fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pyspec.parity_cli", fake)
+    monkeypatch.setitem(sys.modules, "pyspec.cli.parity", fake)
     assert cli.main(["parity", "--types", "ngram-mod", "-n", "5"]) == 3
     assert seen == [["--types", "ngram-mod", "-n", "5"]]
 
@@ -120,7 +119,7 @@ def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):
 def test_unknown_type_is_a_usage_error_naming_the_known_types():
     r = _pyspec("run", "--tiny", "--types", "ngram-map-k,no-such-type", "-n", "4")
     assert r.returncode == 2
-    assert "unknown speculative type no-such-type" in r.stderr
+    assert "unknown speculative type: no-such-type" in r.stderr
     assert "ngram-map-k" in r.stderr.split("known:")[1]
     assert "Traceback" not in r.stderr
 

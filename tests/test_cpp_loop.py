@@ -1,18 +1,20 @@
-"""The C++ reference loop (pyspec.cpp_loop) generates what the Python driver generates."""
+"""The C++ reference loop (pyspec.reference.loop) generates what the Python driver generates."""
 
 from __future__ import annotations
 
 import pytest
 
 from pyspec import Context, Model
-from pyspec import testmodels as tm
-from pyspec._abi import ffi
-from pyspec._abi import ref as lib
-from pyspec.cpp_loop import LoopInputError, cpp_generate
-from pyspec.driver import SpeculativeGenerator
-from pyspec.params import CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
-from pyspec.reference import RefError
+from pyspec.testing import models as tm
+from pyspec.ffi import ffi
+from pyspec.ffi import ref as lib
+from pyspec.errors import LoopInputError
+from pyspec.reference.loop import cpp_generate
+from pyspec.generation.driver import SpeculativeGenerator
+from pyspec.generation.statistics import GenerationStats, SequenceResult
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.errors import RefError
 
 PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3
 N_PREDICT = 32
@@ -79,15 +81,18 @@ def _close(contexts: list[Context]) -> None:
         c.close()
 
 
+def _outcome(rs: list[SequenceResult]) -> tuple:
+    return ([r.tokens for r in rs], [r.stop_reason for r in rs], [r.n_drafted for r in rs],
+            [r.n_accepted for r in rs])
+
+
 def _driver(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], engine: str,
             n_predict: int) -> tuple:
     with SpeculativeGenerator(ctx, spec, n_seq=len(prompts), engine=engine) as gen:
-        rs = gen.generate(prompts, n_predict)
-        return ([r.tokens for r in rs], [r.stop_reason for r in rs], [r.n_drafted for r in rs],
-                [r.n_accepted for r in rs])
+        return _outcome(gen.generate(prompts, n_predict))
 
 
-def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest) -> dict:
+def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest) -> GenerationStats:
     """Run the driver and the C++ loop, each on fresh contexts; assert the same outcome; return the loop's stats."""
     prompts = [PROMPT, PROMPT[:50]][:n_seq]
     n_predict = 128 if kind == "ngram-simple" else N_PREDICT  # n-gram drafts need some history
@@ -98,17 +103,17 @@ def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest)
         _close(contexts)
     ctx, spec, contexts = _setup(kind, n_seq, request)
     try:
-        toks, st = cpp_generate(ctx, prompts, n_predict, spec)
+        results, st = cpp_generate(ctx, prompts, n_predict, spec)
     finally:
         _close(contexts)
     if kind == "eagle3" and n_seq > 1:
         # the C++ reference's EAGLE3 drafts for two sequences vary from run to run (sequence 0
         # sometimes drafts only rejected tokens); the verified tokens do not
-        expected, got = expected[:2], (toks, st["stop_reasons"])
+        expected, got = expected[:2], _outcome(results)[:2]
     else:
-        got = (toks, st["stop_reasons"], st["n_drafted_seq"], st["n_accepted_seq"])
+        got = _outcome(results)
     assert got == expected
-    assert all(len(t) == n_predict for t in toks)
+    assert all(len(r.tokens) == n_predict for r in results)
     return st
 
 
@@ -117,8 +122,8 @@ def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest)
 def test_cpp_loop_generates_the_python_drivers_tokens(kind: str, n_seq: int, request: pytest.FixtureRequest) -> None:
     st = _compare(kind, n_seq, "python", request)
     if kind != "none":
-        assert st["n_drafted"] > 0  # the speculative path ran
-    assert st["n_steps"] > 0 and st["t_gen_s"] > 0 and st["t_decode_s"] > 0
+        assert st.n_drafted > 0  # the speculative path ran
+    assert st.n_steps > 0 and st.t_gen_s > 0 and st.t_decode_s > 0
 
 
 @pytest.mark.parametrize("kind", ["draft-simple", "mtp"])
@@ -130,8 +135,8 @@ def test_cpp_loop_stops_at_n_predict_within_a_draft(request: pytest.FixtureReque
     ctx, spec, contexts = _setup("draft-simple", 1, request)
     try:
         for n in (1, 2, 5):
-            (toks,), st = cpp_generate(ctx, [PROMPT], n, spec)
-            assert len(toks) == n and st["stop_reasons"] == ["n_predict"]
+            (res,), _ = cpp_generate(ctx, [PROMPT], n, spec)
+            assert len(res.tokens) == n and res.stop_reason == "n_predict"
     finally:
         _close(contexts)
 

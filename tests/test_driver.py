@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model, PyspecError
-from pyspec import testmodels as tm
-from pyspec.driver import SpeculativeGenerator, generate, greedy_sampling
-from pyspec.params import CommonParamsSampling, CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
+from pyspec.testing import models as tm
+from pyspec.generation.driver import SpeculativeGenerator, generate, greedy_sampling
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
 
 PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,

@@ -18,11 +18,11 @@ import pytest
 
 import pyspec
 from pyspec import Context, Model, SpeculativeError
-from pyspec import speculative as sp
-from pyspec import testmodels as tm
-from pyspec.driver import SpeculativeGenerator
-from pyspec.params import CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
+from pyspec.common import speculative as sp
+from pyspec.testing import models as tm
+from pyspec.generation.driver import SpeculativeGenerator
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
 
 
 def n_open_fds() -> int:
@@ -266,4 +266,4 @@ def test_model_closed_after_a_failed_pairing_frees_everything(tmp_path, target):
     ctxd.close()
     ctx.close()
     draft.close()
-    assert draft._users == 0 and draft._ptr == pyspec._abi.ffi.NULL
+    assert draft._users == 0 and draft._ptr == pyspec.ffi.ffi.NULL

@@ -10,10 +10,10 @@ import pytest
 
 import pyspec
 from pyspec import Batch, ClosedError, ConcurrentUseError, Context, Model
-from pyspec import testmodels as tm
-from pyspec.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.params import CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
+from pyspec.testing import models as tm
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
 
 PROMPT = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n"
 N_PREDICT = 24
@@ -146,7 +146,7 @@ def test_closing_in_any_order_is_safe(t):
                         pass
             objs[k].close()  # idempotent
         for o in (ctx, ctxd, m_tgt, m_dft):
-            assert o._ptr == pyspec._abi.ffi.NULL and o._users == 0  # everything freed at the end
+            assert o._ptr == pyspec.ffi.ffi.NULL and o._users == 0  # everything freed at the end
 
 
 # --- threads ------------------------------------------------------------------

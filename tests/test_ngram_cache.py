@@ -1,11 +1,11 @@
-"""pyspec.ngram_cache mirrors llama.cpp common/ngram-cache.cpp (lookup decoding caches)."""
+"""pyspec.common.ngram_cache mirrors llama.cpp common/ngram-cache.cpp (lookup decoding caches)."""
 
 import copy
 
 import numpy as np
 import pytest
 
-from pyspec.ngram_cache import (
+from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
     LLAMA_NGRAM_MIN,
     LLAMA_NGRAM_STATIC,

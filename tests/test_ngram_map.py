@@ -1,4 +1,4 @@
-"""pyspec.ngram_map mirrors llama.cpp common/ngram-map.cpp (ngram-simple, ngram-map-k, ngram-map-k4v).
+"""pyspec.common.ngram_map mirrors llama.cpp common/ngram-map.cpp (ngram-simple, ngram-map-k, ngram-map-k4v).
 
 Expected drafts are worked out by hand from the C++ algorithm; the reasoning is in each test.
 """
@@ -6,7 +6,7 @@ Expected drafts are worked out by hand from the C++ algorithm; the reasoning is 
 import numpy as np
 import pytest
 
-from pyspec.ngram_map import (
+from pyspec.common.ngram_map import (
     COMMON_NGRAM_HASH_MAP_SIZE,
     COMMON_NGRAM_MAX_VALUES,
     CommonNgramMap,

@@ -1,9 +1,9 @@
-"""pyspec.ngram_mod mirrors llama.cpp common/ngram-mod.cpp (the ngram-mod hash table)."""
+"""pyspec.common.ngram_mod mirrors llama.cpp common/ngram-mod.cpp (the ngram-mod hash table)."""
 
 import numpy as np
 import pytest
 
-from pyspec.ngram_mod import (
+from pyspec.common.ngram_mod import (
     CommonNgramMod,
 )
 

@@ -18,12 +18,12 @@ import dataclasses
 
 import pytest
 
-from pyspec import testmodels as tm
-from pyspec.driver import greedy_sampling
-from pyspec.engines import PortEngine
-from pyspec.params import CommonParamsSampling, CommonSpeculativeType as T
-from pyspec.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
-from pyspec.parity import ParityError, ParityScenario, _first_diff, assert_parity, continued_prompt, run_parity
+from pyspec.testing import models as tm
+from pyspec.generation.driver import greedy_sampling
+from pyspec.generation.engines import PortEngine
+from pyspec.common.params import CommonParamsSampling, CommonSpeculativeType as T
+from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
+from pyspec.reference.parity import ParityError, ParityScenario, _first_diff, assert_parity, continued_prompt, run_parity
 
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 NGRAM_TYPES = [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
@@ -185,7 +185,7 @@ def test_a_port_that_counts_differently_is_caught_in_the_counters(monkeypatch):
     def miscount(self):
         stats = orig(self)
         for st in stats:
-            st["n_call_begin"] *= 2
+            st.n_call_begin *= 2
         return stats
 
     monkeypatch.setattr(PortEngine, "impl_stats", miscount)
@@ -220,7 +220,7 @@ def test_scenario_rejects_an_eagle3_without_its_model():
 
 
 def test_cli_prints_a_verdict_per_scenario_and_exits_zero(capsys):
-    from pyspec.parity_cli import main
+    from pyspec.cli.parity import main
 
     rc = main(["--tiny", "--types", "ngram-simple,draft-simple+ngram-mod", "--n-predict", "8", "--threads", "1",
                "--prompt", "Hello world"])
@@ -231,7 +231,7 @@ def test_cli_prints_a_verdict_per_scenario_and_exits_zero(capsys):
 
 
 def test_cli_exits_non_zero_on_divergence(monkeypatch, capsys):
-    from pyspec.parity_cli import main
+    from pyspec.cli.parity import main
 
     orig = PortEngine.draft
     monkeypatch.setattr(PortEngine, "draft", lambda self, r: {s: d[:-1] for s, d in orig(self, r).items()})

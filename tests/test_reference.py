@@ -1,12 +1,13 @@
-"""The C++ reference (libpyspec_ref) driven from Python: pyspec.reference."""
+"""The C++ reference (libpyspec_ref) driven from Python: pyspec.reference.speculative."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pyspec import Batch, ClosedError, Context, Model, testmodels
-from pyspec.params import (
+from pyspec import Batch, ClosedError, Context, Model
+from pyspec.testing import models as testmodels
+from pyspec.common.params import (
     CommonParamsSampling,
     CommonParamsSpeculative,
     CommonParamsSpeculativeDraft,
@@ -15,7 +16,10 @@ from pyspec.params import (
     CommonSamplerType,
     CommonSpeculativeType,
 )
-from pyspec.reference import RefError, RefSampler, RefSpeculative, spec_type_str
+from pyspec.common.speculative import DraftRequest
+from pyspec.errors import RefError
+from pyspec.reference.sampling import RefSampler
+from pyspec.reference.speculative import RefSpeculative, spec_type_str
 
 PATTERN = [101, 102, 103, 104, 105, 106, 107, 108]
 PROMPT = PATTERN * 4  # ends with 108: the pattern continues with 101, 102, ...
@@ -56,20 +60,20 @@ def test_ngram_simple_drafts_the_continuation_of_a_repetitive_prompt() -> None:
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
         spec.begin(0, PROMPT)
         # id_last is the token the target just sampled: 101 starts the next period
-        drafts = spec.draft({0: (len(PROMPT), 101, PROMPT)})
+        drafts = spec.draft([DraftRequest(0, -1, len(PROMPT), 101, PROMPT)])
     assert drafts == {0: [102, 103, 104, 105]}
 
 
 def test_draft_n_max_truncates_the_draft() -> None:
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
-        drafts = spec.draft({0: (len(PROMPT), 101, PROMPT, 2)})
+        drafts = spec.draft([DraftRequest(0, 2, len(PROMPT), 101, PROMPT)])
     assert drafts == {0: [102, 103]}
 
 
 def test_no_match_gives_an_empty_draft_and_no_impl_last() -> None:
     prompt = list(range(200, 240))
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
-        assert spec.draft({0: (len(prompt), 7, prompt)}) == {0: []}
+        assert spec.draft([DraftRequest(0, -1, len(prompt), 7, prompt)]) == {0: []}
         assert spec.last_impl_type(0) is None
 
 
@@ -82,7 +86,7 @@ def test_counters_follow_begin_draft_and_accept() -> None:
         assert before["n_call_draft"] == before["n_gen_drafts"] == before["n_call_accept"] == 0
 
         spec.begin(1, PROMPT)
-        spec.draft({1: (len(PROMPT), 101, PROMPT)})
+        spec.draft([DraftRequest(1, -1, len(PROMPT), 101, PROMPT)])
         assert spec.last_impl_type(1) == CommonSpeculativeType.NGRAM_SIMPLE
         spec.accept(1, 3)
 
@@ -122,7 +126,7 @@ def test_seq_id_out_of_range_raises() -> None:
         with pytest.raises(ValueError):
             spec.begin(1, PROMPT)
         with pytest.raises(ValueError):
-            spec.draft({3: (0, 0, [])})
+            spec.draft([DraftRequest(3, -1, 0, 0, [])])
 
 
 def test_no_implementation_raises_and_init_returns_none() -> None:
@@ -192,7 +196,7 @@ def test_draft_simple_drafts_n_max_tokens_deterministically(target: Model, draft
                 batch = Batch(len(prompt) - 1)
                 batch.add_sequence(prompt[:-1], 0, 0, logits_last=False)
                 assert spec.process(batch) is True
-                drafts = spec.draft({0: (len(prompt) - 1, prompt[-1], prompt)})
+                drafts = spec.draft([DraftRequest(0, -1, len(prompt) - 1, prompt[-1], prompt)])
                 (stats,) = spec.impl_stats()
         results.append(drafts[0])
         assert len(drafts[0]) == 3

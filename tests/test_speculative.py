@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model, SpeculativeError
-from pyspec import speculative as sp
-from pyspec import testmodels as tm
-from pyspec.params import CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
+from pyspec.common import speculative as sp
+from pyspec.testing import models as tm
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
 
 # a history that repeats with period 5: every n-gram of it has a known continuation
 PERIOD = [101, 102, 103, 104, 105]

@@ -18,11 +18,11 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 import pyspec
 from pyspec import Batch, ClosedError, Context, DecodeError, Model, SpeculativeError
-from pyspec import speculative as sp
-from pyspec import testmodels as tm
-from pyspec.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.params import CommonParamsSpeculative
-from pyspec.params import CommonSpeculativeType as T
+from pyspec.common import speculative as sp
+from pyspec.testing import models as tm
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
 
 N_SEQ = 2
 N_CTX = 128  # per sequence: N_CTX // N_SEQ = 64 positions
@@ -57,7 +57,6 @@ class Spec:
         self.spec = spec
         self.n_max = n_max
         self.has_drafted = [False] * N_SEQ
-        self.n_hist = [0] * N_SEQ  # history length of the last draft since begin
 
 
 tokens_st = st.lists(st.integers(3, 31999), min_size=1, max_size=8)
@@ -206,7 +205,6 @@ class ApiMachine(RuleBasedStateMachine):
     @rule(s=specs, seq=st.integers(0, N_SEQ - 1), prompt=st.lists(st.integers(0, 9), min_size=0, max_size=40))
     def spec_begin(self, s, seq, prompt):
         sp.common_speculative_begin(s.spec, seq, prompt)
-        s.n_hist[seq] = min(s.n_hist[seq], len(prompt))
 
     @rule(s=specs, seq=st.integers(0, N_SEQ - 1), hist=st.lists(st.integers(0, 9), min_size=1, max_size=60),
           last=st.integers(0, 9), n_max=st.integers(1, 12))
@@ -214,16 +212,13 @@ class ApiMachine(RuleBasedStateMachine):
         dp = sp.common_speculative_get_draft_params(s.spec, seq)
         dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, n_max, len(hist), last
         dp.prompt, dp.result = hist, []
-        if len(hist) < s.n_hist[seq]:
-            # a history shorter than the last one without begin(): the C++ aborts (GGML_ABORT)
-            # in ngram-map; the port must raise instead
-            try:
-                sp.common_speculative_draft(s.spec)
-            except (SpeculativeError, RuntimeError):
-                return
-        else:
+        try:
             sp.common_speculative_draft(s.spec)
-        s.n_hist[seq] = len(hist)
+        except SpeculativeError as e:
+            # a history shorter than the one ngram-map last checked (without a begin() that
+            # resets it): the C++ aborts (GGML_ABORT); the port must raise instead
+            assert "idx_last_check > cur_len" in str(e)
+            return
         assert len(dp.result) <= n_max
         assert all(0 <= t <= 9 for t in dp.result)  # n-gram drafts come from the history
         s.has_drafted[seq] = s.has_drafted[seq] or bool(dp.result)
@@ -294,7 +289,7 @@ class ApiMachine(RuleBasedStateMachine):
         for c in self.all:
             c.ctx.close()
         for c in self.all:
-            assert c.ctx._ptr == pyspec._abi.ffi.NULL
+            assert c.ctx._ptr == pyspec.ffi.ffi.NULL
 
 
 ApiMachine.TestCase.settings = settings(

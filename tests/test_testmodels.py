@@ -1,4 +1,4 @@
-"""pyspec.testmodels writes tiny GGUF models: cached, deterministic, with the metadata llama.cpp reads."""
+"""pyspec.testing.models writes tiny GGUF models: cached, deterministic, with the metadata llama.cpp reads."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from pyspec import testmodels
-
+from pyspec.testing import models as testmodels
 MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3")
 ARCH = {
     "target": "llama",
@@ -98,7 +97,7 @@ def test_cached_models_are_returned_without_rewriting(
 def test_a_fresh_process_writes_byte_identical_models(models: dict[str, Path], tmp_path: Path) -> None:
     env = dict(os.environ, PYSPEC_MODEL_CACHE=str(tmp_path))
     repo = Path(testmodels.__file__).resolve().parents[1]
-    code = "from pyspec import testmodels; print(testmodels.make_all())"
+    code = "from pyspec.testing import models; print(models.make_all())"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=repo, capture_output=True)
     for path in models.values():
         assert sha256(tmp_path / path.name) == sha256(path), path.name
@@ -272,8 +271,8 @@ def test_cyclic_target_sampling_is_not_degenerate(cyclic_model: Any) -> None:
 
 def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -> tuple[int, int, list[int]]:
     from pyspec import Context
-    from pyspec.driver import SpeculativeGenerator
-    from pyspec.params import CommonParamsSpeculative
+    from pyspec.generation.driver import SpeculativeGenerator
+    from pyspec.common.params import CommonParamsSpeculative
 
     with Context(model, n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1) as ctx:
         spec = CommonParamsSpeculative(types=[spec_type])
@@ -285,7 +284,7 @@ def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -
 
 
 def test_ngram_simple_drafts_are_accepted_on_the_cyclic_target(cyclic_model: Any) -> None:
-    from pyspec.params import CommonSpeculativeType as T
+    from pyspec.common.params import CommonSpeculativeType as T
 
     text = "def fib(n): return fib(n-1) + fib(n-2)\n"
     n_drafted, n_accepted, tokens = _spec_run(cyclic_model, T.NGRAM_SIMPLE, text)
@@ -298,7 +297,7 @@ def test_ngram_simple_drafts_are_accepted_on_the_cyclic_target(cyclic_model: Any
 def test_ngram_cache_drafts_from_a_cyclic_prompt(cyclic_model: Any) -> None:
     # ngram-cache learns the n-grams of the prompt (new tokens arrive one or two at a
     # time, too few to add n-grams): the prompt must hold the cycle
-    from pyspec.params import CommonSpeculativeType as T
+    from pyspec.common.params import CommonSpeculativeType as T
 
     _, cycles = testmodels.cyclic_successor()
     prompt = [cyclic_model.vocab.bos] + list(cycles[0]) * 3

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from pyspec._abi import ffi, llama
-from pyspec._handle import Handle
+from pyspec.ffi import ffi, llama
+from pyspec.core.handle import Handle
 
 if TYPE_CHECKING:
-    from pyspec.context import Context
-    from pyspec.vocab import Vocab
+    from pyspec.core.context import Context
+    from pyspec.core.vocab import Vocab
 
 
 class SamplerChain(Handle):

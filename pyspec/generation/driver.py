@@ -14,26 +14,29 @@ The loop runs either implementation (``engine="python"`` for the port,
 
 from __future__ import annotations
 
-import threading
+import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from pyspec.batch import Batch
-from pyspec.common import (
+from pyspec.common.common import (
     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
     CommonContextSeqRmType,
     CommonPromptCheckpoint,
     common_context_can_seq_rm,
     common_context_seq_rm,
 )
-from pyspec.context import Context
-from pyspec.engines import ENGINES
-from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError
-from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType, CommonSpeculativeType
+from pyspec.common.speculative import DraftRequest
+from pyspec.core.batch import Batch
+from pyspec.core.context import Context
+from pyspec.errors import ClosedError, PyspecError
+from pyspec.generation.engines import Engine, make_engine
+from pyspec.generation.statistics import GenerationStats, SequenceResult
+
+__all__ = ["EventCallback", "PieceCallback", "SpeculativeGenerator", "generate", "greedy_sampling"]
 
 PieceCallback = Callable[[int, str], Any]
-_GENERATING_LOCK = threading.Lock()  # guards the per-context "a generation is running" flag
 # on_event(name, data): a trace of every call into the implementation, for the parity harness
 EventCallback = Callable[[str, dict], Any]
 
@@ -41,70 +44,6 @@ EventCallback = Callable[[str, dict], Any]
 def greedy_sampling() -> CommonParamsSampling:
     """Sampling parameters that pick the most likely token (top-k 1)."""
     return CommonParamsSampling(top_k=1, samplers=[CommonSamplerType.TOP_K])
-
-
-@dataclass
-class SequenceResult:
-    """What one sequence generated."""
-
-    seq_id: int
-    prompt_tokens: list[int]
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    stop_reason: str = ""  # "eog", "n_predict", "stop", "context"
-    n_drafted: int = 0
-    n_accepted: int = 0
-
-
-@dataclass
-class GenerationStats:
-    """Per-run statistics."""
-
-    n_prompt_tokens: int = 0
-    n_gen_tokens: int = 0
-    t_prompt_s: float = 0.0
-    t_gen_s: float = 0.0
-    n_steps: int = 0
-    n_drafted: int = 0
-    n_accepted: int = 0
-    n_checkpoint_restores: int = 0  # partial acceptances undone through a checkpoint (recurrent / hybrid targets)
-    t_decode_s: float = 0.0  # wall time inside llama_decode / llama_encode of the target and draft contexts
-    impls: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def acceptance(self) -> float:
-        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.n_prompt_tokens / self.t_prompt_s if self.t_prompt_s > 0 else 0.0
-
-    @property
-    def gen_tps(self) -> float:
-        return self.n_gen_tokens / self.t_gen_s if self.t_gen_s > 0 else 0.0
-
-    @property
-    def overhead_us_per_step(self) -> float:
-        """Generation wall time outside llama_decode/encode, per target step, in microseconds."""
-        if not self.n_steps:
-            return 0.0
-        return max(0.0, self.t_gen_s - self.t_decode_gen_s) / self.n_steps * 1e6
-
-    t_decode_gen_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "n_prompt_tokens": self.n_prompt_tokens,
-            "n_gen_tokens": self.n_gen_tokens,
-            "prompt_tps": round(self.prompt_tps, 2),
-            "gen_tps": round(self.gen_tps, 2),
-            "n_steps": self.n_steps,
-            "n_drafted": self.n_drafted,
-            "n_accepted": self.n_accepted,
-            "acceptance": round(self.acceptance, 4),
-            "overhead_us_per_step": round(self.overhead_us_per_step, 1),
-            "impls": self.impls,
-        }
 
 
 class _Slot:
@@ -123,39 +62,6 @@ class _Slot:
         self.spec_ckpt = CommonPromptCheckpoint()
         self.i_batch = -1
         self.pending = b""  # bytes of an incomplete UTF-8 character
-        self.stop_scan = 0
-
-
-class _TimedContext:
-    """Accumulates the time a Context spends in llama_decode / llama_encode."""
-
-    def __init__(self) -> None:
-        self.t_ns = 0
-
-    def wrap(self, ctx: Context) -> Callable[[], None]:
-        orig_decode, orig_encode = ctx.decode_rc, ctx.encode_rc
-        clock = time.perf_counter_ns
-
-        def decode_rc(batch: Any) -> int:
-            t0 = clock()
-            try:
-                return orig_decode(batch)
-            finally:
-                self.t_ns += clock() - t0
-
-        def encode_rc(batch: Any) -> int:
-            t0 = clock()
-            try:
-                return orig_encode(batch)
-            finally:
-                self.t_ns += clock() - t0
-
-        ctx.decode_rc, ctx.encode_rc = decode_rc, encode_rc  # type: ignore[method-assign]
-
-        def undo() -> None:
-            del ctx.decode_rc, ctx.encode_rc
-
-        return undo
 
 
 class SpeculativeGenerator:
@@ -180,8 +86,6 @@ class SpeculativeGenerator:
         engine: str = "python",
         on_event: EventCallback | None = None,
     ) -> None:
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {sorted(ENGINES)}, not {engine!r}")
         self.ctx_tgt = ctx_tgt
         self.n_seq = ctx_tgt.n_seq_max if n_seq is None else n_seq
         if not 1 <= self.n_seq <= ctx_tgt.n_seq_max:
@@ -201,8 +105,8 @@ class SpeculativeGenerator:
         if self.ctx_dft is not None:
             self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
 
-        self.engine = ENGINES[engine](ctx_tgt.model, spec, self.sampling, self.n_seq)
-        wants_spec = spec is not None and any(int(t) != 0 for t in spec.types)
+        self.engine: Engine = make_engine(engine, ctx_tgt.model, spec, self.sampling, self.n_seq)
+        wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
         if wants_spec and not self.engine.has_spec:
             self.engine.close()
             raise PyspecError(
@@ -222,9 +126,7 @@ class SpeculativeGenerator:
         if self.ctx_dft is not None:
             mem_d = self.ctx_dft.memory
             data["dft_pos"] = {s.id: (mem_d.seq_pos_min(s.id), mem_d.seq_pos_max(s.id)) for s in slots}
-        data["counters"] = [
-            {k: v for k, v in st.items() if k.startswith("n_") or k == "name"} for st in self.engine.impl_stats()
-        ]
+        data["counters"] = [i.counters() for i in self.engine.impl_stats()]
         data["generated"] = {s.id: list(s.result.tokens) for s in slots}
         self.on_event(name, data)
 
@@ -288,58 +190,50 @@ class SpeculativeGenerator:
             raise ValueError(f"n_predict must be positive, got {n_predict}")
         ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.engine
         slots = [_Slot(i, self._tokenize(p, add_special), n_predict) for i, p in enumerate(prompts)]
-        n_ctx_seq = ctx_tgt.n_ctx // (ctx_tgt.n_seq_max if not ctx_tgt.params.kv_unified else 1)
         for s in slots:
-            if s.n_prompt + 1 > n_ctx_seq:
-                raise ValueError(f"prompt of {s.n_prompt} tokens does not fit the context ({n_ctx_seq} per sequence)")
+            if s.n_prompt + 1 > ctx_tgt.n_ctx_seq:
+                raise ValueError(f"prompt of {s.n_prompt} tokens does not fit the context "
+                                 f"({ctx_tgt.n_ctx_seq} per sequence)")
 
         # one generation per context at a time: a second one (another thread, another
         # generator, a callback) would interleave its memory edits with this one's
         ctxs = [c for c in (ctx_tgt, ctx_dft) if c is not None]
-        with _GENERATING_LOCK:
-            if any(getattr(c, "_generating", False) for c in ctxs):
-                raise ConcurrentUseError("a generation is already running on this context (another thread or generator)")
+        with contextlib.ExitStack() as claims:
             for c in ctxs:
-                c._generating = True  # type: ignore[union-attr]
-        try:
+                claims.enter_context(c.claim())
             yield from self._run_claimed(slots, ctx_tgt, ctx_dft, eng, on_piece, stop, step_hook)
-        finally:
-            for c in ctxs:
-                c._generating = False  # type: ignore[union-attr]
 
-    def _run_claimed(self, slots: list[_Slot], ctx_tgt: Context, ctx_dft: Context | None, eng: Any,
+    def _decode_ns(self) -> int:
+        return sum(c.t_decode_ns for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
+
+    def _run_claimed(self, slots: list[_Slot], ctx_tgt: Context, ctx_dft: Context | None, eng: Engine,
                      on_piece: PieceCallback | None, stop: Sequence[str], step_hook: bool) -> Iterator[Any]:
-        timer = _TimedContext()
-        undo = [timer.wrap(ctx_tgt)] + ([timer.wrap(ctx_dft)] if ctx_dft is not None else [])
         self.stats = st = GenerationStats()
-        try:
-            # a fresh start for every sequence: memory, samplers (the prompt is accepted, not generated)
-            for s in slots:
-                common_context_seq_rm(ctx_tgt, s.id, -1, -1)
-                if ctx_dft is not None:
-                    common_context_seq_rm(ctx_dft, s.id, -1, -1)
-                eng.reset_sampler(s.id)
-                for t in s.tokens:
-                    eng.accept_token(s.id, t, False)
+        t_dec_start = self._decode_ns()
+        # a fresh start for every sequence: memory, samplers (the prompt is accepted, not generated)
+        for s in slots:
+            common_context_seq_rm(ctx_tgt, s.id, -1, -1)
+            if ctx_dft is not None:
+                common_context_seq_rm(ctx_dft, s.id, -1, -1)
+            eng.reset_sampler(s.id)
+            for t in s.tokens:
+                eng.accept_token(s.id, t, False)
 
-            t0 = time.perf_counter()
-            self._prefill(slots, on_piece, stop)
-            t1 = time.perf_counter()
-            st.t_prompt_s = t1 - t0
-            st.n_prompt_tokens = sum(s.n_prompt for s in slots)
-            t_dec_prompt = timer.t_ns
+        t0 = time.perf_counter()
+        self._prefill(slots, on_piece, stop)
+        t1 = time.perf_counter()
+        st.t_prompt_s = t1 - t0
+        st.n_prompt_tokens = sum(s.n_prompt for s in slots)
+        t_dec_prompt = self._decode_ns()
 
-            while any(s.active for s in slots):
-                self._step(slots, on_piece, stop)
-                st.n_steps += 1
-                if step_hook:
-                    yield None
-            st.t_gen_s = time.perf_counter() - t1
-            st.t_decode_gen_s = (timer.t_ns - t_dec_prompt) / 1e9
-            st.t_decode_s = timer.t_ns / 1e9
-        finally:
-            for u in undo:
-                u()
+        while any(s.active for s in slots):
+            self._step(slots, on_piece, stop)
+            st.n_steps += 1
+            if step_hook:
+                yield None
+        st.t_gen_s = time.perf_counter() - t1
+        st.t_decode_gen_s = (self._decode_ns() - t_dec_prompt) / 1e9
+        st.t_decode_s = (self._decode_ns() - t_dec_start) / 1e9
         st.n_gen_tokens = sum(len(s.result.tokens) for s in slots)
         st.n_drafted = sum(s.result.n_drafted for s in slots)
         st.n_accepted = sum(s.result.n_accepted for s in slots)
@@ -381,8 +275,7 @@ class SpeculativeGenerator:
     def _n_draft_max(self, s: _Slot, n_active: int) -> int:
         # what fits the context (one token kept spare for shifts) and the remaining budget,
         # and a share of the batch so all sequences fit one target decode
-        n_ctx_seq = self.ctx_tgt.n_ctx // (self.ctx_tgt.n_seq_max if not self.ctx_tgt.params.kv_unified else 1)
-        n = n_ctx_seq - len(s.tokens) - 2
+        n = self.ctx_tgt.n_ctx_seq - len(s.tokens) - 2
         if s.n_remaining > 0:
             n = min(n, s.n_remaining - 1)
         return min(n, self.ctx_tgt.n_batch // n_active - 1)
@@ -396,7 +289,7 @@ class SpeculativeGenerator:
         # draft for the sequences that have room for one
         drafting: list[_Slot] = []
         if eng.has_spec:
-            requests = {}
+            requests: list[DraftRequest] = []
             for s in active:
                 n_draft_max = self._n_draft_max(s, len(active))
                 if n_draft_max <= 0 or s.spec_draft:
@@ -404,7 +297,7 @@ class SpeculativeGenerator:
                 s.spec_ckpt.update_pos(len(s.tokens), ctx_tgt.memory.seq_pos_min(s.id), ctx_tgt.memory.seq_pos_max(s.id))
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                requests[s.id] = (n_draft_max, len(s.tokens), s.sampled, list(s.tokens))
+                requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
                 drafting.append(s)
             if requests:
                 drafts = eng.draft(requests)
@@ -533,8 +426,7 @@ class SpeculativeGenerator:
             if s.n_remaining <= 0:
                 self._finish(s, "n_predict")
                 return
-        n_ctx_seq = self.ctx_tgt.n_ctx // (self.ctx_tgt.n_seq_max if not self.ctx_tgt.params.kv_unified else 1)
-        if len(s.tokens) + 1 >= n_ctx_seq:
+        if len(s.tokens) + 1 >= self.ctx_tgt.n_ctx_seq:
             self._finish(s, "context")
 
     @staticmethod

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from pyspec._abi import ffi, llama
+from pyspec.ffi import ffi, llama
 
 if TYPE_CHECKING:
-    from pyspec.model import Model
+    from pyspec.core.model import Model
 
 
 class Vocab:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from pyspec._abi import ffi
+from pyspec.ffi import ffi
 from pyspec.errors import ClosedError
 
 

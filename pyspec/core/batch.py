@@ -13,12 +13,8 @@ from typing import Iterable
 
 import numpy as np
 
-from pyspec._abi import ffi
-from pyspec.errors import PyspecError
-
-
-class BatchFullError(PyspecError, IndexError):
-    """A token was added to a batch that is already at capacity."""
+from pyspec.ffi import ffi
+from pyspec.errors import BatchFullError
 
 
 class Batch:

@@ -9,13 +9,13 @@ from typing import Sequence
 
 import numpy as np
 
-from pyspec._abi import ext, ffi, llama
-from pyspec._handle import Handle
-from pyspec.backend import ensure_backend
+from pyspec.ffi import c_enum, ext, ffi, ggml, llama
+from pyspec.core.handle import Handle
+from pyspec.core.backend import ensure_backend
 from pyspec.errors import ModelLoadError
-from pyspec.vocab import Vocab
+from pyspec.core.vocab import Vocab
 
-_SPLIT_MODES = {"none": 0, "layer": 1, "row": 2, "tensor": 3}
+_SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
 
 
 def _gguf_problem(path: Path) -> str:
@@ -91,8 +91,6 @@ class Model(Handle):
         params.check_tensors = check_tensors
         self._devices_arr = None
         if devices is not None:
-            from pyspec._abi import ggml
-
             n_dev = ggml.ggml_backend_dev_count()
             arr = ffi.new("ggml_backend_dev_t[]", len(devices) + 1)  # NULL-terminated
             for k, idx in enumerate(devices):

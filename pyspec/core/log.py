@@ -7,17 +7,20 @@ The logger is quiet by default (ERROR); a user raises verbosity with
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from pyspec._abi import ffi, ggml, llama, ref
+from pyspec.ffi import c_enum, ffi, ggml, is_open, llama, on_open, open_library
 
 logger = logging.getLogger("pyspec.llama")
 
+_GGML_LEVEL = c_enum("enum ggml_log_level", "GGML_LOG_LEVEL_")
 _LEVELS = {
-    1: logging.DEBUG,
-    2: logging.INFO,
-    3: logging.WARNING,
-    4: logging.ERROR,
+    _GGML_LEVEL["debug"]: logging.DEBUG,
+    _GGML_LEVEL["info"]: logging.INFO,
+    _GGML_LEVEL["warn"]: logging.WARNING,
+    _GGML_LEVEL["error"]: logging.ERROR,
 }
+_CONT = _GGML_LEVEL["cont"]  # continues the previous line's level
 
 # llama.cpp writes one line in several calls; GGML_LOG_LEVEL_CONT continues
 # the previous level, so lines are assembled before they reach logging.
@@ -29,7 +32,7 @@ _pending_level = logging.INFO
 def _on_log(level: int, text, _user_data) -> None:  # noqa: ANN001 - cffi cdata
     global _pending_level
     try:
-        if level != 5:  # not GGML_LOG_LEVEL_CONT
+        if level != _CONT:
             _pending_level = _LEVELS.get(level, logging.INFO)
         if not logger.isEnabledFor(_pending_level):
             return
@@ -43,16 +46,34 @@ def _on_log(level: int, text, _user_data) -> None:  # noqa: ANN001 - cffi cdata
 
 
 def install() -> None:
-    """Send llama.cpp and ggml logs to the ``pyspec.llama`` logger; keep the C++ common log quiet."""
+    """Send llama.cpp and ggml logs to the ``pyspec.llama`` logger.
+
+    (The C++ common log of the reference library starts quiet when that library is opened.)
+    """
     llama.llama_log_set(_on_log, ffi.NULL)
     ggml.ggml_log_set(_on_log, ffi.NULL)
-    set_common_log_verbosity(-1)
+
+
+_common_verbosity = -1  # llama.cpp's common log writes to stderr: quiet unless asked
 
 
 def set_common_log_verbosity(verbosity: int) -> None:
     """Threshold of llama.cpp's common log, which the C++ reference writes to stderr
-    (-1 silences it, 0 shows info, warnings and errors, 1 and up adds debug lines)."""
-    ref.pyspec_ref_log_set_verbosity(verbosity)
+    (-1 silences it, 0 shows info, warnings and errors, 1 and up adds debug lines).
+
+    Applies when the reference library is opened, or at once if it is open.
+    """
+    global _common_verbosity
+    _common_verbosity = verbosity
+    if is_open("ref"):
+        _apply_common_verbosity(open_library("ref"))
+
+
+def _apply_common_verbosity(lib: Any) -> None:
+    lib.pyspec_ref_log_set_verbosity(_common_verbosity)
+
+
+on_open("ref", _apply_common_verbosity)
 
 
 if logger.level == logging.NOTSET:

@@ -18,39 +18,23 @@ first event that differs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Union
 
-from pyspec.context import Context
-from pyspec.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.model import Model
-from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSpeculativeType as T
-from pyspec.speculative import common_speculative_type_from_name, common_speculative_type_to_str
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.common.speculative import common_speculative_type_to_str
+from pyspec.core.context import Context
+from pyspec.core.model import Model
+from pyspec.errors import ParityError
+from pyspec.generation.contexts import ContextSet, ModelSet, draft_kind, open_contexts, parse_types
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 
-DRAFT_KINDS = ("none", "draft", "eagle3", "mtp")
+__all__ = ["Divergence", "ParityReport", "ParityScenario", "assert_parity", "build_contexts",
+           "continued_prompt", "run_parity"]
 
-Prompt = str | Sequence[int]
-
-
-def parse_type(t: T | int | str) -> T:
-    """A speculative type from its enum value or its llama.cpp name ("ngram-simple", ...)."""
-    if isinstance(t, str):
-        parsed = common_speculative_type_from_name(t)
-        if parsed == T.COUNT:
-            raise ValueError(f"unknown speculative type: {t}")
-        return parsed
-    return T(t)
-
-
-def draft_kind_for(types: Sequence[T]) -> str:
-    """The draft context the types need: a separate draft model, an EAGLE3 head, an MTP context, or none."""
-    if T.DRAFT_MTP in types:
-        return "mtp"
-    if T.DRAFT_EAGLE3 in types:
-        return "eagle3"
-    if T.DRAFT_SIMPLE in types:
-        return "draft"
-    return "none"
+Prompt = Union[str, Sequence[int]]
 
 
 @dataclass
@@ -60,17 +44,17 @@ class ParityScenario:
     ``types`` go to CommonParamsSpeculative.types together (one dispatcher). The
     prompts are generated ``n_seq`` at a time with one generator per side, so
     later groups also test the state the implementations keep between requests.
-    ``draft_kind`` "auto" follows the types: "draft" loads ``draft`` as a separate
-    model (the target itself when ``draft`` is None), "eagle3" loads ``draft`` as
-    an EAGLE3 head reading the target context (ctx_other), "mtp" opens an MTP
-    context on the target model. ``n_ctx`` is per sequence.
+    The draft context follows the types (pyspec.generation.contexts): draft-simple
+    loads ``draft`` as a separate model (the target itself when ``draft`` is
+    None), draft-eagle3 loads ``draft`` as an EAGLE3 head reading the target
+    context (ctx_other), draft-mtp opens an MTP context on the target model.
+    ``n_ctx`` is per sequence.
     """
 
     target: str
     types: Sequence[T | int | str] = (T.NONE,)
     prompts: Sequence[Prompt] = ("Hello",)
     draft: str | None = None
-    draft_kind: str = "auto"
     n_seq: int = 1
     n_predict: int = 32
     n_ctx: int = 256
@@ -97,20 +81,18 @@ class ParityScenario:
     name: str = ""
 
     def spec_types(self) -> list[T]:
-        return [parse_type(t) for t in self.types]
+        return parse_types(list(self.types))
 
     def resolved_draft_kind(self) -> str:
-        kind = draft_kind_for(self.spec_types()) if self.draft_kind == "auto" else self.draft_kind
-        if kind not in DRAFT_KINDS:
-            raise ValueError(f"draft_kind must be 'auto' or one of {DRAFT_KINDS}, not {kind!r}")
+        kind = draft_kind(self.spec_types())
         if kind == "eagle3" and not self.draft:
-            raise ValueError("draft_kind 'eagle3' needs the EAGLE3 model path in 'draft'")
+            raise ValueError("draft-eagle3 needs the EAGLE3 model path in 'draft'")
         return kind
 
-    def spec_params(self, ctx_dft: Context | None) -> CommonParamsSpeculative:
+    def spec_params(self) -> CommonParamsSpeculative:
+        """The speculative parameters of the scenario (the draft context is set when contexts are opened)."""
         sp = CommonParamsSpeculative(types=self.spec_types())
         sp.draft.n_max, sp.draft.n_min, sp.draft.p_min = self.n_max, self.n_min, self.p_min
-        sp.draft.ctx_dft = ctx_dft
         for m in (sp.ngram_simple, sp.ngram_map_k, sp.ngram_map_k4v):
             m.size_n, m.size_m, m.min_hits = self.ngram_size_n, self.ngram_size_m, self.ngram_min_hits
         sp.ngram_mod.n_match, sp.ngram_mod.n_min, sp.ngram_mod.n_max = (
@@ -129,69 +111,20 @@ class ParityScenario:
                 f"{smp} prompts={len(self.prompts)} n_predict={self.n_predict}")
 
 
-@dataclass
-class ContextSet:
-    """The models and contexts of one side; close() frees them."""
-
-    models: list[Model]
-    ctx_tgt: Context
-    ctx_dft: Context | None
-
-    def close(self) -> None:
-        for c in (self.ctx_dft, self.ctx_tgt):
-            if c is not None:
-                c.close()
-        for m in self.models:
-            m.close()
-
-    def __enter__(self) -> ContextSet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _eagle3_dft_params(sc: ParityScenario) -> dict[str, Any]:
-    # At this revision llama_decode reads a batch's embd rows n_embd_inp() floats apart; for an
-    # EAGLE3 decoder that is 3 * n_embd_tgt, while its rows (g_embd) are n_embd wide. A ubatch whose
-    # tokens are rows 0..n-1 of the batch comes out right all the same; any other ubatch (the second
-    # of a split batch, or a per-sequence ubatch of split_equal when each sequence has its own KV
-    # stream) reads the wrong rows, partly past the end of the buffer: garbage, NaN logits, drafts
-    # that change from run to run on both sides alike. One ubatch per decode (n_ubatch = n_batch)
-    # over a unified KV cache (split_simple) keeps the EAGLE3 decoder on the path that works.
-    return {"n_ubatch": sc.n_ubatch_dft or sc.n_batch, "kv_unified": True}
-
-
 def build_contexts(sc: ParityScenario) -> ContextSet:
     """A fresh set of models and contexts for the scenario; every call makes an identical one."""
     kind = sc.resolved_draft_kind()
-    cparams: dict[str, Any] = dict(n_ctx=sc.n_ctx * sc.n_seq, n_batch=sc.n_batch, n_ubatch=sc.n_ubatch,
-                                   n_seq_max=sc.n_seq)
-    if sc.n_threads is not None:
-        cparams.update(n_threads=sc.n_threads, n_threads_batch=sc.n_threads)
-    tgt = Model(sc.target)
-    models, ctxs = [tgt], []
+    target = Model(sc.target)
+    models = ModelSet(target, owned=[target])
     try:
-        n_rs_seq = 0 if kind != "mtp" or sc.mtp_checkpoint else sc.spec_params(None).need_n_rs_seq()
-        ctx_tgt = Context(tgt, n_rs_seq=n_rs_seq, **cparams)
-        ctxs.append(ctx_tgt)
-        if kind == "none":
-            return ContextSet(models, ctx_tgt, None)
-        dparams = dict(cparams, n_ubatch=sc.n_ubatch_dft or sc.n_ubatch)
-        if kind == "mtp":
-            dft = tgt  # the MTP block of the target model, in a context of its own type
-            dparams.update(ctx_type="mtp", ctx_other=ctx_tgt)
-        elif kind == "draft" and (sc.draft is None or sc.draft == sc.target):
-            dft = tgt  # draft = target: the same model, a second context
-        else:
-            dft = Model(sc.draft)  # type: ignore[arg-type]
-            models.append(dft)
-        if kind == "eagle3":
-            dparams.update(_eagle3_dft_params(sc), ctx_other=ctx_tgt)
-        return ContextSet(models, ctx_tgt, Context(dft, **dparams))
+        if kind in ("draft", "eagle3") and sc.draft is not None and sc.draft != sc.target:
+            models.draft = Model(sc.draft)  # else draft = target: the same model, a second context
+            models.owned.append(models.draft)
+        return open_contexts(models, sc.spec_params(), n_ctx=sc.n_ctx, n_batch=sc.n_batch, n_ubatch=sc.n_ubatch,
+                             n_ubatch_dft=sc.n_ubatch_dft, n_seq=sc.n_seq, n_threads=sc.n_threads,
+                             mtp_checkpoint=sc.mtp_checkpoint, owned=models.owned)
     except BaseException:
-        for h in ctxs + models:
-            h.close()
+        models.close()
         raise
 
 
@@ -232,14 +165,6 @@ class ParityReport:
         return f"DIVERGE {self.scenario}: {why}"
 
 
-class ParityError(AssertionError):
-    """The Python port and the C++ reference disagree (or one of them failed) on a scenario."""
-
-    def __init__(self, report: ParityReport) -> None:
-        super().__init__(report.verdict())
-        self.report = report
-
-
 class _Stop(Exception):
     """Stops the Python side's loop at the first divergence."""
 
@@ -271,8 +196,7 @@ def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> tuple[list[list
     tokens: list[list[int]] = []
     n_drafted = n_accepted = 0
     with build_contexts(sc) as cs:
-        spec = sc.spec_params(cs.ctx_dft)
-        with SpeculativeGenerator(cs.ctx_tgt, spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
+        with SpeculativeGenerator(cs.ctx_tgt, cs.spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
                                   on_event=on_event) as gen:
             for i in range(0, len(sc.prompts), sc.n_seq):
                 for r in gen.generate(list(sc.prompts[i : i + sc.n_seq]), sc.n_predict):

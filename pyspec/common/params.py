@@ -10,39 +10,46 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyspec.ffi import c_const
+
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+def _c(name: str) -> int:
+    # the values come from the declarations of decl/common.h, checked against the C++ reference
+    return c_const(name)
 
 
 class CommonSpeculativeType(enum.IntEnum):
     """Mirrors enum common_speculative_type (common.h)."""
 
-    NONE = 0
-    DRAFT_SIMPLE = 1
-    DRAFT_EAGLE3 = 2
-    DRAFT_MTP = 3
-    NGRAM_SIMPLE = 4
-    NGRAM_MAP_K = 5
-    NGRAM_MAP_K4V = 6
-    NGRAM_MOD = 7
-    NGRAM_CACHE = 8
-    COUNT = 9
+    NONE = _c("COMMON_SPECULATIVE_TYPE_NONE")
+    DRAFT_SIMPLE = _c("COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE")
+    DRAFT_EAGLE3 = _c("COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3")
+    DRAFT_MTP = _c("COMMON_SPECULATIVE_TYPE_DRAFT_MTP")
+    NGRAM_SIMPLE = _c("COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE")
+    NGRAM_MAP_K = _c("COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K")
+    NGRAM_MAP_K4V = _c("COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K4V")
+    NGRAM_MOD = _c("COMMON_SPECULATIVE_TYPE_NGRAM_MOD")
+    NGRAM_CACHE = _c("COMMON_SPECULATIVE_TYPE_NGRAM_CACHE")
+    COUNT = _c("COMMON_SPECULATIVE_TYPE_COUNT")
 
 
 class CommonSamplerType(enum.IntEnum):
     """Mirrors enum common_sampler_type (common.h)."""
 
-    NONE = 0
-    DRY = 1
-    TOP_K = 2
-    TOP_P = 3
-    MIN_P = 4
-    TYPICAL_P = 6
-    TEMPERATURE = 7
-    XTC = 8
-    INFILL = 9
-    PENALTIES = 10
-    TOP_N_SIGMA = 11
-    ADAPTIVE_P = 12
+    NONE = _c("COMMON_SAMPLER_TYPE_NONE")
+    DRY = _c("COMMON_SAMPLER_TYPE_DRY")
+    TOP_K = _c("COMMON_SAMPLER_TYPE_TOP_K")
+    TOP_P = _c("COMMON_SAMPLER_TYPE_TOP_P")
+    MIN_P = _c("COMMON_SAMPLER_TYPE_MIN_P")
+    TYPICAL_P = _c("COMMON_SAMPLER_TYPE_TYPICAL_P")
+    TEMPERATURE = _c("COMMON_SAMPLER_TYPE_TEMPERATURE")
+    XTC = _c("COMMON_SAMPLER_TYPE_XTC")
+    INFILL = _c("COMMON_SAMPLER_TYPE_INFILL")
+    PENALTIES = _c("COMMON_SAMPLER_TYPE_PENALTIES")
+    TOP_N_SIGMA = _c("COMMON_SAMPLER_TYPE_TOP_N_SIGMA")
+    ADAPTIVE_P = _c("COMMON_SAMPLER_TYPE_ADAPTIVE_P")
 
 
 def _default_samplers() -> list[CommonSamplerType]:

@@ -18,13 +18,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pyspec._abi import ffi, llama
-from pyspec.batch import Batch, BatchView
-from pyspec.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
-from pyspec.context import Context
+from pyspec.ffi import ffi, llama
+from pyspec.core.batch import Batch, BatchView
+from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
+from pyspec.core.context import Context
 from pyspec.errors import SpeculativeError
-from pyspec.ngram_cache import LLAMA_NGRAM_MAX, LLAMA_NGRAM_MIN, common_ngram_cache_draft, common_ngram_cache_load, common_ngram_cache_update
-from pyspec.ngram_map import (
+from pyspec.common.ngram_cache import LLAMA_NGRAM_MAX, LLAMA_NGRAM_MIN, common_ngram_cache_draft, common_ngram_cache_load, common_ngram_cache_update
+from pyspec.common.ngram_map import (
     CommonNgramMap,
     CommonNgramSimpleConfig,
     common_ngram_map_accept,
@@ -32,11 +32,11 @@ from pyspec.ngram_map import (
     common_ngram_map_draft,
     common_ngram_simple_draft,
 )
-from pyspec.ngram_mod import CommonNgramMod
-from pyspec.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
-from pyspec.params import CommonSpeculativeType as T
-from pyspec.sampler import SamplerChain
-from pyspec.sampling import (
+from pyspec.common.ngram_mod import CommonNgramMod
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.core.sampler import SamplerChain
+from pyspec.common.sampling import (
     CommonSampler,
     common_sampler_accept,
     common_sampler_get_candidates,
@@ -45,7 +45,7 @@ from pyspec.sampling import (
     common_sampler_sample,
 )
 
-logger = logging.getLogger("pyspec.speculative")
+logger = logging.getLogger("pyspec.common.speculative")
 
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
@@ -141,6 +141,21 @@ class CommonSpeculativeDraftParams:
     prompt: Sequence[int] = field(default_factory=list)
 
     result: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a caller sets in one sequence's draft params before common_speculative_draft.
+
+    Not a C++ type: the one description of a draft request shared by the port,
+    the C++ reference wrapper and the generation loop.
+    """
+
+    seq_id: int
+    n_max: int  # -1: no per-call limit
+    n_past: int
+    id_last: int
+    prompt: Sequence[int]
 
 
 class CommonSpeculativeImpl:

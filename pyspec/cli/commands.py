@@ -13,6 +13,7 @@ not installed) print one line and exit non-zero, without a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import threading
@@ -20,24 +21,31 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from pyspec.speculative import common_speculative_type_from_name_map
+__all__ = ["CliError", "build_parser", "main"]
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 
 class CliError(Exception):
     """An error reported as one line, without a traceback."""
 
 
+def _known_types() -> list[str]:
+    # nothing here opens a library: --help works before the package is built
+    from pyspec.common.speculative import common_speculative_type_from_name_map
+
+    return list(common_speculative_type_from_name_map)
+
+
 def _types_arg(value: str) -> str:
-    """argparse type for --types: a comma list of known names (checked here, parsed later)."""
-    names = [n.strip() for n in value.replace("+", ",").split(",") if n.strip()]
-    unknown = [n for n in names if n not in common_speculative_type_from_name_map]
-    if unknown or not names:
-        known = ", ".join(common_speculative_type_from_name_map)
-        bad = ", ".join(unknown) or repr(value)
-        raise argparse.ArgumentTypeError(f"unknown speculative type {bad} (known: {known})")
+    """argparse type for --types: each comma item a type or types joined by + (checked here, parsed later)."""
+    from pyspec.generation.contexts import parse_types
+
+    try:
+        for item in value.split(","):
+            parse_types(item)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (known: {', '.join(_known_types())})") from None
     return value.replace(" ", "")
 
 
@@ -57,8 +65,7 @@ def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = No
 def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--types", type=_types_arg, default=types_default,
-                   help=f"comma list of types (default {types_default}); known: "
-                        + ", ".join(common_speculative_type_from_name_map))
+                   help=f"comma list of types (default {types_default}); known: " + ", ".join(_known_types()))
     g.add_argument("--n-max", type=int, default=None, help="draft-* : most draft tokens per step (llama.cpp default 3)")
     g.add_argument("--n-min", type=int, default=None, help="draft-* : fewest draft tokens worth verifying")
     g.add_argument("--p-min", type=float, default=None, help="draft-* : least draft-token probability")
@@ -134,21 +141,21 @@ def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) ->
         f"drafted       {stats.n_drafted}",
         f"accepted      {stats.n_accepted} (acceptance {stats.acceptance * 100:.1f}%)",
         f"overhead      {stats.overhead_us_per_step:.0f} µs/step outside llama_decode/llama_encode"
-        + (" (the C++ draft model's decoding included)" if engine == "cpp" and stats.impls and any(
-            i.get("name", "").startswith("draft-") for i in stats.impls) else ""),
+        + (" (the C++ draft model's decoding included)" if engine == "cpp" and any(
+            i.name.startswith("draft-") for i in stats.impls) else ""),
     ]
     for imp in stats.impls:
-        counters = " ".join(f"{k}={v}" for k, v in imp.items() if k != "name" and k != "type")
-        lines.append(f"impl {imp.get('name', '?'):<8} {counters}")
+        counters = " ".join(f"{k}={v}" for k, v in vars(imp).items() if k != "name")
+        lines.append(f"impl {imp.name:<8} {counters}")
     return "\n".join(lines)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pyspec.bench import common_log
-    from pyspec.driver import SpeculativeGenerator
-    from pyspec.models import load_models, open_pair, parse_types, spec_params
-    from pyspec.params import CommonParamsSampling
-    from pyspec.speculative import common_speculative_type_name_str
+    from pyspec.cli.bench import common_log
+    from pyspec.common.params import CommonParamsSampling
+    from pyspec.common.speculative import common_speculative_type_name_str
+    from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
+    from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 
     if args.prompt_file is not None:
         prompts = [_read_text(args.prompt_file)]
@@ -158,10 +165,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("--n-predict must be positive")
     n_seq = max(args.n_seq, len(prompts))
     prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
-    types = parse_types(args.types.replace("+", ","))
+    types = parse_types(args.types)
     if args.temp <= 0:
-        from pyspec.driver import greedy_sampling
-
         sampling = greedy_sampling()
     else:
         sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, seed=args.seed)
@@ -169,8 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     with common_log(args.verbose), \
             load_models(types, model=args.model, draft=args.draft, tiny=args.tiny) as models:
         spec = spec_params(types, **_spec_kw(args))
-        with open_pair(models, spec, **_ctx_kw(args, n_seq)) as pair:
-            with SpeculativeGenerator(pair.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine) as gen:
+        with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
+            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine) as gen:
                 stream = n_seq == 1 and not args.quiet
                 progress = _Progress(enabled=not stream)
 
@@ -198,10 +203,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pyspec import bench
-    from pyspec.models import load_models, parse_types
+    from pyspec.cli import bench
+    from pyspec.generation.contexts import load_models, parse_types
 
-    type_sets = [parse_types(n.split("+")) for n in args.types.split(",")]
+    type_sets = [parse_types(n) for n in args.types.split(",")]
     all_types = sorted({t for ts in type_sets for t in ts})
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in bench.ENGINES]
@@ -242,18 +247,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    try:
-        from pyspec import parity_cli
-    except ImportError as e:
-        raise CliError(f"the parity harness is not available ({e})") from None
-    return int(parity_cli.main(list(args.rest)) or 0)
+    parity = importlib.import_module("pyspec.cli.parity")
+    return int(parity.main(list(args.rest)) or 0)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from pyspec.models import default_model_path, tiny_model_paths
+    from pyspec.generation.contexts import default_model_path
+    from pyspec.testing.models import make_all
 
     if not args.no_tiny:
-        for name, path in tiny_model_paths().items():
+        for name, path in make_all().items():
             print(f"tiny {name:<14} {path}")
     if not args.no_real:
         print(f"real {'':<14} {default_model_path()}")
@@ -261,7 +264,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pyspec.bench import demo
+    from pyspec.cli.demo import demo
 
     return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, verbose=args.verbose)
 
@@ -330,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # parity's options belong to pyspec.parity_cli: pass everything after the word on untouched
+    # parity's options belong to pyspec.cli.parity: pass everything after the word on untouched
     k = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     if k < len(argv) and argv[k] == "parity":
         args = parser.parse_args(argv[: k + 1])

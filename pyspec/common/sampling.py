@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from pyspec._abi import ext, ffi, llama
-from pyspec.common import LLAMA_TOKEN_NULL, CommonTimeMeas
+from pyspec.ffi import ext, ffi, llama
+from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas
 from pyspec.errors import SpeculativeError
-from pyspec.params import CommonParamsSampling, CommonSamplerType
+from pyspec.common.params import CommonParamsSampling, CommonSamplerType
 
 if TYPE_CHECKING:
-    from pyspec.context import Context
-    from pyspec.model import Model
+    from pyspec.core.context import Context
+    from pyspec.core.model import Model
 
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert TOKEN_DATA.itemsize == ffi.sizeof("llama_token_data")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from pyspec import log
-from pyspec._abi import ffi, ggml, llama
+from pyspec.core import log
+from pyspec.ffi import c_enum, ffi, ggml, llama
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -23,7 +23,7 @@ def ensure_backend() -> None:
         _initialized = True
 
 
-_DEV_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL", 4: "META"}
+_DEV_TYPES = {v: k.upper() for k, v in c_enum("enum ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_").items()}
 
 
 @dataclass(frozen=True)

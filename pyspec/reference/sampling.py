@@ -1,0 +1,175 @@
+"""The C++ reference for common_sampler_* (sampling.h), driven from Python.
+
+Thin wrappers over libpyspec_ref, which calls the vendored llama.cpp
+``common/sampling.cpp`` unchanged; the port's twin is pyspec.common.sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from pyspec.common.params import CommonParamsSampling
+from pyspec.core.handle import Handle
+from pyspec.errors import RefError
+from pyspec.ffi import c_const, ffi, ref
+from pyspec.reference.library import ERR_LEN, cdata_ptr, check, handles, token_array, token_ptr
+
+__all__ = ["Candidates", "RefSampler", "sampling_params_struct"]
+
+
+class Candidates(NamedTuple):
+    """A copy of common_sampler_get_candidates' llama_token_data_array."""
+
+    ids: np.ndarray
+    logits: np.ndarray
+    probs: np.ndarray
+    selected: int
+    sorted: bool
+
+
+def sampling_params_struct(params: CommonParamsSampling) -> tuple[Any, list[Any]]:
+    """A ``pyspec_ref_sampling_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    p = ffi.new("pyspec_ref_sampling_params *")
+    ref.pyspec_ref_sampling_params_default(p)
+    for name in (
+        "seed", "n_prev", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability",
+        "xtc_threshold", "typ_p", "temp", "dynatemp_range", "dynatemp_exponent", "penalty_last_n",
+        "penalty_repeat", "penalty_freq", "penalty_present", "dry_multiplier", "dry_base",
+        "dry_allowed_length", "dry_penalty_last_n", "adaptive_target", "adaptive_decay", "mirostat",
+        "top_n_sigma", "mirostat_tau", "mirostat_eta", "ignore_eos", "no_perf", "timing_per_token",
+        "backend_sampling",
+    ):  # fmt: skip
+        setattr(p, name, getattr(params, name))
+
+    breakers = [ffi.new("char[]", s.encode()) for s in params.dry_sequence_breakers]
+    breakers_arr = ffi.new("const char *[]", breakers) if breakers else ffi.NULL
+    p.dry_sequence_breakers = breakers_arr
+    p.n_dry_sequence_breakers = len(breakers)
+    samplers = np.asarray([int(s) for s in params.samplers], dtype=np.int32)
+    p.samplers = ffi.cast("int32_t *", ffi.from_buffer(samplers)) if samplers.size else ffi.NULL
+    p.n_samplers = int(samplers.size)
+    grammar = ffi.new("char[]", params.grammar.encode())
+    p.grammar = grammar
+    bias_tok = np.asarray([t for t, _ in params.logit_bias], dtype=np.int32)
+    bias_val = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
+    if bias_tok.size:
+        p.logit_bias_tokens = ffi.cast("llama_token *", ffi.from_buffer(bias_tok))
+        p.logit_bias_values = ffi.cast("float *", ffi.from_buffer(bias_val))
+    p.n_logit_bias = int(bias_tok.size)
+    return p, [breakers, breakers_arr, samplers, grammar, bias_tok, bias_val]
+
+
+class RefSampler(Handle):
+    """Mirrors struct common_sampler and its functions (sampling.h), run by the C++.
+
+    ``model`` is a pyspec Model (kept alive while this sampler lives) or raw
+    ``llama_model *`` cdata.
+    """
+
+    _kind = "reference sampler"
+
+    def __init__(self, model: Any, params: CommonParamsSampling) -> None:
+        """Mirrors common_sampler_init; raises RefError with the reason on failure."""
+        super().__init__()
+        p, _keep = sampling_params_struct(params)
+
+        err = ffi.new("char[]", ERR_LEN)
+        ptr = ref.pyspec_ref_sampler_init(cdata_ptr(model, "struct llama_model *"), p, err, ERR_LEN)
+        if ptr == ffi.NULL:
+            raise RefError(ffi.string(err).decode(errors="replace") or "common_sampler_init failed")
+        self._own(ptr, ref.pyspec_ref_sampler_free, handles(model))
+        # common_sampler_init turns backend sampling off when a grammar is set
+        self.backend_sampling = bool(ref.pyspec_ref_sampler_backend_sampling(ptr))
+
+    @property
+    def chain(self) -> Any:
+        """Mirrors common_sampler_get: the llama_sampler chain, e.g. for llama_set_sampler."""
+        return ref.pyspec_ref_sampler_get_chain(self.ptr)
+
+    def clone(self) -> RefSampler:
+        """Mirrors common_sampler_clone."""
+        ptr = ref.pyspec_ref_sampler_clone(self.ptr)
+        if ptr == ffi.NULL:
+            raise RefError("common_sampler_clone failed")
+        out = RefSampler.__new__(RefSampler)
+        Handle.__init__(out)
+        out._own(ptr, ref.pyspec_ref_sampler_free, tuple(self._deps))
+        out.backend_sampling = self.backend_sampling
+        return out
+
+    def sample(self, ctx: Any, idx: int, grammar_first: bool = False) -> int:
+        """Mirrors common_sampler_sample."""
+        out = ffi.new("llama_token *")
+        check(
+            ref.pyspec_ref_sampler_sample(self.ptr, cdata_ptr(ctx, "struct llama_context *"), idx, grammar_first, out),
+            "sample",
+        )
+        return int(out[0])
+
+    def sample_and_accept_n(
+        self,
+        ctx: Any,
+        draft: Sequence[int] | np.ndarray,
+        idxs: Sequence[int] | np.ndarray | None = None,
+        grammar_first: bool = False,
+    ) -> list[int]:
+        """Mirrors common_sampler_sample_and_accept_n (the overload without idxs when idxs is None)."""
+        ptr = self.ptr
+        d = token_array(draft)
+        if idxs is not None:
+            ix = np.ascontiguousarray(np.asarray(idxs, dtype=np.int32))
+            if ix.size != d.size + 1:
+                raise ValueError(f"idxs.size() must be draft.size() + 1 ({ix.size} != {d.size + 1})")
+            ix_ptr = ffi.cast("int32_t *", ffi.from_buffer(ix))
+        else:
+            ix_ptr = ffi.NULL
+        out = np.zeros(d.size + 1, dtype=np.int32)
+        n = check(
+            ref.pyspec_ref_sampler_sample_and_accept_n(
+                ptr, cdata_ptr(ctx, "struct llama_context *"), ix_ptr, token_ptr(d), d.size,
+                grammar_first, token_ptr(out), out.size,
+            ),
+            "sample_and_accept_n",
+        )  # fmt: skip
+        return out[:n].tolist()
+
+    def accept(self, token: int, accept_grammar: bool) -> None:
+        """Mirrors common_sampler_accept (``accept_grammar`` is the C++ ``is_generated``)."""
+        check(ref.pyspec_ref_sampler_accept(self.ptr, int(token), accept_grammar), "accept")
+
+    def reset(self) -> None:
+        """Mirrors common_sampler_reset."""
+        check(ref.pyspec_ref_sampler_reset(self.ptr), "reset")
+
+    def last(self) -> int:
+        """Mirrors common_sampler_last; RefError when nothing was accepted yet."""
+        out = ffi.new("llama_token *")
+        check(ref.pyspec_ref_sampler_last(self.ptr, out), "last")
+        return int(out[0])
+
+    def get_seed(self) -> int:
+        """Mirrors common_sampler_get_seed."""
+        out = ffi.new("uint32_t *")
+        check(ref.pyspec_ref_sampler_get_seed(self.ptr, out), "get_seed")
+        return int(out[0])
+
+    def candidates(self, do_sort: bool = False) -> Candidates:
+        """Mirrors common_sampler_get_candidates (copied out); RefError before any sample."""
+        cur_p = ref.pyspec_ref_sampler_get_candidates(self.ptr, do_sort)
+        if cur_p == ffi.NULL:
+            check(c_const("PYSPEC_REF_E_STATE"), "candidates")
+        n = int(cur_p.size)
+        raw = np.frombuffer(
+            ffi.buffer(cur_p.data, n * ffi.sizeof("llama_token_data")),
+            dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]),
+        )
+        return Candidates(
+            ids=raw["id"].copy(),
+            logits=raw["logit"].copy(),
+            probs=raw["p"].copy(),
+            selected=int(cur_p.selected),
+            sorted=bool(cur_p.sorted),
+        )

@@ -1,0 +1,233 @@
+"""The C++ reference for common_speculative_* (speculative.h), driven from Python.
+
+Thin wrappers over libpyspec_ref, which compiles the vendored llama.cpp
+``common/speculative.cpp`` unchanged (its patches are listed at the top of
+csrc/pyspec_ref.cpp). The parity harness runs these beside the Python port on
+identically made contexts and compares them call by call.
+
+Every failure of the C++ side (a ``throw``, or a GGML_ASSERT precondition that
+the C layer checks before calling in) raises :class:`~pyspec.errors.RefError`
+with the reference's message; nothing reachable from here aborts the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pyspec.common.params import CommonParamsSpeculative, CommonParamsSpeculativeNgramMap
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.common.speculative import DraftRequest
+from pyspec.core.handle import Handle
+from pyspec.errors import RefError
+from pyspec.ffi import c_const, ffi, ref
+from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, token_array, token_ptr
+
+__all__ = ["RefSpeculative", "spec_params_struct", "spec_type_str"]
+
+
+def spec_type_str(type_: int) -> str:
+    """Mirrors common_speculative_type_to_str (speculative.cpp)."""
+    return ffi.string(ref.pyspec_ref_spec_type_str(int(type_))).decode()
+
+
+def _fill_ngram_map(dst: Any, src: CommonParamsSpeculativeNgramMap) -> None:
+    dst.size_n = src.size_n
+    dst.size_m = src.size_m
+    dst.min_hits = src.min_hits
+
+
+def _check_eagle3_layers(params: CommonParamsSpeculative) -> None:
+    """Refuse what the C++ EAGLE3 constructor / first decode would abort on (GGML_ASSERT).
+
+    An extract layer the target lacks, or a target architecture whose graph does not
+    record layer inputs: Context.check_layer_inp raises ValueError naming it.
+    """
+    from pyspec.core.context import Context
+
+    d = params.draft
+    if T.DRAFT_EAGLE3 not in params.types:
+        return
+    if isinstance(d.ctx_tgt, Context) and isinstance(d.ctx_dft, Context):
+        for lid in d.ctx_dft.model.target_layer_ids():
+            d.ctx_tgt.check_layer_inp(int(lid))
+
+
+def spec_params_struct(params: CommonParamsSpeculative) -> tuple[Any, list[Any]]:
+    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    _check_eagle3_layers(params)
+    types = np.asarray([int(t) for t in params.types], dtype=np.int32)
+    cache_static = params.ngram_cache.lookup_cache_static.encode()
+    cache_dynamic = params.ngram_cache.lookup_cache_dynamic.encode()
+    keep: list[Any] = [types, ffi.new("char[]", cache_static), ffi.new("char[]", cache_dynamic)]
+
+    p = ffi.new("pyspec_ref_spec_params *")
+    ref.pyspec_ref_spec_params_default(p)
+    p.types = ffi.cast("int32_t *", ffi.from_buffer(types)) if types.size else ffi.NULL
+    p.n_types = int(types.size)
+    d = params.draft
+    p.draft.n_max = d.n_max
+    p.draft.n_min = d.n_min
+    p.draft.p_split = d.p_split
+    p.draft.p_min = d.p_min
+    p.draft.backend_sampling = d.backend_sampling
+    p.draft.ctx_tgt = cdata_ptr(d.ctx_tgt, "struct llama_context *")
+    p.draft.ctx_dft = cdata_ptr(d.ctx_dft, "struct llama_context *")
+    p.draft.n_gpu_layers = d.n_gpu_layers
+    p.ngram_mod.n_match = params.ngram_mod.n_match
+    p.ngram_mod.n_max = params.ngram_mod.n_max
+    p.ngram_mod.n_min = params.ngram_mod.n_min
+    _fill_ngram_map(p.ngram_simple, params.ngram_simple)
+    _fill_ngram_map(p.ngram_map_k, params.ngram_map_k)
+    _fill_ngram_map(p.ngram_map_k4v, params.ngram_map_k4v)
+    p.lookup_cache_static = keep[1]
+    p.lookup_cache_dynamic = keep[2]
+    return p, keep
+
+
+class RefSpeculative(Handle):
+    """Mirrors struct common_speculative and its functions (speculative.h), run by the C++.
+
+    ``params.draft.ctx_tgt`` / ``ctx_dft`` take pyspec Contexts (kept alive
+    while this object lives) or raw ``llama_context *`` cdata.
+    """
+
+    _kind = "reference speculative"
+
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+        """Mirrors common_speculative_init; raises RefError (a RuntimeError) with the C++ message.
+
+        When no implementation is selected (the C++ returns nullptr) this
+        raises RefError too, with the message "no implementations specified
+        for speculative decoding".
+        """
+        super().__init__()
+        if n_seq <= 0:
+            raise ValueError(f"n_seq must be positive, got {n_seq}")
+        p, _keep = spec_params_struct(params)
+        d = params.draft
+
+        err = ffi.new("char[]", ERR_LEN)
+        ptr = ref.pyspec_ref_spec_init(p, n_seq, err, ERR_LEN)
+        if ptr == ffi.NULL:
+            msg = ffi.string(err).decode(errors="replace")
+            if not msg:  # the C++ returned nullptr: status 0, see init()
+                raise RefError("no implementations specified for speculative decoding", 0)
+            raise RefError(msg)
+        self._own(ptr, ref.pyspec_ref_spec_free, handles(d.ctx_tgt, d.ctx_dft))
+        self.n_seq = int(n_seq)
+        self.n_max = max(1, int(ref.pyspec_ref_spec_n_max(ptr)))
+
+    @classmethod
+    def init(cls, params: CommonParamsSpeculative, n_seq: int) -> RefSpeculative | None:
+        """Mirrors common_speculative_init exactly: None when no implementation is selected."""
+        try:
+            return cls(params, n_seq)
+        except RefError as e:
+            if e.status == 0:
+                return None
+            raise
+
+    def _seq(self, seq_id: int) -> int:
+        if not 0 <= seq_id < self.n_seq:
+            raise ValueError(f"seq_id {seq_id} out of range 0..{self.n_seq - 1}")
+        return seq_id
+
+    def begin(self, seq_id: int, prompt: Sequence[int] | np.ndarray) -> None:
+        """Mirrors common_speculative_begin."""
+        toks = token_array(prompt)
+        check(ref.pyspec_ref_spec_begin(self.ptr, self._seq(seq_id), token_ptr(toks), toks.size), "begin")
+
+    def process(self, batch: Any) -> bool:
+        """Mirrors common_speculative_process: False when an implementation failed."""
+        return check(ref.pyspec_ref_spec_process(self.ptr, batch_ptr(batch)), "process") == 1
+
+    def need_embd(self) -> bool:
+        """Mirrors common_speculative_need_embd."""
+        return check(ref.pyspec_ref_spec_need_embd(self.ptr), "need_embd") == 1
+
+    def need_embd_nextn(self) -> bool:
+        """Mirrors common_speculative_need_embd_nextn."""
+        return check(ref.pyspec_ref_spec_need_embd_nextn(self.ptr), "need_embd_nextn") == 1
+
+    def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
+        """Mirrors common_speculative_draft for the requested sequences (marked ``drafting``).
+
+        Returns each requested sequence's draft.
+        """
+        ptr = self.ptr
+        n = len(requests)
+        reqs = ffi.new("pyspec_ref_draft_request[]", max(n, 1))
+        keep: list[Any] = []
+        outs: list[tuple[int, np.ndarray]] = []
+        for k, req in enumerate(requests):
+            toks = token_array(req.prompt)
+            out = np.zeros(self.n_max, dtype=np.int32)
+            keep.extend((toks, out))
+            r = reqs[k]
+            r.seq_id = self._seq(int(req.seq_id))
+            r.n_max = int(req.n_max)
+            r.n_past = int(req.n_past)
+            r.id_last = int(req.id_last)
+            r.prompt = token_ptr(toks)
+            r.n_prompt = toks.size
+            r.out = token_ptr(out)
+            r.out_cap = out.size
+            outs.append((int(req.seq_id), out))
+        rc = ref.pyspec_ref_spec_draft(ptr, reqs, n)
+        if rc == c_const("PYSPEC_REF_E_CAPACITY"):  # read the whole results back
+            return {seq_id: self.result(seq_id) for seq_id, _ in outs}
+        check(rc, "draft")
+        return {seq_id: out[: reqs[k].n_out].tolist() for k, (seq_id, out) in enumerate(outs)}
+
+    def result(self, seq_id: int) -> list[int]:
+        """The draft that common_speculative_draft last left in the draft params of seq_id."""
+        ptr = self.ptr
+        n = check(ref.pyspec_ref_spec_get_result(ptr, self._seq(seq_id), ffi.NULL, 0), "result")
+        out = np.zeros(max(n, 1), dtype=np.int32)
+        check(ref.pyspec_ref_spec_get_result(ptr, seq_id, token_ptr(out), out.size), "result")
+        return out[:n].tolist()
+
+    def accept(self, seq_id: int, n_accepted: int) -> None:
+        """Mirrors common_speculative_accept; RefError when seq_id has no draft yet."""
+        check(ref.pyspec_ref_spec_accept(self.ptr, self._seq(seq_id), int(n_accepted)), "accept")
+
+    def print_stats(self) -> None:
+        """Mirrors common_speculative_print_stats (logs through llama.cpp's common log)."""
+        check(ref.pyspec_ref_spec_print_stats(self.ptr), "print_stats")
+
+    def n_impls(self) -> int:
+        """Number of implementations common_speculative_init selected."""
+        return check(ref.pyspec_ref_spec_n_impls(self.ptr), "n_impls")
+
+    def impl_stats(self) -> list[dict[str, Any]]:
+        """The counters of each common_speculative_impl, in priority order."""
+        ptr = self.ptr
+        st = ffi.new("pyspec_ref_impl_stats *")
+        out = []
+        for i in range(check(ref.pyspec_ref_spec_n_impls(ptr), "impl_stats")):
+            check(ref.pyspec_ref_spec_get_impl(ptr, i, st), "impl_stats")
+            out.append(
+                {
+                    "type": int(st.type),
+                    "name": spec_type_str(st.type),
+                    "n_call_begin": int(st.n_call_begin),
+                    "n_call_draft": int(st.n_call_draft),
+                    "n_call_accept": int(st.n_call_accept),
+                    "n_gen_drafts": int(st.n_gen_drafts),
+                    "n_acc_drafts": int(st.n_acc_drafts),
+                    "n_gen_tokens": int(st.n_gen_tokens),
+                    "n_acc_tokens": int(st.n_acc_tokens),
+                    "t_begin_us": int(st.t_begin_us),
+                    "t_draft_us": int(st.t_draft_us),
+                    "t_accept_us": int(st.t_accept_us),
+                }
+            )
+        return out
+
+    def last_impl_type(self, seq_id: int) -> int | None:
+        """Type of the implementation whose draft seq_id last used (impl_last); None before any."""
+        t = check(ref.pyspec_ref_spec_last_impl_type(self.ptr, self._seq(seq_id)), "last_impl_type")
+        return None if t == 0 else t

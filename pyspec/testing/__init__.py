@@ -1,0 +1,1 @@
+"""Test support: tiny deterministic GGUF models written on demand (see pyspec.testing.models)."""
