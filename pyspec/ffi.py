@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import re
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cffi

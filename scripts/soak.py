@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pyspec import Context, Model  # noqa: E402
-from pyspec.common import speculative as sp  # noqa: E402
-from pyspec.testing import models as tm  # noqa: E402
-from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling  # noqa: E402
-from pyspec.common.params import CommonParamsSpeculative  # noqa: E402
-from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
+from pyspec import Context, Model
+from pyspec.common import speculative as sp
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.testing import models as tm
 
 PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,

@@ -6,6 +6,8 @@ import pytest
 
 from pyspec import Context, Model
 from pyspec.testing import models as tm
+
+
 @pytest.fixture(scope="session")
 def target_path():
     return tm.make_target()

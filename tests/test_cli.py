@@ -13,6 +13,7 @@ import pytest
 
 from pyspec import cli
 from pyspec.testing import models as tm
+
 REPO = Path(__file__).resolve().parents[1]
 # the cyclic tiny target repeats itself, so n-gram drafts are accepted
 NGRAM = ["--types", "ngram-simple", "--ngram-n", "3", "--ngram-m", "8"]

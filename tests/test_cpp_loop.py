@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model
-from pyspec.testing import models as tm
-from pyspec.ffi import ffi
-from pyspec.ffi import ref as lib
-from pyspec.errors import LoopInputError
-from pyspec.reference.loop import cpp_generate
-from pyspec.generation.driver import SpeculativeGenerator
-from pyspec.generation.statistics import GenerationStats, SequenceResult
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.errors import RefError
+from pyspec.errors import LoopInputError, RefError
+from pyspec.ffi import ffi
+from pyspec.ffi import ref as lib
+from pyspec.generation.driver import SpeculativeGenerator
+from pyspec.generation.statistics import GenerationStats, SequenceResult
+from pyspec.reference.loop import cpp_generate
+from pyspec.testing import models as tm
 
 PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3
 N_PREDICT = 32

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model, PyspecError
-from pyspec.testing import models as tm
-from pyspec.generation.driver import SpeculativeGenerator, generate, greedy_sampling
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.driver import SpeculativeGenerator, generate, greedy_sampling
+from pyspec.testing import models as tm
 
 PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,
@@ -68,7 +68,7 @@ def test_greedy_speculation_equals_plain_greedy_decoding(models, t, n_seq):
     # prompts that already hold the start of the target's own continuation, as a chat
     # history does: the n-gram types draft from the prompt before their tables fill up
     base = [ctx.model.vocab.tokenize(text) for text in PROMPTS[:n_seq]]
-    prompts = [b + w for b, w in zip(base, plain_greedy(ctx, base, 20))]
+    prompts = [b + w for b, w in zip(base, plain_greedy(ctx, base, 20), strict=False)]
     expected = plain_greedy(ctx, prompts, 32)
     with SpeculativeGenerator(ctx, p, greedy_sampling()) as g:
         results = g.generate(prompts, 32)
@@ -88,7 +88,7 @@ def test_draft_equal_to_target_accepts_every_draft_token(models):
     p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
     p.draft.n_max = 5
     p.draft.ctx_dft = Context(models["target"], n_ctx=512, n_batch=64)
-    res, stats = generate(ctx, PROMPTS[0], 48, spec=p)
+    _res, stats = generate(ctx, PROMPTS[0], 48, spec=p)
     assert stats.n_drafted > 20
     assert stats.n_accepted == stats.n_drafted
     # each step verifies up to 5 drafts and adds the target's own token

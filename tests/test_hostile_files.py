@@ -19,10 +19,10 @@ import pytest
 import pyspec
 from pyspec import Context, Model, SpeculativeError
 from pyspec.common import speculative as sp
-from pyspec.testing import models as tm
-from pyspec.generation.driver import SpeculativeGenerator
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.driver import SpeculativeGenerator
+from pyspec.testing import models as tm
 
 
 def n_open_fds() -> int:

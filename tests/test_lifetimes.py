@@ -10,10 +10,10 @@ import pytest
 
 import pyspec
 from pyspec import Batch, ClosedError, ConcurrentUseError, Context, Model
-from pyspec.testing import models as tm
-from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.testing import models as tm
 
 PROMPT = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n"
 N_PREDICT = 24
@@ -126,7 +126,7 @@ ORDERS = list(itertools.permutations(range(5)))[::11]  # 11 of the 120 orders, f
 
 @pytest.mark.parametrize("t", [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP], ids=lambda v: v.name)
 def test_closing_in_any_order_is_safe(t):
-    for order in ORDERS + [(4, 3, 2, 1, 0)]:
+    for order in [*ORDERS, (4, 3, 2, 1, 0)]:
         m_tgt = Model(tm.make_mtp() if t == T.DRAFT_MTP else tm.make_target())
         m_dft = m_tgt if t == T.DRAFT_MTP else Model(tm.make_eagle3() if t == T.DRAFT_EAGLE3 else tm.make_draft())
         g, ctx, ctxd = make({"target": m_tgt, "draft": m_dft, "eagle3": m_dft, "mtp": m_tgt}, t)
@@ -163,7 +163,7 @@ def test_threads_with_their_own_contexts_match_single_threaded_output(models, fr
             for _ in range(2):
                 results.setdefault(i, []).append(g.generate([PROMPT], N_PREDICT)[0].tokens)
             close_all(g, ctxd, ctx)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]

@@ -153,7 +153,7 @@ def test_std_order_front_inserts_then_reverses_on_rehash():
     # The 14th insert rehashes to 29 buckets, walking the list and front-inserting again:
     # 0, 1, ..., 12; then 13 goes to the front.
     keys = list(range(14))
-    assert std_unordered_map_order(keys, keys) == [13] + list(range(13))
+    assert std_unordered_map_order(keys, keys) == [13, *list(range(13))]
 
 
 def test_std_order_groups_a_bucket_behind_its_first_node():

@@ -106,7 +106,7 @@ def test_map_k_accept_limits_the_next_draft_to_the_accepted_count():
     common_ngram_map_draft(mp, HIST_K, 2, [])
     common_ngram_map_accept(mp, 1)
     assert mp.keys[0].values[0].n_accepted == 1
-    hist = HIST_K + [2, 3, 4, 5, 1]
+    hist = [*HIST_K, 2, 3, 4, 5, 1]
     draft: list[int] = []
     common_ngram_map_draft(mp, hist, 2, draft)
     assert draft == [3]
@@ -157,7 +157,7 @@ def test_map_draft_needs_2n_plus_m_tokens():
 
 def test_map_draft_aborts_when_history_is_shorter_than_last_check():
     mp = CommonNgramMap(2, 3, True, 1)
-    common_ngram_map_begin(mp, HIST_K + [7, 7, 7])
+    common_ngram_map_begin(mp, [*HIST_K, 7, 7, 7])
     with pytest.raises(RuntimeError, match="idx_last_check > cur_len"):
         common_ngram_map_draft(mp, HIST_K, 2, [])
 
@@ -209,7 +209,7 @@ def test_map_k4v_second_hit_drafts_the_tokens_after_the_match_position():
     inp = [1, 2, 7, 8, 1, 2, 7, 8, 1, 2, 9, 9, 5, 1]
     mp = CommonNgramMap(2, 2, False, 2)
     common_ngram_map_draft(mp, inp, 2, [])
-    inp2 = inp + [2, 7, 8, 3, 1]
+    inp2 = [*inp, 2, 7, 8, 3, 1]
     draft: list[int] = []
     common_ngram_map_draft(mp, inp2, 2, draft)
     assert draft == [9, 9]
@@ -228,7 +228,7 @@ def test_begin_after_a_cut_deletes_keys_and_hashes_past_the_previous_begin():
     mp = CommonNgramMap(2, 3, True, 1)
     prompt = [9, 9, 9, 9, 9, 9]
     common_ngram_map_begin(mp, prompt)
-    inp = prompt + [8, 1, 2, 3, 4, 5, 6, 1]
+    inp = [*prompt, 8, 1, 2, 3, 4, 5, 6, 1]
     draft: list[int] = []
     common_ngram_map_draft(mp, inp, 2, draft)
     assert draft == [3, 4, 5] and mp.keys[0].key_idx == 7
@@ -252,9 +252,9 @@ def test_begin_after_a_cut_deletes_values_past_the_previous_begin():
     prompt = [9, 1, 5, 0, 0]
     common_ngram_map_begin(mp, prompt)
     draft_a: list[int] = []
-    common_ngram_map_draft(mp, prompt + [0], 1, draft_a)
+    common_ngram_map_draft(mp, [*prompt, 0], 1, draft_a)
     assert draft_a == [5] and int(mp.key_map[0]) == 2 and mp.key_map_last_idx == 3
-    inp = prompt + [0, 2, 1, 7, 4]
+    inp = [*prompt, 0, 2, 1, 7, 4]
     draft_b: list[int] = []
     common_ngram_map_draft(mp, inp, 1, draft_b)
     assert draft_b == [7]
@@ -270,7 +270,7 @@ def test_begin_with_a_longer_history_keeps_everything():
     mp = CommonNgramMap(2, 3, True, 1)
     common_ngram_map_begin(mp, HIST_K)
     common_ngram_map_draft(mp, HIST_K, 2, [])
-    common_ngram_map_begin(mp, HIST_K + [2, 3])
+    common_ngram_map_begin(mp, [*HIST_K, 2, 3])
     assert len(mp.keys) == 1 and mp.size_last_begin == 13 and mp.key_map_last_idx == 5
 
 

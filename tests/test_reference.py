@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from pyspec import Batch, ClosedError, Context, Model
-from pyspec.testing import models as testmodels
 from pyspec.common.params import (
     CommonParamsSampling,
     CommonParamsSpeculative,
@@ -20,6 +19,7 @@ from pyspec.common.speculative import DraftRequest
 from pyspec.errors import RefError
 from pyspec.reference.sampling import RefSampler
 from pyspec.reference.speculative import RefSpeculative, spec_type_str
+from pyspec.testing import models as testmodels
 
 PATTERN = [101, 102, 103, 104, 105, 106, 107, 108]
 PROMPT = PATTERN * 4  # ends with 108: the pattern continues with 101, 102, ...

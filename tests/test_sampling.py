@@ -9,9 +9,9 @@ import pytest
 
 from pyspec import Batch, Context
 from pyspec.common import sampling as smp
-from pyspec.ffi import llama
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
+from pyspec.ffi import llama
 from pyspec.reference.sampling import RefSampler
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]

@@ -6,9 +6,9 @@ import pytest
 
 from pyspec import Context, Model, SpeculativeError
 from pyspec.common import speculative as sp
-from pyspec.testing import models as tm
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.testing import models as tm
 
 # a history that repeats with period 5: every n-gram of it has a known continuation
 PERIOD = [101, 102, 103, 104, 105]
@@ -84,7 +84,7 @@ def test_draft_chains_to_the_next_implementation_when_one_is_empty():
     p = ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD])
     p.ngram_mod.n_match = 2
     spec = sp.common_speculative_init(p, 1)
-    history = [5, 6, 7, 8, 9] + list(range(200, 240)) + [7]
+    history = [5, 6, 7, 8, 9, *list(range(200, 240)), 7]
     sp.common_speculative_begin(spec, 0, history)
     draft = draft_once(spec, history, 8)
     simple, mod = spec.impls

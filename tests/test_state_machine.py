@@ -19,10 +19,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 import pyspec
 from pyspec import Batch, ClosedError, Context, DecodeError, Model, SpeculativeError
 from pyspec.common import speculative as sp
-from pyspec.testing import models as tm
-from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.testing import models as tm
 
 N_SEQ = 2
 N_CTX = 128  # per sequence: N_CTX // N_SEQ = 64 positions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from pyspec.testing import models as testmodels
+
 MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3")
 ARCH = {
     "target": "llama",
@@ -190,7 +192,7 @@ def test_cyclic_successor_is_a_set_of_short_cycles() -> None:
     assert set(succ.tolist()) == set(members)  # every token leads into a cycle
     for cyc in cycles:
         assert testmodels.CYCLIC_MIN_LEN <= len(cyc) <= testmodels.CYCLIC_MAX_LEN
-        assert [int(succ[t]) for t in cyc] == list(cyc[1:]) + [cyc[0]]
+        assert [int(succ[t]) for t in cyc] == [*list(cyc[1:]), cyc[0]]
         assert all(gguf_types[t] == 1 for t in cyc)  # ordinary tokens: no eos, no bytes
     succ[0] = -1  # a copy: the generator's map is not touched
     assert testmodels.cyclic_successor()[0][0] != -1
@@ -241,7 +243,7 @@ def test_cyclic_target_greedy_output_repeats(cyclic_model: Any, text: str) -> No
     period = _period(out)
     assert period is not None and 2 <= period <= 20, out
     assert period in {len(c) for c in cycles}
-    assert all(int(succ[a]) == b for a, b in zip(out, out[1:])), out  # the map, from the first token on
+    assert all(int(succ[a]) == b for a, b in itertools.pairwise(out)), out  # the map, from the first token on
 
 
 def test_cyclic_target_sampling_is_not_degenerate(cyclic_model: Any) -> None:
@@ -271,8 +273,8 @@ def test_cyclic_target_sampling_is_not_degenerate(cyclic_model: Any) -> None:
 
 def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -> tuple[int, int, list[int]]:
     from pyspec import Context
-    from pyspec.generation.driver import SpeculativeGenerator
     from pyspec.common.params import CommonParamsSpeculative
+    from pyspec.generation.driver import SpeculativeGenerator
 
     with Context(model, n_ctx=512, n_batch=128, n_ubatch=128, n_threads=1) as ctx:
         spec = CommonParamsSpeculative(types=[spec_type])

@@ -19,15 +19,16 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
-from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.generation.statistics import GenerationStats, SequenceResult
-from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_type_to_str
+from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.generation.statistics import GenerationStats, SequenceResult
 
 ENGINES = ("python", "cpp", "loop")
 
@@ -283,7 +284,7 @@ def format_table(report: Report) -> str:
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = []
     for k, line in enumerate(lines):
-        cells = (str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        cells = (str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=False)))
         out.append("  ".join(cells))
         if k == 1:
             out.append("  ".join("-" * w for w in widths))

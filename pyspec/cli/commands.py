@@ -18,8 +18,9 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["CliError", "build_parser", "main"]
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pyspec.core.batch import Batch
 
@@ -25,7 +26,7 @@ class CommonTimeMeas:
     keeps an ``int64_t &`` to the accumulator.
     """
 
-    __slots__ = ("owner", "attr", "t_start_us")
+    __slots__ = ("attr", "owner", "t_start_us")
 
     def __init__(self, owner: object, attr: str, disable: bool = False) -> None:
         self.owner = owner
@@ -74,7 +75,7 @@ class CommonContextSeqRmType:
     RS = 3    # can seq_rm partial sequences, bounded by n_rs_seq
 
 
-def common_context_can_seq_rm(ctx) -> int:  # noqa: ANN001 - pyspec Context
+def common_context_can_seq_rm(ctx) -> int:
     """Mirrors common_context_can_seq_rm (common.cpp). Clears the context's memory, as the C++ does."""
     mem = ctx.memory
     res = CommonContextSeqRmType.PART
@@ -100,7 +101,7 @@ def common_context_can_seq_rm(ctx) -> int:  # noqa: ANN001 - pyspec Context
     return res
 
 
-def common_context_seq_rm(ctx, seq_id: int, p0: int, p1: int) -> None:  # noqa: ANN001 - pyspec Context
+def common_context_seq_rm(ctx, seq_id: int, p0: int, p1: int) -> None:
     """Mirrors common_context_seq_rm (common.cpp); the reference's abort becomes an exception."""
     if not ctx.memory.seq_rm(seq_id, p0, p1):
         from pyspec.errors import SpeculativeError
@@ -135,22 +136,22 @@ class CommonPromptCheckpoint:
         self.pos_min = pos_min
         self.pos_max = pos_max
 
-    def update_tgt(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+    def update_tgt(self, ctx, seq_id: int, flags: int) -> None:
         if ctx is None:
             return
         self.data_tgt = ctx.state_seq_get(seq_id, flags)
 
-    def update_dft(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+    def update_dft(self, ctx, seq_id: int, flags: int) -> None:
         if ctx is None:
             return
         self.data_dft = ctx.state_seq_get(seq_id, flags)
 
-    def load_tgt(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+    def load_tgt(self, ctx, seq_id: int, flags: int) -> None:
         if ctx is None or not self.data_tgt:
             return
         ctx.state_seq_set(seq_id, self.data_tgt, flags)
 
-    def load_dft(self, ctx, seq_id: int, flags: int) -> None:  # noqa: ANN001 - pyspec Context
+    def load_dft(self, ctx, seq_id: int, flags: int) -> None:
         if ctx is None or not self.data_dft:
             return
         ctx.state_seq_set(seq_id, self.data_dft, flags)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping, MutableSequence, Sequence
-from typing import Any, Callable, Union
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
+from typing import Any, Union
 
 import numpy as np
 

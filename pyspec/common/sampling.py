@@ -11,14 +11,15 @@ The candidate array is a numpy structured array laid out as llama_token_data.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyspec.ffi import ext, ffi, llama
 from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas
-from pyspec.errors import SpeculativeError
 from pyspec.common.params import CommonParamsSampling, CommonSamplerType
+from pyspec.errors import SpeculativeError
+from pyspec.ffi import ext, ffi, llama
 
 if TYPE_CHECKING:
     from pyspec.core.context import Context
@@ -34,7 +35,7 @@ class CommonSampler:
     """Mirrors struct common_sampler (sampling.cpp). Free with close() or ``with``."""
 
     def __init__(
-        self, params: CommonParamsSampling, grmr, chain, n_vocab: int,  # noqa: ANN001 - cffi pointers
+        self, params: CommonParamsSampling, grmr, chain, n_vocab: int,
     ) -> None:
         self.params = params
         self.grmr = grmr
@@ -118,7 +119,7 @@ class CommonSampler:
             pass
 
 
-def _chain(gsmpl: CommonSampler):  # noqa: ANN202 - cffi pointer
+def _chain(gsmpl: CommonSampler):
     if gsmpl.chain is None:
         from pyspec.errors import ClosedError
 
@@ -267,7 +268,7 @@ def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     return out
 
 
-def common_sampler_get(gsmpl: CommonSampler | None):  # noqa: ANN201 - llama_sampler *
+def common_sampler_get(gsmpl: CommonSampler | None):
     """Mirrors common_sampler_get (sampling.cpp): the chain, e.g. for llama_set_sampler."""
     if gsmpl is None:
         return ffi.NULL
@@ -382,7 +383,7 @@ def common_sampler_get_seed(gsmpl: CommonSampler) -> int:
     return int(llama.llama_sampler_get_seed(_chain(gsmpl)))
 
 
-def common_sampler_get_candidates(gsmpl: CommonSampler, do_sort: bool):  # noqa: ANN201 - llama_token_data_array *
+def common_sampler_get_candidates(gsmpl: CommonSampler, do_sort: bool):
     """Mirrors common_sampler_get_candidates (sampling.cpp); returns the llama_token_data_array.
 
     The reference sorts with std::sort by descending p; candidates of equal p
@@ -408,7 +409,7 @@ def common_sampler_get_candidates(gsmpl: CommonSampler, do_sort: bool):  # noqa:
         return res
 
 
-def candidates_array(cur_p) -> np.ndarray:  # noqa: ANN001 - llama_token_data_array *
+def candidates_array(cur_p) -> np.ndarray:
     """The candidates of a llama_token_data_array as a numpy view (id, logit, p)."""
     n = int(cur_p.size)
     return np.frombuffer(ffi.buffer(cur_p.data, n * TOKEN_DATA.itemsize), dtype=TOKEN_DATA)

@@ -13,17 +13,20 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from pyspec.ffi import ffi, llama
-from pyspec.core.batch import Batch, BatchView
 from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
-from pyspec.core.context import Context
-from pyspec.errors import SpeculativeError
-from pyspec.common.ngram_cache import LLAMA_NGRAM_MAX, LLAMA_NGRAM_MIN, common_ngram_cache_draft, common_ngram_cache_load, common_ngram_cache_update
+from pyspec.common.ngram_cache import (
+    LLAMA_NGRAM_MAX,
+    LLAMA_NGRAM_MIN,
+    common_ngram_cache_draft,
+    common_ngram_cache_load,
+    common_ngram_cache_update,
+)
 from pyspec.common.ngram_map import (
     CommonNgramMap,
     CommonNgramSimpleConfig,
@@ -35,7 +38,6 @@ from pyspec.common.ngram_map import (
 from pyspec.common.ngram_mod import CommonNgramMod
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.core.sampler import SamplerChain
 from pyspec.common.sampling import (
     CommonSampler,
     common_sampler_accept,
@@ -44,6 +46,11 @@ from pyspec.common.sampling import (
     common_sampler_reset,
     common_sampler_sample,
 )
+from pyspec.core.batch import Batch, BatchView
+from pyspec.core.context import Context
+from pyspec.core.sampler import SamplerChain
+from pyspec.errors import SpeculativeError
+from pyspec.ffi import ffi, llama
 
 logger = logging.getLogger("pyspec.common.speculative")
 

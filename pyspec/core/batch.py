@@ -9,12 +9,12 @@ MTP drafts feed both).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
-from pyspec.ffi import ffi
 from pyspec.errors import BatchFullError
+from pyspec.ffi import ffi
 
 
 class Batch:
@@ -62,7 +62,7 @@ class Batch:
         self.c.logits = self._ptr("int8_t *", self.logits)
         self._n = 0
 
-    def _ptr(self, ctype: str, arr: np.ndarray | None):  # noqa: ANN202 - cffi cdata
+    def _ptr(self, ctype: str, arr: np.ndarray | None):
         if arr is None:
             return ffi.NULL
         buf = ffi.from_buffer(arr)

@@ -307,7 +307,7 @@ class Context(Handle):
         self._check_rows(n_tokens, f"layer {layer} input", self.n_batch)
         return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd), f"layer {layer} input")
 
-    def get_ctx_other_ptr(self):  # noqa: ANN201 - cffi cdata
+    def get_ctx_other_ptr(self):
         return ext.pyspec_get_ctx_other(self.ptr)
 
     # --- backend sampling --------------------------------------------------

@@ -10,10 +10,11 @@ any order is safe.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from pyspec.ffi import ffi
 from pyspec.errors import ClosedError
+from pyspec.ffi import ffi
 
 
 class Handle:
@@ -80,7 +81,7 @@ class Handle:
         if free_now:
             self._destroy()
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:

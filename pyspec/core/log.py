@@ -29,7 +29,7 @@ _pending_level = logging.INFO
 
 
 @ffi.callback("void(enum ggml_log_level, const char *, void *)")
-def _on_log(level: int, text, _user_data) -> None:  # noqa: ANN001 - cffi cdata
+def _on_log(level: int, text, _user_data) -> None:
     global _pending_level
     try:
         if level != _CONT:

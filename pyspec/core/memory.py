@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pyspec.ffi import llama
 
@@ -19,7 +19,7 @@ class Memory:
         self._ctx = ctx
 
     @property
-    def ptr(self):  # noqa: ANN201 - cffi cdata
+    def ptr(self):
         return llama.llama_get_memory(self._ctx.ptr)
 
     def check_seq(self, seq_id: int, allow_any: bool = False) -> int:

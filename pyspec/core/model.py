@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from pyspec.ffi import c_enum, ext, ffi, ggml, llama
-from pyspec.core.handle import Handle
 from pyspec.core.backend import ensure_backend
-from pyspec.errors import ModelLoadError
+from pyspec.core.handle import Handle
 from pyspec.core.vocab import Vocab
+from pyspec.errors import ModelLoadError
+from pyspec.ffi import c_enum, ext, ffi, ggml, llama
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
 

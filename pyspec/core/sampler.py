@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pyspec.ffi import ffi, llama
 from pyspec.core.handle import Handle
+from pyspec.ffi import ffi, llama
 
 if TYPE_CHECKING:
     from pyspec.core.context import Context
@@ -21,7 +22,7 @@ class SamplerChain(Handle):
 
     _kind = "sampler chain"
 
-    def __init__(self, no_perf: bool = True, _ptr=None) -> None:  # noqa: ANN001
+    def __init__(self, no_perf: bool = True, _ptr=None) -> None:
         super().__init__()
         if _ptr is None:
             params = llama.llama_sampler_chain_default_params()
@@ -29,7 +30,7 @@ class SamplerChain(Handle):
             _ptr = llama.llama_sampler_chain_init(params)
         self._own(_ptr, llama.llama_sampler_free)
 
-    def _add(self, smpl, what: str) -> SamplerChain:  # noqa: ANN001
+    def _add(self, smpl, what: str) -> SamplerChain:
         if smpl == ffi.NULL:
             raise ValueError(f"could not create the {what} sampler (see the pyspec.llama log)")
         llama.llama_sampler_chain_add(self.ptr, smpl)
@@ -125,7 +126,7 @@ class SamplerChain(Handle):
     def accept(self, token: int) -> None:
         llama.llama_sampler_accept(self.ptr, token)
 
-    def apply(self, cur_p) -> None:  # noqa: ANN001 - llama_token_data_array *
+    def apply(self, cur_p) -> None:
         llama.llama_sampler_apply(self.ptr, cur_p)
 
     def reset(self) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,7 +20,7 @@ class Vocab:
         self._model = model
 
     @property
-    def ptr(self):  # noqa: ANN201 - cffi cdata
+    def ptr(self):
         return llama.llama_model_get_vocab(self._model.ptr)
 
     @property

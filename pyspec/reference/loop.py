@@ -20,12 +20,12 @@ import numpy as np
 
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.core.context import Context
-from pyspec.errors import LoopInputError, ref_error
+from pyspec.errors import ref_error
 from pyspec.ffi import c_const, c_enum, ffi, ref
 from pyspec.generation.statistics import GenerationStats, SequenceResult
 from pyspec.reference.library import ERR_LEN, cdata_ptr
 from pyspec.reference.sampling import sampling_params_struct
-from pyspec.reference.speculative import RefSpeculative, spec_params_struct
+from pyspec.reference.speculative import spec_params_struct
 
 __all__ = ["STOP_REASONS", "cpp_generate"]
 

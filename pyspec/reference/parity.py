@@ -183,7 +183,7 @@ def _first_diff(py: Any, cpp: Any, path: str) -> tuple[str, Any, Any] | None:
     if isinstance(py, list) and isinstance(cpp, list) and py and isinstance(py[0], dict):
         if len(py) != len(cpp):
             return f"{path} (length)", len(py), len(cpp)
-        for i, (a, b) in enumerate(zip(py, cpp)):
+        for i, (a, b) in enumerate(zip(py, cpp, strict=False)):
             d = _first_diff(a, b, f"{path}[{i}]")
             if d:
                 return d

@@ -43,23 +43,23 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "GENERATOR_VERSION",
     "EAGLE3_TARGET_LAYERS",
-    "llama_cpp_dir",
+    "GENERATOR_VERSION",
     "cache_dir",
-    "vocab_source",
-    "make_target",
+    "cyclic_successor",
+    "llama_cpp_dir",
+    "make_all",
+    "make_cyclic_draft",
+    "make_cyclic_eagle3",
+    "make_cyclic_target",
     "make_draft",
     "make_eagle3",
     "make_mtp",
-    "make_cyclic_target",
-    "make_cyclic_draft",
-    "make_cyclic_eagle3",
-    "cyclic_successor",
-    "make_all",
+    "make_target",
+    "vocab_source",
     "write_empty",
-    "write_truncated",
     "write_random_bytes",
+    "write_truncated",
 ]
 
 GENERATOR_VERSION = "v2"
