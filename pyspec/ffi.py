@@ -27,8 +27,8 @@ import cffi
 
 from pyspec.errors import LibraryNotFoundError
 
-__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "lib_dir", "llama", "on_open",
-           "open_library", "ref"]
+__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "lib_dir", "lib_path", "llama",
+           "on_open", "open_library", "ref"]
 
 _DECL_DIR = Path(__file__).with_name("decl")
 # order matters: later files use the types of earlier ones
@@ -43,6 +43,13 @@ def lib_dir() -> Path:
     if override:
         return Path(override)
     return Path(__file__).with_name("lib")
+
+
+def lib_path(name: str) -> Path:
+    """The file library ``name`` is opened from. ``$PYSPEC_REF_LIB`` names another build of the
+    C++ reference (the no-patch build, a coverage build); it shares the other libraries."""
+    override = os.environ.get("PYSPEC_REF_LIB") if name == "ref" else None
+    return Path(override) if override else lib_dir() / f"lib{LIBRARIES[name]}.so"
 
 
 def _make_ffi() -> tuple[cffi.FFI, dict[str, int]]:
@@ -110,6 +117,20 @@ def _check_layouts(ext_lib: Any) -> None:
             )
 
 
+def _check_ref_enums(ref_lib: Any) -> None:
+    # the Python enums are built from decl/common.h; an upstream renumbering must not pass silently
+    out = ffi.new("int32_t *")
+    for enum in ("common_speculative_type", "common_sampler_type"):
+        for const, value in ffi.typeof(f"enum {enum}").relements.items():
+            name = const.encode()
+            if ref_lib.pyspec_ref_enum_value(name, out) != 0 or out[0] != value:
+                compiled = "absent" if ref_lib.pyspec_ref_enum_value(name, out) != 0 else out[0]
+                raise ImportError(
+                    f"pyspec: {const} is {value} in pyspec/decl/common.h but {compiled} in the C++ reference; "
+                    "the vendored common.h changed: update decl/common.h and review pyspec/common"
+                )
+
+
 def open_library(name: str) -> Any:
     """The cffi library object for ``name`` (one of LIBRARIES), opened once per process."""
     lib = _opened.get(name)
@@ -121,7 +142,7 @@ def open_library(name: str) -> Any:
         lib = _opened.get(name)
         if lib is not None:
             return lib
-        path = lib_dir() / f"lib{LIBRARIES[name]}.so"
+        path = lib_path(name)
         if not path.exists():
             raise LibraryNotFoundError(
                 f"pyspec: {path} not found; build and install the package first "
@@ -132,6 +153,9 @@ def open_library(name: str) -> Any:
         if name == "llama":
             # before any struct crosses into libllama: the declarations must match its layouts
             _check_layouts(open_library("ext"))
+        if name == "ref":
+            # before any enum value crosses into the C++ reference: decl/common.h must match it
+            _check_ref_enums(lib)
         for hook in _on_open.get(name, ()):
             hook(lib)
         _opened[name] = lib

@@ -71,6 +71,7 @@ class Model(Handle):
         use_mlock: bool = False,
         vocab_only: bool = False,
         check_tensors: bool = False,
+        use_extra_bufts: bool = True,
     ) -> None:
         super().__init__()
         self.path = Path(path)
@@ -91,6 +92,9 @@ class Model(Handle):
         params.use_mlock = use_mlock
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
+        # False: no repacked weight layouts (llama.cpp's --no-repack), whose CPU kernels make a
+        # token's logits depend on the batch it is computed in
+        params.use_extra_bufts = use_extra_bufts
         self._devices_arr = None
         if devices is not None:
             n_dev = ggml.ggml_backend_dev_count()

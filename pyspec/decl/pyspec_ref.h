@@ -19,6 +19,14 @@ enum pyspec_ref_status {
 
 const char * pyspec_ref_last_error(void);
 
+/* the patches compiled into this build of the reference, comma-separated;
+ * "" for the no-patch build (upstream's code exactly) */
+const char * pyspec_ref_patches(void);
+
+/* the value the compiler gave the enum constant called name (one of those
+ * decl/common.h declares); PYSPEC_REF_E_RANGE for another name */
+int pyspec_ref_enum_value(const char * name, int32_t * out);
+
 /* ---- common_speculative ------------------------------------------------ */
 
 /* struct common_params_speculative_draft (model-loading fields left out) */

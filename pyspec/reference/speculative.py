@@ -56,7 +56,12 @@ def _check_eagle3_layers(params: CommonParamsSpeculative) -> None:
 
 
 def spec_params_struct(params: CommonParamsSpeculative) -> tuple[Any, list[Any]]:
-    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive).
+
+    The fields are converted to their C++ types first, as the port's copy does (``c_copy``:
+    int32_t / uint16_t wrap, float rounds), so both sides get the same values from one object.
+    """
+    params = params.c_copy()
     _check_eagle3_layers(params)
     types = np.asarray([int(t) for t in params.types], dtype=np.int32)
     cache_static = params.ngram_cache.lookup_cache_static.encode()
