@@ -1,47 +1,55 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own programs from the vendored tree into build/llama-tools (never committed):
-# llama-speculative-simple (the example loop around common_speculative_*) and llama-server
-# (its speculative slots), to compare pyspec's driver with llama.cpp's own loops
-# (scripts/llama_loops.py) and to benchmark against the server.
+# Build llama.cpp's own tools from the vendored tree (vendor/llama.cpp, the pinned revision)
+# into build/llama-tools, for side-by-side runs against pyspec: llama-server for the server
+# benchmark (scripts/bench_server.py), llama-speculative-simple for the parity checks.
 #
-#   scripts/build_llama_tools.sh                     # both programs
-#   scripts/build_llama_tools.sh llama-speculative-simple
+#   scripts/build_llama_tools.sh                       # llama-server
+#   scripts/build_llama_tools.sh llama-server llama-speculative-simple
 #
-# The ggml options are those of pyspec's own build (the defaults; CMAKE_ARGS passes more, as
-# for pip install), so both run the same kernels. Nothing is downloaded: the server's web UI
-# and HTTPS are left out. JOBS (default 2) bounds the parallel compile jobs; the build runs
-# under nice. Prints the folder holding the programs.
+# Only the named targets are built, niced, with JOBS (default 2) jobs: the machines are
+# shared. No web UI (nothing is downloaded), no OpenSSL; the binaries land in
+# build/llama-tools/bin. Incremental: a second run rebuilds only what changed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
-LLAMA=vendor/llama.cpp
-OUT=build/llama-tools
-JOBS=${JOBS:-2}
+root="$(cd "$(dirname "$0")/.." && pwd)"
+src="$root/vendor/llama.cpp"
+out="$root/build/llama-tools"
+jobs="${JOBS:-2}"
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(llama-speculative-simple llama-server)
+if [ ${#targets[@]} -eq 0 ]; then
+    targets=(llama-server)
+fi
 
-if [ ! -f "$LLAMA/CMakeLists.txt" ]; then
-    echo "vendor/llama.cpp is missing: run 'python3 scripts/fetch_llama.py' first" >&2
+if [ ! -f "$src/CMakeLists.txt" ]; then
+    echo "vendor/llama.cpp is missing: run python3 scripts/fetch_llama.py first" >&2
     exit 1
 fi
 
 launcher=()
-if command -v ccache >/dev/null; then
+if command -v ccache >/dev/null 2>&1; then
     launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 fi
-generator=()
-if command -v ninja >/dev/null; then
-    generator=(-G Ninja)
-fi
 
-# shellcheck disable=SC2086  # CMAKE_ARGS is a list of options, as pip's build takes it
-nice -n 10 cmake -S "$LLAMA" -B "$OUT" "${generator[@]}" "${launcher[@]}" \
+# the same switches as pyspec's own build where they matter for speed (Release, shared
+# libraries, native CPU code), plus what the tools need
+nice -n 10 cmake -S "$src" -B "$out" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON \
-    -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_APP=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+    -DCMAKE_POSITION_INDEPENDENT_CODE=ON \
+    -DLLAMA_BUILD_COMMON=ON \
+    -DLLAMA_BUILD_TOOLS=ON \
+    -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_EXAMPLES=ON \
+    -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_OPENSSL=OFF \
     -DLLAMA_ALL_WARNINGS=OFF \
+    "${launcher[@]}" \
     ${CMAKE_ARGS:-} >/dev/null
-nice -n 10 cmake --build "$OUT" --target "${targets[@]}" -j "$JOBS"
-echo "$PWD/$OUT/bin"
+
+nice -n 10 cmake --build "$out" --config Release -j "$jobs" --target "${targets[@]}"
+for t in "${targets[@]}"; do
+    echo "$out/bin/$t"
+done

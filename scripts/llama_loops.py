@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         start = out.find(shown)
                         theirs = out[start + len(shown):] if start >= 0 else out
                         same = theirs.startswith(ours)
-                        diff = -1 if same else next((i for i, (x, y) in enumerate(zip(ours, theirs))
+                        diff = -1 if same else next((i for i, (x, y) in enumerate(zip(ours, theirs, strict=False))
                                                      if x != y), min(len(ours), len(theirs)))
                         runs.append(Run(type_name, k, same, res.n_drafted, res.n_accepted, l_drafted, l_accepted,
                                         diff, ours.decode(errors="replace"),
@@ -172,14 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(prompts)} prompts x {a.n_predict} tokens, n_ctx {a.n_ctx}, n_batch {a.n_batch}, "
           f"n_ubatch {a.n_ubatch}, {a.threads} threads, repacking off; {time.perf_counter() - t0:.0f} s")
     print(f"{'type':14} {'identical':>10} {'pyspec acc/drafted':>20} {'llama acc/drafted':>20}")
-    failed = 0
+    failed = False
     for type_name in a.types.split(","):
         rs = [r for r in runs if r.type == type_name]
-        same = sum(r.identical for r in rs)
-        failed += same != len(rs)
+        n_same = sum(r.identical for r in rs)
+        failed |= n_same != len(rs)
         pd, pa = sum(r.pyspec_drafted for r in rs), sum(r.pyspec_accepted for r in rs)
         ld, la = sum(r.llama_drafted for r in rs), sum(r.llama_accepted for r in rs)
-        print(f"{type_name:14} {same:>4} / {len(rs):<3} {pa:>9} / {pd:<8} {la:>9} / {ld:<8}")
+        print(f"{type_name:14} {n_same:>4} / {len(rs):<3} {pa:>9} / {pd:<8} {la:>9} / {ld:<8}")
     if a.json:
         a.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
     return 1 if failed else 0

@@ -33,6 +33,12 @@ HISTORY = CYCLE * 6  # ngram-mod sees every n-gram of the cycle several times
 MODEL_CYCLE = list(tm.cyclic_successor()[1][0])
 
 
+def port_init(params: CommonParamsSpeculative) -> sp.CommonSpeculative:
+    spec = sp.common_speculative_init(params, 1)
+    assert spec is not None
+    return spec
+
+
 def port_draft(spec: sp.CommonSpeculative, req: DraftRequest) -> list[int]:
     dp = sp.common_speculative_get_draft_params(spec, req.seq_id)
     dp.drafting, dp.n_max, dp.n_past, dp.id_last, dp.prompt = True, req.n_max, req.n_past, req.id_last, req.prompt
@@ -52,7 +58,7 @@ def ngram_mod_params() -> CommonParamsSpeculative:
 
 def test_changing_ngram_mod_parameters_after_init_changes_neither_side():
     params = ngram_mod_params()
-    port = sp.common_speculative_init(params, 1)
+    port = port_init(params)
     with RefSpeculative(params, 1) as cpp:
         params.ngram_mod.n_max, params.ngram_mod.n_min = 2, 0  # after init: neither side sees it
         params.ngram_mod.n_match = 5
@@ -68,7 +74,7 @@ def test_changing_ngram_mod_parameters_after_init_changes_neither_side():
 def test_changing_ngram_map_sizes_after_init_changes_neither_side():
     params = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
     params.ngram_simple.size_n, params.ngram_simple.size_m = 2, 5
-    port = sp.common_speculative_init(params, 1)
+    port = port_init(params)
     with RefSpeculative(params, 1) as cpp:
         params.ngram_simple.size_m = 1
         req = DraftRequest(0, -1, len(HISTORY), CYCLE[0], HISTORY)
@@ -82,6 +88,7 @@ def test_changing_ngram_map_sizes_after_init_changes_neither_side():
 def draft_pair():
     """The tiny cyclic target and its draft model, loaded once."""
     target, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
+    assert draft is not None
     with Model(target) as mt, Model(draft) as md:
         yield mt, md
 
@@ -93,7 +100,7 @@ def draft_simple_side(models, cpp: bool, mutate) -> list[int]:
             Context(md, n_ctx=128, n_batch=32, n_threads=1) as ctx_dft:
         params = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
         params.draft.n_max, params.draft.ctx_tgt, params.draft.ctx_dft = 4, ctx_tgt, ctx_dft
-        spec = RefSpeculative(params, 1) if cpp else sp.common_speculative_init(params, 1)
+        spec: RefSpeculative | sp.CommonSpeculative = RefSpeculative(params, 1) if cpp else port_init(params)
         try:
             mutate(params)
             prompt = CYCLE * 2
@@ -102,7 +109,9 @@ def draft_simple_side(models, cpp: bool, mutate) -> list[int]:
                 batch.add(t, i, 0, False)
             ctx_dft.decode(batch)
             req = DraftRequest(0, -1, len(prompt) - 1, prompt[-1], prompt[:-1])
-            return spec.draft([req])[0] if cpp else port_draft(spec, req)
+            if isinstance(spec, RefSpeculative):
+                return spec.draft([req])[0]
+            return port_draft(spec, req)
         finally:
             spec.close()
 
@@ -134,7 +143,7 @@ def test_a_draft_decode_that_llama_refuses_stops_drafting_on_both_sides(draft_pa
         with RefSpeculative(params, 1) as cpp:
             assert cpp.process(bad) is False  # LOG_ERR, false
             assert cpp.draft([req]) == {0: []}  # LOG_WRN, no draft
-        port = sp.common_speculative_init(params, 1)
+        port = port_init(params)
         assert sp.common_speculative_process(port, bad) is False
         assert port_draft(port, req) == []
         port.close()
@@ -183,7 +192,7 @@ def test_fields_wrap_as_the_cpp_struct_fields_do():
     p.draft.n_max = -1
     assert p.need_n_rs_seq() == 2**32 - 1  # int32_t n_max returned as uint32_t
     with pytest.raises(TypeError, match="n_max"):
-        dataclasses.replace(p, draft=dataclasses.replace(p.draft, n_max=2.5)).c_copy()
+        dataclasses.replace(p, draft=dataclasses.replace(p.draft, n_max=2.5)).c_copy()  # type: ignore[arg-type]
 
 
 def test_n_max_of_oversized_ngram_sizes_matches_the_reference():

@@ -36,7 +36,14 @@ from pyspec.common.ngram_map import (
     common_ngram_simple_draft,
 )
 from pyspec.common.ngram_mod import CommonNgramMod
-from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType, c_copy, c_size_t, c_uint16
+from pyspec.common.params import (
+    CommonParamsSampling,
+    CommonParamsSpeculative,
+    CommonSamplerType,
+    c_copy,
+    c_size_t,
+    c_uint16,
+)
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.sampling import (
     CommonSampler,

@@ -187,6 +187,7 @@ class Context(Handle):
     def decode(self, batch: AnyBatch) -> None:
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
         the vocabulary ValueError."""
+        self.check_open()
         bad = self._bad_token(batch)
         if bad is not None:
             raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")

@@ -185,7 +185,8 @@ class ParityReport:
 
     def verdict(self) -> str:
         if self.ok:
-            per_impl = ", ".join(f"{c['name']} {c['n_acc_tokens']}/{c['n_gen_tokens']}" for c in self.impls.get("cpp", []))
+            per_impl = ", ".join(f"{c['name']} {c['n_acc_tokens']}/{c['n_gen_tokens']}"
+                                 for c in self.impls.get("cpp", []))
             head = "OK   " if self.passed else "IDLE "
             text = (f"{head} {self.scenario}: {self.n_events} events, {sum(map(len, self.tokens))} tokens, "
                     f"drafted {self.n_drafted}, accepted {self.n_accepted}" + (f" ({per_impl})" if per_impl else ""))
