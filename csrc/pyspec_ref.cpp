@@ -311,6 +311,50 @@ const char * pyspec_ref_spec_type_str(int32_t type) {
     return spec_type_names[type];
 }
 
+int32_t pyspec_ref_spec_types_from_names(const char * const * names, int32_t n_names, int32_t * out, int32_t out_cap) {
+    REQUIRE(n_names >= 0 && (n_names == 0 || names != nullptr), PYSPEC_REF_E_NULL, "invalid names");
+    REQUIRE(out_cap >= 0 && (out_cap == 0 || out != nullptr), PYSPEC_REF_E_NULL, "invalid output buffer");
+    for (int32_t i = 0; i < n_names; ++i) {
+        REQUIRE(names[i] != nullptr, PYSPEC_REF_E_NULL, "name %d is NULL", (int) i);
+    }
+    return guarded([&] {
+        const std::vector<std::string> v(names, names + n_names);
+        const auto types = ref::common_speculative_types_from_names(v); // throws for an unknown name
+        for (size_t i = 0; i < types.size() && i < (size_t) out_cap; ++i) {
+            out[i] = (int32_t) types[i];
+        }
+        return (int) types.size();
+    });
+}
+
+int32_t pyspec_ref_spec_type_from_name(const char * name) {
+    REQUIRE(name != nullptr, PYSPEC_REF_E_NULL, "name is NULL");
+    return guarded([&] { return (int) ref::common_speculative_type_from_name(name); });
+}
+
+const char * pyspec_ref_spec_all_types_str(void) {
+    return ref::common_speculative_all_types_str();
+}
+
+int32_t pyspec_ref_spec_type_name_str(const int32_t * types, int32_t n_types, char * out, size_t out_cap) {
+    REQUIRE(n_types >= 0 && (n_types == 0 || types != nullptr), PYSPEC_REF_E_NULL, "invalid types");
+    REQUIRE(out_cap == 0 || out != nullptr, PYSPEC_REF_E_NULL, "invalid output buffer");
+    std::vector<common_speculative_type> v;
+    for (int32_t i = 0; i < n_types; ++i) {
+        // COUNT is in range: common_speculative_type_to_str names it "unknown"
+        REQUIRE(types[i] >= 0 && types[i] <= COMMON_SPECULATIVE_TYPE_COUNT, PYSPEC_REF_E_RANGE,
+                "type %d out of range [0, %d]", (int) types[i], (int) COMMON_SPECULATIVE_TYPE_COUNT);
+        v.push_back((common_speculative_type) types[i]);
+    }
+    return guarded([&] {
+        const std::string str = ref::common_speculative_type_name_str(v);
+        if (out_cap > 0) {
+            snprintf(out, out_cap, "%s", str.c_str());
+        }
+        return (int) str.size();
+    });
+}
+
 pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq,
                                        char * err, size_t err_len) {
     copy_err(err, err_len, "");

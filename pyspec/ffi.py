@@ -121,7 +121,7 @@ def _check_ref_enums(ref_lib: Any) -> None:
     # the Python enums are built from decl/common.h; an upstream renumbering must not pass silently
     out = ffi.new("int32_t *")
     for enum in ("common_speculative_type", "common_sampler_type"):
-        for const, value in ffi.typeof(f"enum {enum}").relements.items():
+        for const, value in sorted(ffi.typeof(f"enum {enum}").relements.items(), key=lambda kv: kv[1]):
             name = const.encode()
             if ref_lib.pyspec_ref_enum_value(name, out) != 0 or out[0] != value:
                 compiled = "absent" if ref_lib.pyspec_ref_enum_value(name, out) != 0 else out[0]

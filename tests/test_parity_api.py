@@ -22,11 +22,18 @@ from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
-from pyspec.errors import SpeculativeError
+from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import ref
 from pyspec.generation.contexts import ContextSet, default_model_path, model_paths
 from pyspec.reference.parity import ParityScenario, assert_parity, build_contexts
-from pyspec.reference.speculative import RefSpeculative
+from pyspec.reference.speculative import (
+    RefSpeculative,
+    spec_all_types_str,
+    spec_type_from_name,
+    spec_type_name_str,
+    spec_type_str,
+    spec_types_from_names,
+)
 from pyspec.testing import models as tm
 
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
@@ -130,6 +137,24 @@ def test_with_the_reference_log_fully_on_the_sides_still_agree(capfd):
     finally:
         ref.pyspec_ref_log_set_verbosity(verbosity)
     capfd.readouterr()
+
+
+def test_type_names_match_the_reference():
+    names = list(sp.common_speculative_type_from_name_map)
+    for t in T:
+        assert spec_type_str(t) == (sp.common_speculative_type_to_str(t) if t != T.COUNT else "")
+        assert spec_type_name_str([t]) == sp.common_speculative_type_name_str([t])  # COUNT: "unknown"
+    assert spec_all_types_str() == sp.common_speculative_all_types_str()
+    assert spec_type_name_str(list(T)[::-1]) == sp.common_speculative_type_name_str(list(T)[::-1])
+    for name in [*names, "draft", "NGRAM-MOD", ""]:
+        assert spec_type_from_name(name) == sp.common_speculative_type_from_name(name)
+    for chosen in (names, names[::-1], ["ngram-mod", "none", "draft-simple"], ["ngram-cache", "ngram-cache"], []):
+        assert spec_types_from_names(chosen) == sp.common_speculative_types_from_names(chosen)
+    with pytest.raises(RefError) as cpp:
+        spec_types_from_names(["ngram-simple", "ngram-nope"])
+    with pytest.raises(ValueError) as port:
+        sp.common_speculative_types_from_names(["ngram-simple", "ngram-nope"])
+    assert str(cpp.value).endswith(str(port.value)) and str(port.value) == "unknown speculative type: ngram-nope"
 
 
 # --- initialisations both sides refuse ------------------------------------------------------

@@ -109,3 +109,31 @@ def test_update_rewrites_the_hashes_and_keeps_the_sources(tree_copy, tmp_path):
     upstream.write_record(tree_copy, record)
     assert upstream.check(tree_copy, record) == []
     assert [s.name for s in upstream.read_record(record)] == [s.name for s in upstream.read_record()]
+
+
+def test_the_compiled_reference_has_the_enum_values_of_the_declarations():
+    from pyspec.ffi import c_enum, ffi, ref
+
+    out = ffi.new("int32_t *")
+    declared = {**c_enum("enum common_speculative_type", ""), **c_enum("enum common_sampler_type", "")}
+    assert len(declared) == 10 + 12
+    for name, value in declared.items():
+        assert ref.pyspec_ref_enum_value(name.upper().encode(), out) == 0
+        assert out[0] == value, name
+
+
+def test_a_renumbered_enum_in_the_compiled_reference_is_refused_when_it_opens():
+    from pyspec import ffi as ffi_module
+    from pyspec.ffi import ref
+
+    class Renumbered:
+        """The reference as it would be if upstream inserted a type before the n-gram types."""
+
+        def pyspec_ref_enum_value(self, name: bytes, out):
+            rc = ref.pyspec_ref_enum_value(name, out)
+            if name.startswith(b"COMMON_SPECULATIVE_TYPE_NGRAM") or name == b"COMMON_SPECULATIVE_TYPE_COUNT":
+                out[0] += 1
+            return rc
+
+    with pytest.raises(ImportError, match=r"COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE is 4 in pyspec/decl/common.h but 5"):
+        ffi_module._check_ref_enums(Renumbered())
