@@ -307,10 +307,10 @@ class Engine:
         return toks
 
     def tokenize_chat(self, text: str) -> list[int]:
-        """Tokens of a rendered chat: special tokens parsed; BOS added unless the template wrote it."""
-        bos = self.vocab.bos
-        starts_with_bos = bos >= 0 and text.startswith(self.vocab.token_to_piece(bos, special=True))
-        return self.vocab.tokenize(text, add_special=not starts_with_bos, parse_special=True)
+        """Tokens of a rendered chat (see pyspec.generation.chat.tokenize_chat)."""
+        from pyspec.generation.chat import tokenize_chat
+
+        return tokenize_chat(self.vocab, text)
 
     def _check_request(self, req: Request) -> None:
         if not isinstance(req.n_predict, int) or req.n_predict == 0 or req.n_predict < -1:
