@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("jinja2")
 
-from pyspec import Model  # noqa: E402
-from pyspec.generation.chat import (  # noqa: E402
+from pyspec import Model
+from pyspec.generation.chat import (
     ChatTemplateError,
     NoChatTemplateError,
     chat_template,
@@ -15,8 +15,8 @@ from pyspec.generation.chat import (  # noqa: E402
     render_template,
     tokenize_chat,
 )
-from pyspec.generation.contexts import default_model_path  # noqa: E402
-from pyspec.testing import models as tm  # noqa: E402
+from pyspec.generation.contexts import default_model_path
+from pyspec.testing import models as tm
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -51,7 +51,8 @@ def test_special_tokens_of_a_rendered_chat_are_parsed(chat_model):
 def test_llama_cpp_builtin_templates_are_the_fallback_by_name(chat_model):
     msgs = [{"role": "user", "content": "Hi"}]
     assert render_chat(chat_model, msgs, template="chatml") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert render_chat(chat_model, msgs, template="gemma") == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert render_chat(chat_model, msgs, template="gemma") == (
+        "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
     assert render_chat(chat_model, msgs, template="chatml", add_generation_prompt=False) == (
         "<|im_start|>user\nHi<|im_end|>\n")
 

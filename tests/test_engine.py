@@ -266,7 +266,8 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
         bad = [
             (Request(), "exactly one"),
             (Request(prompt="x", messages=[{"role": "user", "content": "x"}]), "exactly one"),
-            (Request(prompt=""), "empty prompt"),
+            (Request(prompt=[]), "empty prompt"),
+            (Request(prompt="", add_special=False), "empty prompt"),
             (Request(prompt=[1, 10**6]), "outside the vocabulary"),
             (Request(prompt=[5] * 400), "does not fit"),
             (Request(prompt="x", n_predict=0), "n_predict"),

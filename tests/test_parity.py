@@ -21,8 +21,8 @@ import pytest
 from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.generation.driver import greedy_sampling
 from pyspec.generation.backends import PortBackend
+from pyspec.generation.driver import greedy_sampling
 from pyspec.reference.parity import (
     ParityError,
     ParityScenario,

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,7 @@ from pyspec import Context, Model  # noqa: E402
 from pyspec.common.params import CommonParamsSpeculative  # noqa: E402
 from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
 from pyspec.generation.engine import Engine, greedy_sampling  # noqa: E402
-from pyspec.generation.requests import Request  # noqa: E402
+from pyspec.generation.requests import Completion, Request  # noqa: E402
 from pyspec.server.app import create_app  # noqa: E402
 from pyspec.server.params import ServerDefaults  # noqa: E402
 from pyspec.testing import models as tm  # noqa: E402
@@ -68,25 +69,21 @@ def server() -> Iterator[_Server]:
 
 
 @pytest.fixture(scope="module")
-def client(server: _Server) -> openai.OpenAI:
+def client(server: _Server) -> Any:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def http(server: _Server) -> Iterator[httpx.Client]:
+def http(server: _Server) -> Iterator[Any]:
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def expected(server: _Server) -> list[int]:
+def expected(server: _Server) -> Completion:
     """What the engine generates for PROMPT, greedy, 16 tokens, asked directly."""
     h = server.engine.submit(Request(prompt=PROMPT, n_predict=16, sampling=greedy_sampling(), cache_prompt=False))
-    return h.result(timeout=60).tokens
-
-
-def _text(server: _Server, tokens: list[int]) -> str:
-    return server.engine.vocab.detokenize(tokens)
+    return h.result(timeout=60)
 
 
 # --- OpenAI client -----------------------------------------------------------------------
@@ -94,7 +91,7 @@ def _text(server: _Server, tokens: list[int]) -> str:
 
 def test_openai_completion_returns_the_engines_text_with_usage_and_timings(client, server, expected):
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
-    assert r.choices[0].text == _text(server, expected)
+    assert r.choices[0].text == expected.text
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 10
     timings = r.model_extra["timings"]
@@ -104,7 +101,7 @@ def test_openai_completion_returns_the_engines_text_with_usage_and_timings(clien
 def test_openai_completion_stream_concatenates_to_the_same_text(client, server, expected):
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
     chunks = list(stream)
-    assert "".join(c.choices[0].text for c in chunks) == _text(server, expected)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -161,13 +158,13 @@ def test_concurrent_openai_clients_each_get_their_own_answer(client, server, exp
         t.start()
     for t in threads:
         t.join()
-    assert out[0] == out[3] == _text(server, expected)
+    assert out[0] == out[3] == expected.text
     assert len(set(out.values())) == 3
 
 
 def test_openai_client_sees_a_bad_request_error(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature="hot")  # type: ignore[arg-type]
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature="hot")
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True,
                                        top_logprobs=99)
@@ -187,7 +184,7 @@ def test_native_completion_has_llama_server_fields(http, server, expected):
     r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0, "n_probs": 2})
     assert r.status_code == 200
     body = r.json()
-    assert body["content"] == _text(server, expected) and body["tokens"] == expected
+    assert body["content"] == expected.text and body["tokens"] == expected.tokens
     assert body["stop"] is True and body["stop_type"] == "limit" and body["tokens_predicted"] == 16
     t = body["timings"]
     assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_per_second", "cache_n", "draft_n",
@@ -204,8 +201,8 @@ def test_native_completion_stream_is_server_sent_events(http, server, expected):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
-    assert "".join(e["content"] for e in events) == _text(server, expected)
-    assert [t for e in events for t in e["tokens"]] == expected
+    assert "".join(e["content"] for e in events) == expected.text
+    assert [t for e in events for t in e["tokens"]] == expected.tokens
     assert events[-1]["stop"] is True and "timings" in events[-1]
 
 

@@ -23,7 +23,8 @@ from pyspec.core.model import Model
 from pyspec.core.vocab import Vocab
 from pyspec.errors import PyspecError
 
-__all__ = ["ChatTemplateError", "NoChatTemplateError", "chat_template", "render_chat", "render_template", "tokenize_chat"]
+__all__ = ["ChatTemplateError", "NoChatTemplateError", "chat_template", "render_chat", "render_template",
+           "tokenize_chat"]
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 

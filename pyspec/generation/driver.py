@@ -121,8 +121,8 @@ class SpeculativeGenerator:
         eng = self.engine
         reqs = [Request(prompt=p if isinstance(p, str) else list(p), n_predict=n_predict, stop=list(stop),
                         add_special=add_special, cache_prompt=False, slot_id=i) for i, p in enumerate(prompts)]
-        for r in reqs:  # every prompt is checked before any is queued
-            eng.tokenize_request(r)
+        for req in reqs:  # every prompt is checked before any is queued
+            eng.tokenize_request(req)
         handles = [eng.submit(r) for r in reqs]
 
         self.stats = st = GenerationStats()

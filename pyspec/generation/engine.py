@@ -65,7 +65,6 @@ from pyspec.common.params import (
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
-from pyspec.core.handle import Handle
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, RequestStats, TokenLogprob
@@ -162,7 +161,7 @@ class Engine:
     "python" runs the port, "cpp" the C++ reference. Creating an engine probes
     how the contexts roll back, which clears their memory. Contexts given here
     stay the caller's; ``owned`` handles (e.g. from :meth:`load`) are closed
-    with the engine.
+    with the engine (anything with a close()).
     """
 
     def __init__(
@@ -175,7 +174,7 @@ class Engine:
         backend: str = "python",
         on_event: EventCallback | None = None,
         slot_similarity: float = 0.1,
-        owned: Sequence[Handle] = (),
+        owned: Sequence[Any] = (),
     ) -> None:
         self.ctx_tgt = ctx_tgt
         self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
@@ -299,7 +298,7 @@ class Engine:
         elif isinstance(req.prompt, (bytes, bytearray)):
             raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
         else:
-            toks = [self.vocab.check_token(t) for t in req.prompt]
+            toks = [self.vocab.check_token(t) for t in req.prompt or ()]
         if not toks:
             raise ValueError("empty prompt")
         if len(toks) + 1 > self.n_ctx_seq:
@@ -629,7 +628,7 @@ class Engine:
         s.checkpoints = []
 
     def _keep_prefix(self, s: _Slot, n_keep: int) -> int:
-        """Make the memory hold only the first ``n_keep`` tokens of the slot (fewer when it cannot); returns how many."""
+        """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
         if n_keep >= len(s.tokens):
             return len(s.tokens)
         if n_keep <= 0:
@@ -729,7 +728,8 @@ class Engine:
                 n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0 or s.spec_draft:
                     continue  # no room, or a previous (partial) draft is reused after a checkpoint restore
-                s.spec_ckpt.update_pos(len(s.tokens), ctx_tgt.memory.seq_pos_min(s.id), ctx_tgt.memory.seq_pos_max(s.id))
+                mem = ctx_tgt.memory
+                s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))

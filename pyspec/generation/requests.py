@@ -62,7 +62,7 @@ class TokenLogprob:
 
     id: int
     text: str
-    bytes: bytes
+    token_bytes: bytes
     logprob: float
     top: list[tuple[int, str, bytes, float]] = field(default_factory=list)  # (id, text, bytes, logprob)
 

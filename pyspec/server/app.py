@@ -77,7 +77,7 @@ async def _body(req: HttpRequest) -> Any:
 
 
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
-    return {"id": lp.id, "token": lp.text, "bytes": list(lp.bytes), "logprob": lp.logprob,
+    return {"id": lp.id, "token": lp.text, "bytes": list(lp.token_bytes), "logprob": lp.logprob,
             "top_logprobs": [{"id": i, "token": t, "bytes": list(b), "logprob": v} for i, t, b, v in lp.top[:n_top]]}
 
 
@@ -336,7 +336,7 @@ class _Api:
         def logprobs(lps: list[TokenLogprob]) -> dict[str, Any] | None:
             if not r.n_probs:
                 return None
-            return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.bytes),
+            return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
                                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)}
                                                   for _, t, b, v in lp.top[:n_top]]} for lp in lps]}
 

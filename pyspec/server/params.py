@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from pyspec.common.params import LLAMA_DEFAULT_SEED, CommonParamsSampling
 from pyspec.generation.requests import Request
@@ -99,6 +99,7 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
     items = v.items() if isinstance(v, Mapping) else v
     if not isinstance(items, (list, type({}.items()))):
         raise BadRequest("'logit_bias' must be an object {token: bias} or a list of [token, bias]")
+    item: Any
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadRequest("'logit_bias' entries must be [token, bias]")
@@ -166,7 +167,7 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
         n_draft = _int(spec, "n_max", 0, 1 << 16)
     id_slot = _int(body, "id_slot", -1, n_parallel - 1, "slot_id")
     return {
-        "n_predict": d.n_predict if n_predict is None or n_predict == 0 and d.n_predict < 0 else n_predict,
+        "n_predict": d.n_predict if n_predict is None else n_predict,
         "sampling": _sampling(body, d, n_vocab),
         "stop": _stop(body),
         "n_draft_max": d.n_draft_max if n_draft is None else n_draft,
@@ -232,5 +233,5 @@ def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_par
     if kwargs is not _MISSING and not isinstance(kwargs, Mapping):
         raise BadRequest("'chat_template_kwargs' must be an object")
     req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                  chat_template_kwargs=None if kwargs is _MISSING else dict(kwargs), **c)
+                  chat_template_kwargs=None if kwargs is _MISSING else dict(cast(Mapping[str, Any], kwargs)), **c)
     return _finish(req), _bool(body, "stream", False)
