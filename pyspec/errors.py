@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BadRequest",
     "BatchFullError",
+    "ChatTemplateError",
+    "CliError",
     "ClosedError",
     "ConcurrentUseError",
     "ContextError",
@@ -14,6 +17,7 @@ __all__ = [
     "LoopInputError",
     "MissingModelPackage",
     "ModelLoadError",
+    "NoChatTemplateError",
     "ParityError",
     "PyspecError",
     "RefError",
@@ -56,6 +60,18 @@ class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
 
 
+class ChatTemplateError(PyspecError, ValueError):
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """Chat messages were given for a model that has no chat template, and no template was named."""
+
+
+class BadRequest(PyspecError, ValueError):
+    """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
+
+
 class BatchFullError(PyspecError, IndexError):
     """A token was added to a batch that is already at capacity."""
 
@@ -83,6 +99,10 @@ class RefError(SpeculativeError):
 
 class LoopInputError(RefError, ValueError):
     """The C++ loop refused its input (PYSPEC_REF_E_NULL / _RANGE / _CAPACITY)."""
+
+
+class CliError(PyspecError):
+    """A command-line error reported as one line, without a traceback."""
 
 
 class ParityError(AssertionError):

@@ -97,7 +97,8 @@ def request(client: httpx.Client, prompt: str, n_predict: int, cache_prompt: boo
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "stream": True,
             "cache_prompt": cache_prompt}
     with client.stream("POST", "/completion", json=body) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{client.base_url}: {r.status_code} {r.read().decode(errors='replace')}")
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -141,10 +142,15 @@ def run_load(url: str, name: str, clients: int, n_requests: int, n_predict: int)
     return res
 
 
-def prefix_reuse(url: str, tag: str) -> tuple[float, float]:
-    """TTFT of a ~500-token prompt, then of a second one sharing all but its last words."""
-    body = "\n".join(f"{tag} line {i}: the quick brown fox jumps over the lazy dog." for i in range(36))
+def prefix_reuse(url: str, tag: str, n_prefix: int = 500) -> tuple[float, float]:
+    """TTFT of a prompt with an ``n_prefix``-token prefix, then of a second one sharing that prefix."""
     with httpx.Client(base_url=url, timeout=600) as c:
+        lines: list[str] = []
+        while True:  # the server's own tokenizer says when the prefix is long enough
+            lines.append(f"{tag} {len(lines)}: the quick brown fox jumps over the lazy dog.")
+            body = "\n".join(lines)
+            if len(c.post("/tokenize", json={"content": body}).json()["tokens"]) >= n_prefix:
+                break
         first = request(c, body + "\nQuestion one:", 8, cache_prompt=True)
         second = request(c, body + "\nQuestion two:", 8, cache_prompt=True)
     return first.ttft_s, second.ttft_s
@@ -192,10 +198,15 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default 16)")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--no-repack", action="store_true", help="both: no repacked weights (batch-invariant logits)")
+    ap.add_argument("--servers", default="llama-server,pyspec", help="which to run (default both)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
 
-    if not LLAMA_SERVER.is_file():
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not servers or set(servers) - {"llama-server", "pyspec"}:
+        print("--servers: llama-server and/or pyspec", file=sys.stderr)
+        return 1
+    if "llama-server" in servers and not LLAMA_SERVER.is_file():
         print(f"{LLAMA_SERVER} is missing: run scripts/build_llama_tools.sh", file=sys.stderr)
         return 1
     if args.model is None:
@@ -225,11 +236,13 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     reuse: dict[str, tuple[float, float]] = {}
     for name, cmd in (("llama-server", llama_cmd), ("pyspec", pyspec_cmd)):
+        if name not in servers:
+            continue
         port = _free_port()
         srv = Server(name, [*cmd, "--port", str(port)], port)
         try:
             request(httpx.Client(base_url=srv.url, timeout=600), "Warm up.", 8, False)
-            reuse[name] = prefix_reuse(srv.url, f"{name}-{time.time_ns()}")
+            reuse[name] = prefix_reuse(srv.url, f"{name} run {time.time_ns() % 100000}")
             for c in clients:
                 load = run_load(srv.url, name, c, max(args.requests, c), args.n_predict)
                 rows.append({"server": name, "clients": c, **load.row()})
@@ -249,6 +262,8 @@ def main() -> int:
             if r["clients"] == c:
                 print(f"| {c} | {r['server']} | {r['req_s']:.2f} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | "
                       f"{r['lat_p50_ms']:.0f} | {r['lat_p99_ms']:.0f} | {100 * r['acceptance']:.0f}% |")
+        if len(servers) < 2:
+            continue
         ours = next(r for r in rows if r["clients"] == c and r["server"] == "pyspec")
         theirs = next(r for r in rows if r["clients"] == c and r["server"] == "llama-server")
         print(f"| {c} | pyspec / llama-server | {ours['req_s'] / theirs['req_s']:.2f} | "

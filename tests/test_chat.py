@@ -7,9 +7,8 @@ import pytest
 pytest.importorskip("jinja2")
 
 from pyspec import Model
+from pyspec.errors import ChatTemplateError, NoChatTemplateError
 from pyspec.generation.chat import (
-    ChatTemplateError,
-    NoChatTemplateError,
     chat_template,
     render_chat,
     render_template,

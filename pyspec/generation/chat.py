@@ -21,20 +21,11 @@ from typing import Any
 
 from pyspec.core.model import Model
 from pyspec.core.vocab import Vocab
-from pyspec.errors import PyspecError
+from pyspec.errors import ChatTemplateError, NoChatTemplateError
 
-__all__ = ["ChatTemplateError", "NoChatTemplateError", "chat_template", "render_chat", "render_template",
-           "tokenize_chat"]
+__all__ = ["CHAT_TEMPLATE_KEY", "chat_template", "render_chat", "render_template", "tokenize_chat"]
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
-
-
-class ChatTemplateError(PyspecError, ValueError):
-    """A chat template failed to render the messages (the template raised, or the messages do not fit it)."""
-
-
-class NoChatTemplateError(ChatTemplateError):
-    """Chat messages were given for a model that has no chat template, and no template was named."""
 
 
 def chat_template(model: Model) -> str | None:

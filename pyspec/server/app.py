@@ -30,10 +30,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pyspec.errors import PyspecError
+from pyspec.errors import BadRequest, PyspecError
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.server.params import BadRequest, ServerDefaults, chat_request, completion_request, native_request
+from pyspec.server.params import ServerDefaults, chat_request, completion_request, native_request
 
 __all__ = ["create_app"]
 

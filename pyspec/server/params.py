@@ -16,13 +16,10 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from pyspec.common.params import LLAMA_DEFAULT_SEED, CommonParamsSampling
+from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
 
-__all__ = ["BadRequest", "ServerDefaults", "chat_request", "completion_request", "native_request"]
-
-
-class BadRequest(ValueError):
-    """A request body the server refuses with 400."""
+__all__ = ["ServerDefaults", "chat_request", "completion_request", "native_request"]
 
 
 @dataclasses.dataclass
