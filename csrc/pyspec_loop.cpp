@@ -225,8 +225,14 @@ struct loop {
             std::vector<pyspec_ref_draft_request> reqs;
             for (slot * s : active) {
                 const int32_t n_max = n_draft_max(*s, n_active);
-                if (n_max <= 0 || !s->spec_draft.empty()) {
-                    continue;  // no room, or a previous (partial) draft is reused after a checkpoint restore
+                if (!s->spec_draft.empty()) {
+                    // a previous (partial) draft is reused after a checkpoint restore; more sequences
+                    // may generate now than when it was made, so it keeps only its share of the batch
+                    s->spec_draft.resize(std::min(s->spec_draft.size(), (size_t) std::max(0, n_max)));
+                    continue;
+                }
+                if (n_max <= 0) {
+                    continue;  // no room
                 }
                 s->spec_ckpt.update_pos((int64_t) s->tokens.size(), llama_memory_seq_pos_min(mem_tgt, s->id),
                                         llama_memory_seq_pos_max(mem_tgt, s->id));

@@ -726,8 +726,13 @@ class Engine:
             requests: list[DraftRequest] = []
             for s in generating:
                 n_draft_max = self.n_draft_max(s, len(generating))
-                if n_draft_max <= 0 or s.spec_draft:
-                    continue  # no room, or a previous (partial) draft is reused after a checkpoint restore
+                if s.spec_draft:
+                    # a previous (partial) draft is reused after a checkpoint restore; more slots may
+                    # generate now than when it was made, so it keeps only its share of the batch
+                    del s.spec_draft[max(0, n_draft_max) :]
+                    continue
+                if n_draft_max <= 0:
+                    continue  # no room
                 mem = ctx_tgt.memory
                 s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
                 if use_ckpt_dft_full:
