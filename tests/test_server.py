@@ -270,3 +270,48 @@ def test_a_client_that_disconnects_cancels_its_request(server):
     while server.engine.busy():
         assert time.time() - t0 < 30, "the request kept running after its client left"
         time.sleep(0.05)
+
+
+# --- the command -----------------------------------------------------------------------
+
+
+def test_pyspec_serve_answers_on_the_port_it_was_given(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyspec", "serve", "--tiny", "--port", str(port), "--parallel", "2", "--n-ctx", "256",
+         "--threads", "1", "--types", "ngram-simple", "--temp", "0", "--slot-save-path", str(tmp_path)],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() - t0 < 120, "pyspec serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(url + "/completion", json={"prompt": PROMPT, "n_predict": 8}, timeout=60).json()
+        assert r["tokens_predicted"] == 8 and r["timings"]["draft_n"] >= 0
+        saved = httpx.post(url + "/slots/" + str(r["id_slot"]) + "?action=save", json={"filename": "s.bin"},
+                           timeout=60).json()
+        assert saved["n_saved"] > 0 and (tmp_path / "s.bin").is_file()
+        props = httpx.get(url + "/props").json()
+        assert props["total_slots"] == 2 and props["speculative"] is True
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_pyspec_serve_refuses_bad_options():
+    from pyspec import cli
+
+    assert cli.main(["serve", "--tiny", "--parallel", "0"]) == 1
