@@ -274,6 +274,7 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
             (Request(prompt="x", n_probs=-1), "n_probs"),
             (Request(prompt="x", n_draft_max=-2), "n_draft_max"),
             (Request(prompt="x", slot_id=5), "slot_id"),
+            (Request(prompt="x", sampling=greedy_sampling().__class__(logit_bias=[(10**6, 1.0)])), "vocabulary"),
             (Request(prompt="x", sampling=greedy_sampling().__class__(grammar="root ::= (")), "grammar"),
         ]
         for req, msg in bad:

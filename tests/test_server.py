@@ -254,6 +254,11 @@ def test_bad_requests_get_400_with_an_error_body_and_change_nothing(http, server
     assert not server.engine.busy()
 
 
+def test_a_body_too_large_is_refused_without_being_read_whole(http):
+    r = http.post("/completion", content=b" " * (17 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
 def test_unknown_path_is_404_with_an_error_body(http):
     r = http.get("/nowhere")
     assert r.status_code == 404 and r.json()["error"]["code"] == 404

@@ -92,12 +92,16 @@ def greedy_sampling() -> CommonParamsSampling:
 class _Job:
     """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
 
-    def __init__(self, handle: RequestHandle, tokens: list[int], sampler: Any) -> None:
+    def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
+                 sampler: Any) -> None:
         req = handle.request
         self.handle = handle
         self.request = req
         self.prompt = tokens
-        self.sampler: Any = sampler  # handed to the backend when a slot takes the job
+        self.sampling = sampling
+        # made at submit only to check a grammar; else when a slot takes the job (a sampler holds a
+        # vocabulary-sized candidate array: waiting requests should not)
+        self.sampler: Any = sampler
         self.stop = [w for w in req.stop if w]
         self.n_remaining = req.n_predict
         self.generated: list[int] = []
@@ -329,14 +333,18 @@ class Engine:
             raise ClosedError("engine is closed")
         self._check_request(request)
         tokens = self.tokenize_request(request)
-        sampler = self.backend.make_sampler(request.sampling if request.sampling is not None else self.sampling)
+        sampling = request.sampling if request.sampling is not None else self.sampling
+        for tok, _ in sampling.logit_bias:
+            self.vocab.check_token(tok)
+        sampler = self.backend.make_sampler(sampling) if sampling.grammar else None
         with self._lock:
             if self._closed:
-                sampler.close()
+                if sampler is not None:
+                    sampler.close()
                 raise ClosedError("engine is closed")
             handle = RequestHandle(self._next_id, request)
             self._next_id += 1
-            self._waiting.append(_Job(handle, tokens, sampler))
+            self._waiting.append(_Job(handle, tokens, sampling, sampler))
             self._wake.notify_all()
         return handle
 
@@ -434,7 +442,8 @@ class Engine:
             commands = list(self._commands)
             self._commands.clear()
         for job in waiting:
-            job.sampler.close()
+            if job.sampler is not None:
+                job.sampler.close()
             job.stop_reason = "cancelled"
             job.handle._finish(self._completion(job, -1))
         for s in self.slots:
@@ -614,7 +623,8 @@ class Engine:
                 taken.append((s, job))
             self._waiting = keep
         for job in dropped:
-            job.sampler.close()
+            if job.sampler is not None:
+                job.sampler.close()
             job.stop_reason = "cancelled"
             job.handle._finish(self._completion(job, -1))
         for s, job in taken:
@@ -672,8 +682,9 @@ class Engine:
             s.spec_draft = []
             s.spec_i_batch = []
             s.spec_ckpt.clear()
-            self.backend.set_sampler(s.id, job.sampler)
+            sampler = job.sampler if job.sampler is not None else self.backend.make_sampler(job.sampling)
             job.sampler = None
+            self.backend.set_sampler(s.id, sampler)
             self.backend.reset_sampler(s.id)
             for t in job.prompt:
                 self.backend.accept_token(s.id, t, False)

@@ -68,8 +68,21 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+_MAX_BODY = 16 << 20  # bytes: a request body larger than this is refused, not read into memory
+
+
+class _TooLarge(Exception):
+    pass
+
+
 async def _body(req: HttpRequest) -> Any:
-    raw = await req.body()
+    chunks, n = [], 0
+    async for chunk in req.stream():
+        n += len(chunk)
+        if n > _MAX_BODY:
+            raise _TooLarge
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw) if raw else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -376,6 +389,8 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
             return await handler(req)
         except BadRequest as e:
             return _error(400, str(e))
+        except _TooLarge:
+            return _error(413, f"the request body is larger than {_MAX_BODY} bytes")
         except PyspecError as e:
             return _error(400 if isinstance(e, ValueError) else 500, str(e),
                           "invalid_request_error" if isinstance(e, ValueError) else "server_error")
