@@ -66,6 +66,7 @@ from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
+from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, RequestStats, TokenLogprob
 
@@ -220,6 +221,10 @@ class Engine:
         self.n_ctx_seq = ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
         self.slots = [_Slot(i) for i in range(self.n_parallel)]
+        # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
+        self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
+            not c.params.swa_full and llama.llama_model_n_swa(c.model.ptr) > 0
+            for c in (ctx_tgt, self.ctx_dft) if c is not None)
 
         # counters of the whole engine
         self.n_steps = 0  # target decodes
@@ -639,16 +644,20 @@ class Engine:
 
     def _keep_prefix(self, s: _Slot, n_keep: int) -> int:
         """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
-        if n_keep >= len(s.tokens):
-            return len(s.tokens)
         if n_keep <= 0:
             self._clear_memory(s)
             return 0
-        ok = self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
-        if ok and self.ctx_dft is not None:
-            ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
+        n_keep = min(n_keep, len(s.tokens))
+        ok = True
+        if n_keep < len(s.tokens):
+            ok = self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
+            if ok and self.ctx_dft is not None:
+                ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
+        # sliding-window attention keeps only the last n_swa positions: what comes after n_keep
+        # needs the window before it (the server's pos_min_thold check)
+        ok = ok and all(self._window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
         if not ok:
-            # recurrent / hybrid memory: resume from the latest prompt checkpoint at or before n_keep
+            # recurrent / hybrid / SWA memory: resume from the latest prompt checkpoint at or before n_keep
             fits = [c for c in s.checkpoints if 0 < c.n_tokens <= n_keep]
             if not fits:
                 self._clear_memory(s)
@@ -664,6 +673,14 @@ class Engine:
         del s.tokens[n_keep:]
         s.checkpoints = [c for c in s.checkpoints if c.n_tokens <= n_keep]
         return n_keep
+
+    @staticmethod
+    def _window_kept(ctx: Context, seq_id: int, n_keep: int) -> bool:
+        n_swa = 0 if ctx.params.swa_full else int(llama.llama_model_n_swa(ctx.model.ptr))
+        if n_swa <= 0:
+            return True
+        pos_min = ctx.memory.seq_pos_min(seq_id)
+        return pos_min == 0 or 0 < pos_min < n_keep - n_swa
 
     def _start(self, s: _Slot, job: _Job) -> None:
         """The server's SLOT_STATE_STARTED: reuse the cached prefix, drop the rest, set up the sampler."""
@@ -837,7 +854,7 @@ class Engine:
         # recurrent / hybrid targets: decode the prompt's last tokens in a step of their own and keep
         # the state before them, so a later request sharing this prefix can resume from it
         ckpt_at = -1
-        if job.request.cache_prompt and self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART:
+        if job.request.cache_prompt and self._needs_prompt_checkpoints:
             ckpt_at = n_prompt - min(_CKPT_TAIL, n_batch)
         n0 = len(s.tokens)
         if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
