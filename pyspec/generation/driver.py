@@ -59,6 +59,7 @@ class SpeculativeGenerator:
             raise ValueError(f"n_seq must be 1..{ctx_tgt.n_seq_max} (the target's n_seq_max), got {n}")
         self.n_seq = n
         self.sampling = sampling if sampling is not None else greedy_sampling()
+        self.spec_params = spec
         self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=engine, on_event=on_event)
         self.ctx_tgt = ctx_tgt
         self.ctx_dft = self.engine.ctx_dft
@@ -123,27 +124,38 @@ class SpeculativeGenerator:
                         add_special=add_special, cache_prompt=False, slot_id=i) for i, p in enumerate(prompts)]
         for req in reqs:  # every prompt is checked before any is queued
             eng.tokenize_request(req)
-        handles = [eng.submit(r) for r in reqs]
 
-        self.stats = st = GenerationStats()
-        decode_ns = self._decode_ns
-        t_dec_start = decode_ns()
-        restores0 = eng.n_checkpoint_restores
-        t0 = time.perf_counter()
-        t1 = t_dec_prompt = 0.0
-        prompt_done = False
-        for _ in eng.steps():
-            self._forward(handles, on_piece)
-            if not prompt_done and not any(s.reading for s in eng.slots):
-                prompt_done = True
-                t1 = time.perf_counter()
-                t_dec_prompt = decode_ns()
-            elif prompt_done:
-                st.n_steps += 1
-            if step_hook:
-                yield None
-        self._forward(handles, on_piece)
-        t2 = time.perf_counter()
+        # one generation per context at a time: a second one (another thread, another generator,
+        # a callback) is refused before it queues anything
+        with eng.claim():
+            handles = [eng.submit(r) for r in reqs]
+            self.stats = st = GenerationStats()
+            decode_ns = self._decode_ns
+            t_dec_start = decode_ns()
+            restores0 = eng.n_checkpoint_restores
+            t0 = time.perf_counter()
+            t1 = t_dec_prompt = 0.0
+            prompt_done = False
+            try:
+                while eng.step():
+                    self._forward(handles, on_piece)
+                    if not prompt_done and not any(s.reading for s in eng.slots):
+                        prompt_done = True
+                        t1 = time.perf_counter()
+                        t_dec_prompt = decode_ns()
+                    elif prompt_done:
+                        st.n_steps += 1
+                    if step_hook:
+                        yield None
+                self._forward(handles, on_piece)
+            finally:
+                # an exception in on_piece, an abandoned stream: end this call's requests, free the slots
+                unfinished = [h for h in handles if not h.done]
+                for h in unfinished:
+                    h.cancel()
+                if unfinished:
+                    eng.step()
+            t2 = time.perf_counter()
         results = [h.result() for h in handles]
         st.t_prompt_s = t1 - t0
         st.t_gen_s = t2 - t1

@@ -240,6 +240,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._claims: contextlib.ExitStack | None = None
+        self._held = False  # claim() holds the contexts for the caller's steps
 
     # --- construction from files ---------------------------------------------------
 
@@ -402,28 +403,41 @@ class Engine:
             except Exception:
                 logger.exception("engine step failed; its requests were ended with the error")
 
-    def step(self) -> bool:
-        """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[None]:
+        """Hold the contexts for several steps in the caller's thread (not while start()ed).
+
+        Another generator or engine on the same contexts is refused with
+        ConcurrentUseError meanwhile; step() inside claims nothing more.
+        """
         if self._thread is not None:
-            raise PyspecError("the engine runs in its own thread (start()); step() is for engines that are not started")
+            raise PyspecError("the engine runs in its own thread (start()); claim() is for engines not started")
         if self._closed:
             raise ClosedError("engine is closed")
+        if self._held:
+            yield
+            return
         with self._claim():
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
+
+    def step(self) -> bool:
+        """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
+        with self.claim():
             return self._step()
 
     def run_until_idle(self) -> None:
         """Step in the caller's thread until no request is waiting or running."""
-        if self._thread is not None:
-            raise PyspecError("the engine runs in its own thread (start())")
-        with self._claim():
+        with self.claim():
             while self._step():
                 pass
 
     def steps(self) -> Iterator[None]:
         """Step in the caller's thread while there is work, yielding after each step (contexts held meanwhile)."""
-        if self._thread is not None:
-            raise PyspecError("the engine runs in its own thread (start())")
-        with self._claim():
+        with self.claim():
             while self._step():
                 yield None
 
