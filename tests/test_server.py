@@ -9,21 +9,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx  # the test extra brings the server extra, openai and httpx
+import openai
 import pytest
+import uvicorn
 
-pytest.importorskip("starlette", reason="the server extra (starlette, uvicorn) is not installed")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-
-from pyspec import Context, Model  # noqa: E402
-from pyspec.common.params import CommonParamsSpeculative  # noqa: E402
-from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
-from pyspec.generation.engine import Engine, greedy_sampling  # noqa: E402
-from pyspec.generation.requests import Completion, Request  # noqa: E402
-from pyspec.server.app import create_app  # noqa: E402
-from pyspec.server.params import ServerDefaults  # noqa: E402
-from pyspec.testing import models as tm  # noqa: E402
+from pyspec import Context, Model
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.engine import Engine, greedy_sampling
+from pyspec.generation.requests import Completion, Request
+from pyspec.server.app import create_app
+from pyspec.server.params import ServerDefaults
+from pyspec.testing import models as tm
 
 PROMPT = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2
 KEY = "secret-key"
