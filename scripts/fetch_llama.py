@@ -209,7 +209,7 @@ def say(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dest", type=Path, default=DEST, help="folder to put the llama.cpp tree in (default: %(default)s)")
+    parser.add_argument("--dest", type=Path, default=DEST, help="folder for the llama.cpp tree (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         fetch(args.dest.resolve())
