@@ -27,6 +27,7 @@ _PROBE = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
 from pyspec.ffi import ggml, lib_dir
+logging.getLogger("pyspec.llama").setLevel(logging.INFO)
 linked = ggml.ggml_backend_reg_count()
 import pyspec
 print("LINKED", linked)
