@@ -10,6 +10,8 @@ from pyspec.core import log
 from pyspec.errors import LibraryNotFoundError
 from pyspec.ffi import c_enum, ffi, ggml, lib_dir, llama
 
+__all__ = ["Device", "devices", "ensure_backend", "load_backends", "system_info"]
+
 _init_lock = threading.Lock()
 _initialized = False
 
