@@ -162,10 +162,10 @@ def vocab_source() -> Path:
 
     The build installs llama.cpp's vocabulary file into the package (an installed
     pyspec makes its test models anywhere); a source checkout without a build
-    falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``).
+    falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``). Both are the same bytes.
     """
     packaged = _packaged_vocab()
-    if packaged.is_file() and not os.environ.get("PYSPEC_LLAMA_CPP"):
+    if packaged.is_file():
         return packaged
     try:
         path = llama_cpp_dir() / "models" / VOCAB_FILE
