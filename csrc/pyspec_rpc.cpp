@@ -99,6 +99,7 @@ struct connection {     // one ggml-rpc client socket to a watched endpoint
 
 struct call {           // a guarded call in progress
     std::vector<int32_t> eps;
+    bool opens = false;  // it may open connections (load, context creation, adding a server): look after it
     bool has_deadline = false;
     clock_type::time_point deadline;
     bool timed_out = false;
@@ -331,8 +332,9 @@ void on_ggml_abort(const char * message) {
     std::fprintf(stderr, "%s\n", message);
 }
 
-void enter(call & cl, const int32_t * eps, int32_t n_eps, double timeout_s) {
+void enter(call & cl, const int32_t * eps, int32_t n_eps, double timeout_s, bool opens) {
     guard_state & s = S();
+    cl.opens = opens;
     if (eps != nullptr && n_eps > 0) {
         cl.eps.assign(eps, eps + n_eps);
     }
@@ -354,7 +356,9 @@ int32_t leave(call & cl, int32_t status) {
     {
         std::lock_guard<std::mutex> lock(s.mu);
         s.calls.erase(std::find(s.calls.begin(), s.calls.end(), &cl));
-        refresh(s); // sockets opened by this call (a model load, a first connection)
+        if (cl.opens || cl.failed) {
+            refresh(s); // sockets this call opened
+        }
     }
     // llama.cpp catches exceptions in model loading and context creation itself
     if (cl.failed && (status == PYSPEC_RPC_OK || status == PYSPEC_RPC_ERROR)) {
@@ -368,9 +372,9 @@ int32_t leave(call & cl, int32_t status) {
 
 // Run f() as a guarded call on the endpoints `eps` (ids from pyspec_rpc_watch).
 template <typename F>
-int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, F && f) {
+int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, bool opens, F && f) {
     call cl;
-    enter(cl, eps, n_eps, timeout_s);
+    enter(cl, eps, n_eps, timeout_s, opens);
     call * outer = t_call;
     t_call = &cl;
     int32_t status = PYSPEC_RPC_OK;
@@ -499,7 +503,7 @@ int32_t pyspec_rpc_region_begin(const int32_t * eps, int32_t n_eps, double timeo
         return PYSPEC_RPC_BAD_ARG;
     }
     t_region = new call;
-    enter(*t_region, eps, n_eps, timeout_s);
+    enter(*t_region, eps, n_eps, timeout_s, false);
     t_region_outer = t_call;
     t_call = t_region;
     return PYSPEC_RPC_OK;
@@ -536,7 +540,7 @@ ggml_backend_reg_t pyspec_rpc_add_server(const char * endpoint, int32_t ep, doub
         return nullptr;
     }
     ggml_backend_reg_t reg = nullptr;
-    *status = guarded(&ep, 1, timeout_s, [&] { reg = add_server(endpoint); });
+    *status = guarded(&ep, 1, timeout_s, true, [&] { reg = add_server(endpoint); });
     if (*status == PYSPEC_RPC_OK && reg == nullptr) {
         *status = PYSPEC_RPC_REFUSED;
     }
@@ -546,25 +550,25 @@ ggml_backend_reg_t pyspec_rpc_add_server(const char * endpoint, int32_t ep, doub
 int32_t pyspec_rpc_dev_memory(ggml_backend_dev_t dev, size_t * free, size_t * total,
                               const int32_t * eps, int32_t n_eps, double timeout_s) {
     *free = *total = 0;
-    return guarded(eps, n_eps, timeout_s, [&] { ggml_backend_dev_memory(dev, free, total); });
+    return guarded(eps, n_eps, timeout_s, true, [&] { ggml_backend_dev_memory(dev, free, total); });
 }
 
 int32_t pyspec_rpc_decode(struct llama_context * ctx, struct llama_batch batch,
                           const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result) {
     *result = -1;
-    return guarded(eps, n_eps, timeout_s, [&] { *result = llama_decode(ctx, batch); });
+    return guarded(eps, n_eps, timeout_s, false, [&] { *result = llama_decode(ctx, batch); });
 }
 
 int32_t pyspec_rpc_encode(struct llama_context * ctx, struct llama_batch batch,
                           const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result) {
     *result = -1;
-    return guarded(eps, n_eps, timeout_s, [&] { *result = llama_encode(ctx, batch); });
+    return guarded(eps, n_eps, timeout_s, false, [&] { *result = llama_encode(ctx, batch); });
 }
 
 struct llama_model * pyspec_rpc_model_load(const char * path, struct llama_model_params params,
                                            const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * status) {
     llama_model * model = nullptr;
-    *status = guarded(eps, n_eps, timeout_s, [&] { model = llama_model_load_from_file(path, params); });
+    *status = guarded(eps, n_eps, timeout_s, true, [&] { model = llama_model_load_from_file(path, params); });
     if (*status != PYSPEC_RPC_OK && model != nullptr) {
         // cannot happen (a failed load returns NULL), but never hand out a half-loaded model
         llama_model_free(model);
@@ -577,7 +581,7 @@ struct llama_context * pyspec_rpc_init_from_model(struct llama_model * model, st
                                                   const int32_t * eps, int32_t n_eps, double timeout_s,
                                                   int32_t * status) {
     llama_context * ctx = nullptr;
-    *status = guarded(eps, n_eps, timeout_s, [&] { ctx = llama_init_from_model(model, params); });
+    *status = guarded(eps, n_eps, timeout_s, true, [&] { ctx = llama_init_from_model(model, params); });
     if (*status != PYSPEC_RPC_OK && ctx != nullptr) {
         llama_free(ctx);
         ctx = nullptr;

@@ -31,6 +31,9 @@ from pyspec.errors import (
     LibraryNotFoundError,
     ModelLoadError,
     PyspecError,
+    RpcConnectionError,
+    RpcError,
+    RpcUnavailableError,
     SpeculativeError,
 )
 from pyspec.generation import (
@@ -69,6 +72,9 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "PyspecError",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcUnavailableError",
     "SamplerChain",
     "SequenceResult",
     "SpeculativeError",

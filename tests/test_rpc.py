@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -135,6 +136,14 @@ def test_server_dies_with_the_python_process_that_started_it(tmp_path):
     assert _wait_gone(pid), "rpc-server outlived the process that started it"
 
 
+def test_a_server_can_listen_on_an_explicit_address():
+    with rpc.RpcServer(host="0.0.0.0") as s:  # every address of this machine
+        assert s.endpoint == f"127.0.0.1:{s.port}"  # reached from here through the loopback
+        socket.create_connection(("127.0.0.1", s.port), timeout=2).close()
+    with pytest.raises(ValueError, match="IPv4 address"):
+        rpc.RpcServer(host="my-laptop")
+
+
 def test_a_port_in_use_is_reported_with_the_server_output():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -176,6 +185,7 @@ def test_a_server_busy_with_another_client_times_out_clearly(short_timeouts):
 def test_connected_servers_list_their_devices_with_memory(server):
     ep = rpc.connect(server)
     assert rpc.connect(server.endpoint) is ep  # once per endpoint
+    assert rpc.connect(f"localhost:{server.port}") is ep  # one server, however it is spelt
     rpc_devs = [d for d in devices() if d.endpoint == server.endpoint]
     assert len(rpc_devs) == len(ep.devices) == 1
     d = rpc_devs[0]
@@ -290,6 +300,21 @@ def test_the_cpp_loop_runs_a_target_on_rpc_as_the_python_driver_does(server):
         res, _ = generate(c, "the quick brown fox", 20)
         (cpp_res,), _ = cpp_generate(c, ["the quick brown fox"], 20)
     assert cpp_res.tokens == res.tokens and len(res.tokens) == 20
+
+
+def test_the_command_line_places_the_target_on_a_server_and_the_draft_on_the_cpu(server, capsys):
+    from pyspec.cli.commands import main
+
+    args = ["run", "--tiny", "-q", "-n", "12", "-t", "1", "--types", "draft-simple"]
+    assert main([*args, "--device", "none"]) == 0
+    local = capsys.readouterr().out
+    assert main([*args, "--rpc", server.endpoint, "--draft-device", "none"]) == 0
+    remote = capsys.readouterr().out
+    # the implementation's counters in the statistics: the same drafts, the same acceptance
+    counters = re.compile(r"\bn_\w+=\d+")
+    assert counters.findall(local) and counters.findall(local) == counters.findall(remote)
+    assert main([*args, "--device", "Nope0"]) == 1
+    assert "no device 'Nope0'" in capsys.readouterr().err
 
 
 # --- lost servers ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -304,6 +305,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, verbose=args.verbose)
 
 
+def cmd_rpc_server(args: argparse.Namespace) -> int:
+    """llama.cpp's rpc-server of this build, in the foreground (this process becomes the server)."""
+    from pyspec.core.rpc import server_binary
+
+    binary = str(server_binary())
+    argv = [binary, "-H", args.host, "-p", str(args.port)]
+    if args.threads:
+        argv += ["-t", str(args.threads)]
+    if args.device:
+        argv += ["-d", args.device]
+    if args.cache:
+        argv.append("-c")
+    sys.stdout.flush()
+    os.execv(binary, argv)
+    return 0  # not reached
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -362,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", "-m", help="target GGUF (default: the real model)")
     p.add_argument("--threads", "-t", type=int, default=1, help="CPU threads per context (default 1; 0 = all cores)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("rpc-server", help="lend this machine's devices to another one (llama.cpp's rpc-server)")
+    p.add_argument("--host", "-H", default="127.0.0.1",
+                   help="IPv4 address to listen on (default 127.0.0.1; 0.0.0.0: all; a trusted network only)")
+    p.add_argument("--port", "-p", type=int, default=50052, help="port (default 50052)")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="threads of the CPU device (default: half the cores)")
+    p.add_argument("--device", "-d", help="devices to serve, a comma list (default: the GPUs, else the CPU)")
+    p.add_argument("--cache", "-c", action="store_true", help="cache large tensors in a local file cache")
+    p.set_defaults(func=cmd_rpc_server)
     return parser
 
 

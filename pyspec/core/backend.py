@@ -73,20 +73,21 @@ def local_devices() -> list[Device]:
     return [_local_device(i) for i in range(ggml.ggml_backend_dev_count())]
 
 
-def devices() -> list[Device]:
+def devices(*, rpc_memory: bool = True) -> list[Device]:
     """The devices this process can use, with their memory and type.
 
     First the local ones ggml found (CPU always; GPUs when built with a GPU backend),
     then the devices of the rpc-servers connected so far (``Model(rpc_servers=...)``
-    or :func:`pyspec.core.rpc.connect`); an RPC device's memory is asked of its
-    server, and a server that does not answer is listed with ``reachable=False``.
+    or :func:`pyspec.core.rpc.connect`). An RPC device's memory is asked of its
+    server, and a server that does not answer is listed with ``reachable=False``;
+    ``rpc_memory=False`` asks no server (their devices then read 0 bytes).
     """
     from pyspec.core import rpc  # rpc uses ensure_backend from here
 
     out = local_devices()
     for ep in rpc.connected():
         for dev in ep.devices:
-            memory = rpc.device_memory(dev, ep)
+            memory = rpc.device_memory(dev, ep) if rpc_memory else (0, 0)
             free, total = memory or (0, 0)
             out.append(
                 Device(

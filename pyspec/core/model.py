@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -13,9 +14,9 @@ import numpy as np
 from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device
 from pyspec.core.backend import devices as list_devices
 from pyspec.core.handle import Handle
-from pyspec.core.rpc import RpcLink, RpcServer, connect, endpoint_of_device
+from pyspec.core.rpc import RpcLink, RpcServer, connect, device_memory, endpoint_of_device
 from pyspec.core.vocab import Vocab
-from pyspec.errors import ModelLoadError
+from pyspec.errors import ModelLoadError, RpcConnectionError
 from pyspec.ffi import c_enum, ext, ffi, llama
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
@@ -42,7 +43,8 @@ def _offload_devices(
     transfers), then ``devices``, or the local devices llama.cpp picks by default.
     """
     names = list(dict.fromkeys(connect(server).endpoint for server in rpc_servers or ()))
-    all_devs = list_devices() if rpc_servers or devices is not None else []
+    # no server is asked anything here: the memory of the chosen RPC devices is filled in below
+    all_devs = list_devices(rpc_memory=False) if rpc_servers or devices is not None else []
     rpc_devs = [d for name in names for d in all_devs if d.endpoint == name]
     if devices is None:
         local = default_offload_devices()
@@ -62,10 +64,16 @@ def _offload_devices(
         if d.name not in {c.name for c in chosen}:  # an RPC device both in rpc_servers and devices
             chosen.append(d)
     endpoints = []
-    for d in chosen:
+    for k, d in enumerate(chosen):
         ep = endpoint_of_device(d.handle) if d.endpoint is not None else None
-        if ep is not None and ep not in endpoints:
+        if ep is None:
+            continue
+        if ep not in endpoints:
             endpoints.append(ep)
+        memory = device_memory(d.handle, ep)
+        if memory is None:
+            raise RpcConnectionError(f"the rpc-server at {ep.endpoint} does not answer", (ep.endpoint,))
+        chosen[k] = dataclasses.replace(d, memory_free=memory[0], memory_total=memory[1])
     return chosen, (RpcLink(endpoints) if endpoints else None)
 
 

@@ -152,8 +152,16 @@ def _raise_for(status: int, what: str, names: Sequence[str], timeout: float) -> 
 
 
 def connect(server: str | RpcServer) -> RpcEndpoint:
-    """Connect to a running rpc-server and learn its devices (once per endpoint and process)."""
-    name = endpoint_name(server)
+    """Connect to a running rpc-server and learn its devices (once per endpoint and process).
+
+    The endpoint is known by its IPv4 address from then on (``RpcEndpoint.endpoint``):
+    two spellings of one server ("localhost:50052", "127.0.0.1:50052") are one server.
+    """
+    host, port = _host_port(endpoint_name(server))
+    try:
+        name = f"{socket.gethostbyname(host)}:{port}"  # as ggml-rpc resolves it
+    except OSError:
+        raise ValueError(f"RPC server {host}:{port}: its host name does not resolve to an IPv4 address") from None
     ensure_backend()
     with _lock:
         known = _connected.get(name)
@@ -525,13 +533,3 @@ class RpcServer:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"RpcServer({self.endpoint!r}, {state})"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m pyspec.core.rpc [rpc-server options]``: run this build's rpc-server in the foreground."""
-    binary = server_binary()
-    os.execv(binary, [str(binary), *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    main()
