@@ -19,6 +19,8 @@ from pyspec.core.vocab import Vocab
 from pyspec.errors import ModelLoadError, RpcConnectionError
 from pyspec.ffi import c_enum, ext, ffi, llama
 
+__all__ = ["Model"]
+
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
 
 
@@ -192,7 +194,8 @@ class Model(Handle):
         finally:
             llama_log.removeHandler(errors)
         if ptr == ffi.NULL:
-            raise ModelLoadError(str(self.path), errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
+            raise ModelLoadError(str(self.path),
+                                 errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
         self._own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
         self.vocab = Vocab(self)
 

@@ -7,7 +7,7 @@ llama.cpp's ``rpc-server`` (built into this package), and
 
 - :class:`RpcServer` starts and stops one rpc-server process on this machine,
   listening on 127.0.0.1 or on an explicit address; it never outlives the
-  Python process that started it (see ``rpc_supervisor.py``).
+  Python process that started it (see ``_rpc_supervisor.py``).
 - :func:`connect` makes a server's devices known to this process, without
   registering them with ggml: a model uses them only when it names them.
 - :class:`RpcLink` holds the servers one model lives on and makes the llama.cpp
@@ -452,7 +452,7 @@ class RpcServer:
     def _start(self, args: list[str], start_timeout: float) -> bool:
         fd, log = tempfile.mkstemp(prefix="pyspec-rpc-server-", suffix=".log")
         self._log_path = Path(log)
-        supervisor = Path(__file__).with_name("rpc_supervisor.py")
+        supervisor = Path(__file__).with_name("_rpc_supervisor.py")
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, str(supervisor), str(self._binary), *args],
