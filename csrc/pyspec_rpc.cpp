@@ -521,6 +521,17 @@ int32_t pyspec_rpc_region_end(void) {
     return status;
 }
 
+// Sink every connection to endpoint `ep` on purpose (its server is being stopped): the
+// objects that used it are lost, and free without reaching it. The number sunk.
+int32_t pyspec_rpc_retire(int32_t ep) {
+    guard_state & s = S();
+    call cl;
+    cl.eps.push_back(ep);
+    std::lock_guard<std::mutex> lock(s.mu);
+    refresh(s);
+    return sink_lost(s, &cl, true);
+}
+
 const char * pyspec_rpc_last_error(void) {
     return t_error.c_str();
 }

@@ -500,9 +500,17 @@ class RpcServer:
             os.kill(self.pid, sig)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the server and wait for it (idempotent)."""
+        """Stop the server and wait for it (idempotent).
+
+        Models and contexts of this process that use it are lost from then on (they
+        raise RpcConnectionError) and can still be closed.
+        """
         proc, self._proc = self._proc, None
         if proc is not None:
+            with _lock:
+                ep = _connected.get(self.endpoint)
+            if ep is not None:  # close our connections first: later frees then do not reach for it
+                ext.pyspec_rpc_retire(ep.ep_id)
             if proc.stdin is not None:
                 proc.stdin.close()  # the supervisor stops the server when its stdin closes
             try:

@@ -16,6 +16,7 @@ int32_t     pyspec_rpc_watch(const char * endpoint);
 uint64_t    pyspec_rpc_losses(int32_t ep);
 int32_t     pyspec_rpc_connections(int32_t ep, bool lost);
 int32_t     pyspec_rpc_check(const int32_t * eps, int32_t n_eps);
+int32_t     pyspec_rpc_retire(int32_t ep);
 const char * pyspec_rpc_last_error(void);
 int32_t     pyspec_rpc_region_begin(const int32_t * eps, int32_t n_eps, double timeout_s);
 int32_t     pyspec_rpc_region_end(void);
