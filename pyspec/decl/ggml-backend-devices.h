@@ -1,8 +1,6 @@
 /* The device and registry part of ggml/include/ggml-backend.h (llama.cpp e3a74b299) that
-   pyspec.core.backend and pyspec.core.rpc use (issue 15). The full ggml-backend.h
-   declarations (issue 13) supersede this file. */
-
-typedef struct ggml_backend_reg * ggml_backend_reg_t;
+   pyspec.core.backend and pyspec.core.rpc use beyond ggml.h's (issue 15). The full
+   ggml-backend.h declarations (issue 13) supersede this file. */
 
 struct ggml_backend_dev_caps {
     bool async;
@@ -24,10 +22,6 @@ struct ggml_backend_dev_props {
 void               ggml_backend_dev_get_props(ggml_backend_dev_t device, struct ggml_backend_dev_props * props);
 ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
 
-const char *       ggml_backend_reg_name(ggml_backend_reg_t reg);
 size_t             ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
-
-size_t             ggml_backend_reg_count(void);
-ggml_backend_reg_t ggml_backend_reg_get(size_t index);
 ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
