@@ -2,14 +2,16 @@
 # Build pyspec with llama.cpp's CUDA backend, also where the CUDA toolkit (nvcc) has no
 # cuBLAS: cuBLAS then comes from the PyPI wheel nvidia-cublas.
 #
-#   scripts/cuda_build.sh                   # build into build/cuda; libraries collected in build/cuda/lib
+#   scripts/cuda_build.sh                   # build into build/cuda, install into build/cuda/install
 #   scripts/cuda_build.sh --install         # pip-install the package with CUDA instead
 #   scripts/cuda_build.sh --configure-only  # only the CMake configure step
 #   scripts/cuda_build.sh --objects N       # configure, then compile N of the CUDA objects (no GPU needed)
 #
-# build/cuda/lib is used with PYSPEC_LIB_DIR=build/cuda/lib (and the cuBLAS folder this
-# script prints on LD_LIBRARY_PATH, since the wheel's libraries are not on the loader's
-# path); the package's own pyspec/lib is left alone.
+# The CPU backend is built for this machine only (-DGGML_NATIVE=ON: the point is the GPU;
+# override with EXTRA_CMAKE_ARGS). The libraries are used with
+# PYSPEC_LIB_DIR=build/cuda/install/pyspec/lib (and the cuBLAS folder this script prints on
+# LD_LIBRARY_PATH: the wheel's libraries are not on the loader's path); the package's own
+# pyspec/lib is left alone.
 # CUDA_ARCH: the GPU architecture (default: "native" when nvidia-smi sees a GPU, else 90,
 # the H200's). JOBS: parallel compile jobs (default: all cores). CUBLAS_DIR: a folder
 # holding nvidia/cu13 (default: the nvidia-cublas package of $PYTHON, else one
@@ -51,10 +53,13 @@ if ! ls "$TOOLKIT_LIB"/libcublas.so >/dev/null 2>&1; then
 fi
 # GGML_CUDA_NO_VMM: no link against the driver's libcuda at build time (no GPU driver here)
 ARGS="-DGGML_CUDA=on -DGGML_CUDA_NO_VMM=on -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH $EXTRA"
+NATIVE="-DGGML_NATIVE=ON ${EXTRA_CMAKE_ARGS:-}"
 
 case "$MODE" in
 --install)
-    CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install --disable-pip-version-check ".[test]"
+    # the wheel's default CPU backend (portable, every variant) unless EXTRA_CMAKE_ARGS says otherwise
+    CMAKE_ARGS="$ARGS ${EXTRA_CMAKE_ARGS:-}" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install \
+        --disable-pip-version-check ".[test]"
     exit 0 ;;
 build | --configure-only | --objects) ;;
 *)
@@ -65,7 +70,7 @@ esac
 t0=$(date +%s)
 mkdir -p build
 # shellcheck disable=SC2086
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $ARGS >"$BUILD.configure.log" 2>&1 \
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $ARGS $NATIVE >"$BUILD.configure.log" 2>&1 \
     || { tail -30 "$BUILD.configure.log" >&2; exit 1; }
 echo "cuda_build: configured for sm_$CUDA_ARCH in $(( $(date +%s) - t0 )) s ($BUILD)"
 [ "$MODE" = --configure-only ] && exit 0
@@ -82,8 +87,6 @@ fi
 
 t0=$(date +%s)
 cmake --build "$BUILD" -j "$JOBS"
-rm -rf "$BUILD/lib"
-mkdir -p "$BUILD/lib"
-find "$BUILD" -path "$BUILD/lib" -prune -o \( -name 'lib*.so*' -o -name rpc-server \) \( -type f -o -type l \) -print \
-    | while read -r f; do cp -P "$f" "$BUILD/lib/"; done
-echo "cuda_build: built in $(( $(date +%s) - t0 )) s; libraries in $BUILD/lib"
+rm -rf "$BUILD/install"
+cmake --install "$BUILD" --prefix "$BUILD/install" --component pyspec --strip >/dev/null
+echo "cuda_build: built in $(( $(date +%s) - t0 )) s; libraries in $BUILD/install/pyspec/lib"

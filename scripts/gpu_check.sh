@@ -34,9 +34,13 @@ if [ ! -f vendor/llama.cpp/CMakeLists.txt ] && [ -f build/llama-src.tar.gz ]; th
     mkdir -p vendor
     tar -C vendor -xzf build/llama-src.tar.gz
 fi
+# the tiny test models are written with the gguf package: the tree's own gguf-py is the same 0.19.0
+if ! "$PY" -c "import gguf" 2>/dev/null && [ -d vendor/llama.cpp/gguf-py ]; then
+    export PYTHONPATH=$PWD/vendor/llama.cpp/gguf-py${PYTHONPATH:+:$PYTHONPATH}
+fi
 missing=$("$PY" -c "
 import importlib.util as u
-print(' '.join(m for m in ('numpy', 'cffi', 'pytest', 'yaml') if u.find_spec(m) is None))")
+print(' '.join(m for m in ('numpy', 'cffi', 'pytest', 'gguf') if u.find_spec(m) is None))")
 [ -z "$missing" ] || { echo "gpu_check: Python modules missing: $missing" >&2; exit 1; }
 
 t0=$(date +%s)
@@ -45,7 +49,7 @@ t_build=$(( $(date +%s) - t0 ))
 CU=$("$PY" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'lib'))" 2>/dev/null || true)
 [ -d "${CU:-}" ] || CU=$PWD/build/cublas/nvidia/cu13/lib
 export LD_LIBRARY_PATH=$CU:$(dirname "$(dirname "$(command -v nvcc)")")/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export PYSPEC_LIB_DIR=$PWD/build/cuda/lib
+export PYSPEC_LIB_DIR=$PWD/build/cuda/install/pyspec/lib
 
 mkdir -p "$(dirname "$FIGURES")"
 {

@@ -6,9 +6,9 @@
 #   scripts/vulkan_check.sh               # install what is missing (apt), build, run the checks
 #   scripts/vulkan_check.sh --build-only  # stop after the build
 #
-# The build goes to build/vulkan (the package's own pyspec/lib is left alone); its
-# libraries are collected in build/vulkan/lib and the tests load them from there
-# (PYSPEC_LIB_DIR). On lavapipe the checks run: the core tests with every layer on the
+# The build goes to build/vulkan, native CPU backend (-DGGML_NATIVE=ON: the check is about
+# the Vulkan device), installed into build/vulkan/install (the package's own pyspec/lib is
+# left alone); the tests load the libraries from there (PYSPEC_LIB_DIR). On lavapipe the checks run: the core tests with every layer on the
 # device, the device tests (the driver for each speculative type with
 # n_gpu_layers=-1 against the CPU run, backend sampling on the device, the EAGLE3 /
 # MTP staging outputs), and a greedy parity run of Gemma 3 270M against the CPU when
@@ -39,26 +39,25 @@ fi
 "$PY" scripts/fetch_llama.py
 mkdir -p "$BUILD"
 t0=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=on >"$BUILD/configure.log"
+generator=()
+[ -f "$BUILD/CMakeCache.txt" ] || generator=(-G Ninja)
+cmake -S . -B "$BUILD" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_VULKAN=on \
+    >"$BUILD/configure.log"
 nice -n "$NICE" cmake --build "$BUILD" -j "$JOBS" >"$BUILD/build.log"
 t_build=$(( $(date +%s) - t0 ))
-
-# every library (and rpc-server) of the build in one folder: their $ORIGIN rpath finds each other
-rm -rf "$BUILD/lib"
-mkdir -p "$BUILD/lib"
-find "$BUILD" -path "$BUILD/lib" -prune -o \( -name 'lib*.so*' -o -name rpc-server \) \( -type f -o -type l \) -print \
-    | while read -r f; do cp -P "$f" "$BUILD/lib/"; done
+rm -rf "$BUILD/install"
+cmake --install "$BUILD" --prefix "$BUILD/install" --component pyspec --strip >/dev/null
 {
     echo "vulkan_check $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "build: ${t_build} s wall, -j $JOBS, nice $NICE (ccache: $(command -v ccache >/dev/null && echo on || echo off))"
 } >"$FIGURES"
-echo "vulkan_check: built in ${t_build} s; libraries in $BUILD/lib"
+echo "vulkan_check: built in ${t_build} s; libraries in $BUILD/install/pyspec/lib"
 [ "${1:-}" = "--build-only" ] && exit 0
 
 # lavapipe only (it is a CPU-type Vulkan device, which ggml skips unless it is named)
 export VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.$(uname -m).json
 export GGML_VK_VISIBLE_DEVICES=0
-export PYSPEC_LIB_DIR=$PWD/$BUILD/lib
+export PYSPEC_LIB_DIR=$PWD/$BUILD/install/pyspec/lib
 "$PY" -c "import pyspec; print(*pyspec.devices(), sep='\n')" | tee -a "$FIGURES"
 
 status=0
