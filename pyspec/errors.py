@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BadRequest",
     "BatchFullError",
+    "ChatTemplateError",
     "CliError",
     "ClosedError",
     "ConcurrentUseError",
@@ -15,6 +17,7 @@ __all__ = [
     "LoopInputError",
     "MissingModelPackage",
     "ModelLoadError",
+    "NoChatTemplateError",
     "ParityError",
     "PyspecError",
     "RefError",
@@ -58,6 +61,18 @@ class ClosedError(PyspecError):
 
 class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
+
+
+class ChatTemplateError(PyspecError, ValueError):
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """Chat messages were given for a model that has no chat template, and no template was named."""
+
+
+class BadRequest(PyspecError, ValueError):
+    """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
 
 
 class BatchFullError(PyspecError, IndexError):
