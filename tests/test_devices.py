@@ -157,8 +157,9 @@ def test_greedy_decoding_on_an_accelerator_equals_the_cpu(accel, n_gpu_layers):
         assert [d.name for d in m.devices] == [accel]
         got, got_logits = _greedy(c, prompt, 16)
     assert got == want
-    # f32 weights; the GPU sums in another order: close, not bit-equal
-    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-3, atol=1e-3)
+    # not bit-equal: ggml-vulkan's matrix shaders take the activations in f16 (on lavapipe the
+    # logits, of magnitude ~10, differ by at most 0.024, measured), and every GPU sums in another order
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=0.1)
 
 
 @on_accelerator
@@ -238,7 +239,7 @@ def test_eagle3_and_mtp_staging_outputs_come_back_from_the_accelerator(accel):
         outs[where] = got
     for k in ("layer_inp", "nextn"):
         assert np.isfinite(outs["accel"][k]).all() and outs["accel"][k].std() > 0
-        np.testing.assert_allclose(outs["accel"][k], outs["cpu"][k], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(outs["accel"][k], outs["cpu"][k], rtol=0, atol=0.1)  # f16 activations, as above
 
 
 # --- the draft on another device than the target ----------------------------------------------
