@@ -31,6 +31,9 @@ from pyspec.errors import (
     LibraryNotFoundError,
     ModelLoadError,
     PyspecError,
+    RpcConnectionError,
+    RpcError,
+    RpcUnavailableError,
     SpeculativeError,
 )
 from pyspec.generation import (
@@ -77,6 +80,9 @@ __all__ = [
     "PyspecError",
     "Request",
     "RequestHandle",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcUnavailableError",
     "SamplerChain",
     "SequenceResult",
     "SpeculativeError",

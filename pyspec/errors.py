@@ -21,6 +21,9 @@ __all__ = [
     "ParityError",
     "PyspecError",
     "RefError",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcUnavailableError",
     "SpeculativeError",
     "decode_error",
     "ref_error",
@@ -83,6 +86,26 @@ class DecodeError(PyspecError):
         self.code = code
         self.op = op
         super().__init__(f"{op} returned {code}: {meaning or ('fatal error' if code < 0 else 'warning')}")
+
+
+class RpcError(PyspecError):
+    """Something failed with llama.cpp's RPC backend or an rpc-server process."""
+
+
+class RpcUnavailableError(RpcError):
+    """This build has no RPC backend or no rpc-server (built with CMAKE_ARGS="-DGGML_RPC=off")."""
+
+
+class RpcConnectionError(RpcError, ConnectionError):
+    """An rpc-server could not be reached, stopped answering, or its connection was lost.
+
+    ``endpoints`` names the servers involved. A model whose server was lost stays
+    unusable (its weights were there); close it, and load it again once a server runs.
+    """
+
+    def __init__(self, message: str, endpoints: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoints = endpoints
 
 
 class SpeculativeError(PyspecError, RuntimeError):

@@ -33,7 +33,8 @@ __all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "l
 
 _DECL_DIR = Path(__file__).with_name("decl")
 # order matters: later files use the types of earlier ones
-_DECL_FILES = ("ggml.h", "llama.h", "common.h", "pyspec_ext.h", "pyspec_ref.h", "pyspec_loop.h")
+_DECL_FILES = ("ggml.h", "ggml-backend-devices.h", "llama.h", "common.h", "pyspec_ext.h", "pyspec_rpc.h",
+               "pyspec_ref.h", "pyspec_loop.h")
 # handle name -> shared library stem (lib<stem>.so)
 LIBRARIES = {"ggml": "ggml", "llama": "llama", "ext": "pyspec_ext", "ref": "pyspec_ref"}
 
