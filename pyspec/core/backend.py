@@ -46,7 +46,8 @@ def load_backends() -> None:
         return
     folder = lib_dir()
     ggml.ggml_backend_load_all_from_path(os.fsencode(folder))
-    if ggml.ggml_backend_reg_count() == 0:
+    # other modules (RPC, a GPU) may load while no CPU variant does: llama.cpp needs the CPU one
+    if ggml.ggml_backend_reg_by_name(b"CPU") == ffi.NULL:
         raise LibraryNotFoundError(
             f"pyspec: no ggml backend in {folder} runs on this machine (a CPU backend is libggml-cpu*.so); "
             "reinstall pyspec, or build it here with -DGGML_NATIVE=ON"
