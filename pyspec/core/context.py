@@ -25,7 +25,10 @@ AnyBatch = Union[Batch, BatchView]
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
 _FLASH_ATTN.update({False: _FLASH_ATTN["disabled"], True: _FLASH_ATTN["enabled"]})
-_KV_TYPES = c_enum("enum ggml_type", "GGML_TYPE_")
+# the K/V cache types llama.cpp offers (common/arg.cpp kv_cache_types); the other
+# ggml types are not cache types and may abort inside llama.cpp
+_KV_TYPES = {k: v for k, v in c_enum("enum ggml_type", "GGML_TYPE_").items()
+             if k in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")}
 # fields set through a converter below rather than copied as they are
 _SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
