@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AdapterError",
     "BatchFullError",
+    "ChatTemplateError",
     "ClosedError",
     "ConcurrentUseError",
     "ContextError",
@@ -16,8 +18,11 @@ __all__ = [
     "ModelLoadError",
     "ParityError",
     "PyspecError",
+    "QuantizeError",
     "RefError",
+    "SamplerCallbackError",
     "SpeculativeError",
+    "StateFileError",
     "decode_error",
     "ref_error",
 ]
@@ -38,6 +43,31 @@ class ModelLoadError(PyspecError):
         self.path = path
         msg = f"failed to load model from {path!r}"
         super().__init__(f"{msg}: {reason}" if reason else msg)
+
+
+class AdapterError(PyspecError):
+    """llama.cpp refused a LoRA adapter or a control vector (wrong model, bad file, bad shape)."""
+
+
+class QuantizeError(PyspecError):
+    """llama_model_quantize failed (the reason is in the message)."""
+
+
+class StateFileError(PyspecError):
+    """A context or sequence state file could not be saved or loaded."""
+
+
+class ChatTemplateError(PyspecError, ValueError):
+    """llama_chat_apply_template does not know the template (it is no built-in name or
+    recognisable Jinja source; llama.cpp's C API has no Jinja engine)."""
+
+
+class SamplerCallbackError(PyspecError):
+    """A custom Python sampler raised inside a llama.cpp callback.
+
+    The exception was caught at the C boundary (it never unwinds through llama.cpp) and
+    is re-raised from the Python call that ran the sampler; ``__cause__`` is the original.
+    """
 
 
 class MissingModelPackage(PyspecError):
