@@ -54,7 +54,7 @@ class QuantizeError(PyspecError):
 
 
 class StateFileError(PyspecError):
-    """A context or sequence state file could not be saved or loaded."""
+    """A context or sequence state (a file, or bytes) could not be saved or loaded."""
 
 
 class ChatTemplateError(PyspecError, ValueError):

@@ -31,7 +31,8 @@ def lora(tmp_path_factory) -> derived.TinyLora:
 
 @pytest.fixture
 def ctx(target_model):
-    with Context(target_model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, embeddings=True) as c:
+    with Context(target_model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, embeddings=True,
+                 n_threads=1, n_threads_batch=1) as c:
         yield c
 
 

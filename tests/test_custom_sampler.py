@@ -14,9 +14,11 @@ from pyspec.core.sampler import CustomSampler, TokenDataArray
 from pyspec.errors import SamplerCallbackError
 
 
-@pytest.fixture
+# one decoded context for the module: sampling reads its logits and never changes them
+@pytest.fixture(scope="module")
 def ctx(target_model):
-    with Context(target_model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1) as c:
+    with Context(target_model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=1,
+                 n_threads_batch=1) as c:
         tokens = target_model.vocab.tokenize("Call me Ishmael. Some years ago")
         batch = Batch(len(tokens), 0, 1)
         batch.add_sequence(tokens, 0, 0)
@@ -216,7 +218,8 @@ def test_a_python_sampler_runs_after_the_backend_part_of_a_backend_sampling_chai
     order = np.argsort(-ctx.get_logits_ith(-1))
     tokens = target_model.vocab.tokenize("Call me Ishmael. Some years ago")
     chain = SamplerChain().add_top_k(10).add_custom(Ban({int(order[0])})).add_greedy()
-    with Context(target_model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, samplers={0: chain}) as c:
+    with Context(target_model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, samplers={0: chain},
+                 n_threads=1, n_threads_batch=1) as c:
         batch = Batch(len(tokens), 0, 1)
         batch.add_sequence(tokens, 0, 0)
         c.decode(batch)

@@ -19,7 +19,7 @@ from pyspec.testing import derived
 
 def greedy_tokens(model: Model, n: int = 6) -> list[int]:
     """The first n greedy tokens after a fixed prompt (a fingerprint of the weights)."""
-    with Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1) as ctx:
+    with Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=1, n_threads_batch=1) as ctx:
         toks = model.vocab.tokenize("The capital of France")
         out = []
         pos = 0

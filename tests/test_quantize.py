@@ -31,7 +31,7 @@ def tensor_types(path) -> dict[str, str]:
 
 
 def logits_of(model: Model, tokens: list[int]) -> np.ndarray:
-    with Context(model, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx:
+    with Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=1, n_threads_batch=1) as ctx:
         batch = Batch(len(tokens), 0, 1)
         batch.add_sequence(tokens, 0, 0)
         ctx.decode(batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,8 @@ def decode(ctx: Context, tokens: list[int], seq_id: int = 0, pos0: int = 0) -> n
 
 
 def new_ctx(model) -> Context:
-    return Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=2, kv_unified=True)
+    return Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=2, kv_unified=True,
+                   n_threads=1, n_threads_batch=1)
 
 
 @pytest.fixture
@@ -96,14 +99,32 @@ def test_bad_state_files_raise_instead_of_crashing(target_model, draft_model, pr
         with pytest.raises(StateFileError, match="truncated"):
             b.state_load_file(tmp_path / "tokens.bin")
         # a good header over a body cut short or made of noise: llama.cpp's own checks refuse it
+        decode(b, prompt)
         (tmp_path / "cut.bin").write_bytes(whole[: len(whole) // 2])
         with pytest.raises(StateFileError):
             b.state_load_file(tmp_path / "cut.bin")
+        assert b.memory.seq_pos_max(0) == -1  # a failed restore leaves the memory empty
+        head = whole[: 12 + 4 * len(prompt)]
+        # noise where the architecture name starts: its length field would make llama.cpp
+        # allocate gigabytes (3.6 GB for this seed) before finding the name is wrong
         rng = np.random.default_rng(0)
-        noise = whole[: 12 + 4 * len(prompt)] + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
-        (tmp_path / "noise.bin").write_bytes(noise)
-        with pytest.raises(StateFileError):
+        (tmp_path / "noise.bin").write_bytes(head + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())
+        with pytest.raises(StateFileError, match="unreadable architecture"):
             b.state_load_file(tmp_path / "noise.bin")
+        (tmp_path / "arch.bin").write_bytes(head + struct.pack("<I", 4) + b"gpt2" + whole[len(head) + 9:])
+        with pytest.raises(StateFileError, match="a 'gpt2' model; this context runs a 'llama' model"):
+            b.state_load_file(tmp_path / "arch.bin")
+        # a sequence state claiming 2**31 cells: llama.cpp would reserve a batch that size first
+        seq = (tmp_path / "seq.bin").read_bytes()
+        body = 12 + 4 * len(prompt)
+        cells = seq[:body] + seq[body:body + 4] + struct.pack("<I", 2**31) + seq[body + 8:]
+        (tmp_path / "cells.bin").write_bytes(cells)
+        with pytest.raises(StateFileError, match="corrupt: a count of 2147483648"):
+            b.state_seq_load_file(tmp_path / "cells.bin", 1)
+        (tmp_path / "seqcut.bin").write_bytes(seq[: len(seq) - 100])
+        with pytest.raises(StateFileError, match="end of buffer"):
+            b.state_seq_load_file(tmp_path / "seqcut.bin", 1)
+        assert b.memory.seq_pos_max(1) == -1  # nothing half-loaded stays behind
     # a state of another model (other layer count)
     with new_ctx(draft_model) as d:
         with pytest.raises(StateFileError):

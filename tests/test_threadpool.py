@@ -40,7 +40,7 @@ def test_decoding_on_an_attached_pool_gives_the_same_logits(target_model):
 
 def test_a_pool_closed_while_attached_lives_until_detached(target_model):
     tokens = target_model.vocab.tokenize("hello")
-    with Context(target_model, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx:
+    with Context(target_model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=1, n_threads_batch=1) as ctx:
         pool = ThreadPool(2)
         ctx.attach_threadpool(pool)
         pool.close()
