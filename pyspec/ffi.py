@@ -18,10 +18,17 @@ struct layout probe (sizeof / offsetof of every declared struct, as the
 compiler saw the headers) is compared with cffi's layout of the declarations:
 a declaration that drifted from the headers fails with ImportError there,
 instead of corrupting memory later.
+
+``ffi`` is the FFI the build parsed (cffi out-of-line ABI mode, see
+csrc/gen_ffi_module.py) when it was made from these declaration files, so that
+importing pyspec runs no C parser; otherwise the files are parsed here. (With
+the prebuilt FFI, reading ``.fields`` of an opaque struct type aborts inside
+cffi 2.0: use :func:`pyspec.decl.is_opaque` first.)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import threading
@@ -50,31 +57,62 @@ def lib_dir() -> Path:
 
 
 _ENUM_BODY = re.compile(r"^\s*(?:typedef\s+)?enum\s+(\w+)\s*\{(.*?)\}", re.M | re.S)
+PREBUILT_MODULE = "_pyspec_ffi.py"  # csrc/gen_ffi_module.py, installed beside the libraries
 
 
-def _make_ffi(texts: dict[str, str] | None = None) -> tuple[cffi.FFI, dict[str, int], dict[str, str]]:
-    """One FFI over every declaration file, in load order (``texts`` replaces files, for tests).
-
-    Also returns the integer #defines, and the enum that declares each enumerator:
-    enum values are read from cffi when first asked for (c_const), because each
-    ffi.typeof costs a parse and importing pyspec should not pay for every enum.
-    """
-    f = cffi.FFI()
+def _scan(texts: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+    """The integer #defines, and the enum that declares each enumerator (c_const reads
+    enum values from cffi when asked: each ffi.typeof of a parsed FFI costs a parse)."""
     defines: dict[str, int] = {}
     enum_of: dict[str, str] = {}
-    for name, _header in decl.FILES:
-        text = texts[name] if texts and name in texts else decl.read(name)
-        f.cdef(text)
+    for text in texts.values():
         defines.update(decl.define_values(text))
         for enum, body in _ENUM_BODY.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
             for member in body.split(","):
                 m = re.match(r"\s*(\w+)", member)
                 if m:
                     enum_of[m.group(1)] = enum
-    return f, defines, enum_of
+    return defines, enum_of
 
 
-ffi, _DEFINES, _ENUM_OF = _make_ffi()
+def _make_ffi(texts: dict[str, str] | None = None) -> tuple[cffi.FFI, dict[str, int], dict[str, str]]:
+    """One FFI parsed from every declaration file, in load order (``texts`` replaces files, for tests).
+
+    Also returns the #defines and the enum of each enumerator (see _scan).
+    """
+    f = cffi.FFI()
+    all_texts = {name: texts[name] if texts and name in texts else decl.read(name) for name, _header in decl.FILES}
+    for text in all_texts.values():
+        f.cdef(text)
+    return f, *_scan(all_texts)
+
+
+def _prebuilt_ffi() -> Any:
+    """The FFI the build parsed (cffi out-of-line ABI mode), if it is there and was made from
+    exactly these declaration files; None otherwise (a source tree whose declarations changed
+    since the build, a library folder without it): then pyspec parses them itself."""
+    path = lib_dir() / PREBUILT_MODULE
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("pyspec._prebuilt_ffi", path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:  # another cffi version's tables, a damaged file: parse instead
+        return None
+    return module.ffi if getattr(module, "DECL_DIGEST", None) == decl.digest() else None
+
+
+def _load_ffi() -> tuple[Any, dict[str, int], dict[str, str]]:
+    prebuilt = _prebuilt_ffi()
+    if prebuilt is None:
+        return _make_ffi()
+    return prebuilt, *_scan({name: decl.read(name) for name, _header in decl.FILES})
+
+
+ffi, _DEFINES, _ENUM_OF = _load_ffi()
 
 
 def c_const(name: str) -> int:
@@ -131,7 +169,8 @@ def layout_mismatches(f: cffi.FFI, ext_lib: Any) -> list[str]:
     typedefs, structs, _unions = f.list_types()
     declared = {f"struct {name}" for name in structs} | set(typedefs)
     for name in structs:
-        if f"struct {name}" not in compiled and not name.startswith("pyspec_"):
+        # pyspec_*: our own ABI, compiled from these files; _IO_FILE: cffi's own FILE
+        if f"struct {name}" not in compiled and not name.startswith(("pyspec_", "_")):
             problems.append(f"struct {name} is declared but not in the layout probe (rebuild the libraries)")
     for ctype, entries in compiled.items():
         if ctype not in declared:
@@ -139,9 +178,10 @@ def layout_mismatches(f: cffi.FFI, ext_lib: Any) -> list[str]:
             continue
         t = f.typeof(ctype)
         opaque_in_c = entries[""][1] == 0
-        if t.fields is None or opaque_in_c:
-            if (t.fields is None) != opaque_in_c:
-                state = "opaque" if t.fields is None else "with fields"
+        opaque = decl.is_opaque(f, t)
+        if opaque or opaque_in_c:
+            if opaque != opaque_in_c:
+                state = "opaque" if opaque else "with fields"
                 problems.append(f"{ctype} is declared {state}, the layout probe has it the other way (rebuild?)")
             continue
         if (0, f.sizeof(t), f.alignof(t)) != entries[""]:

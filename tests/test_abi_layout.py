@@ -70,3 +70,24 @@ def test_a_mutated_declaration_fails_the_first_library_open(tmp_path: Path):
     assert done.returncode != 0
     assert "ImportError: pyspec: the declarations in pyspec/decl do not match the libraries" in done.stderr
     assert "struct llama_model_params.main_gpu" in done.stderr
+
+
+def test_the_prebuilt_ffi_is_used_and_equals_the_parsed_declarations(tmp_path: Path, monkeypatch):
+    from pyspec import ffi as ffi_module
+
+    prebuilt = ffi_module._prebuilt_ffi()
+    assert prebuilt is not None, "the build installs _pyspec_ffi.py beside the libraries"
+    assert ffi is prebuilt or type(ffi) is type(prebuilt)  # the package runs on it
+    parsed = _make_ffi()[0]
+    layouts = decl.struct_layouts(parsed)
+    assert decl.struct_layouts(prebuilt) == layouts
+    for ctype, fields in layouts.items():
+        if fields is not None:
+            assert decl.field_layout(prebuilt, prebuilt.typeof(ctype)) == decl.field_layout(parsed, parsed.typeof(ctype))
+    for enum in ("enum llama_ftype", "enum ggml_type", "enum pyspec_ref_status", "enum common_sampler_type"):
+        assert prebuilt.typeof(enum).relements == parsed.typeof(enum).relements
+    # a module made from other declarations is not used
+    stale = (lib_dir() / ffi_module.PREBUILT_MODULE).read_text().replace("DECL_DIGEST = \"", "DECL_DIGEST = \"0")
+    (tmp_path / ffi_module.PREBUILT_MODULE).write_text(stale)
+    monkeypatch.setenv("PYSPEC_LIB_DIR", str(tmp_path))
+    assert ffi_module._prebuilt_ffi() is None

@@ -290,12 +290,18 @@ def _swallow(exc_type: Any, exc: Any, tb: Any) -> None:
     _pending.errors = [*getattr(_pending, "errors", []), (None, exc or RuntimeError("callback failed"))]
 
 
-@ffi.callback("const char *(const struct llama_sampler *)", onerror=_swallow)
+def _iface_callback(field: str) -> Any:
+    """A cffi callback with the exact type of llama_sampler_i's ``field`` (read from the declaration)."""
+    ctype = dict(ffi.typeof("struct llama_sampler_i").fields)[field].type
+    return lambda fn: ffi.callback(ctype, fn, onerror=_swallow)
+
+
+@_iface_callback("name")
 def _cb_name(smpl: Any) -> Any:
     return _bound(smpl).c_name
 
 
-@ffi.callback("void(struct llama_sampler *, llama_token)", onerror=_swallow)
+@_iface_callback("accept")
 def _cb_accept(smpl: Any, token: int) -> None:
     b = _bound(smpl)
     fn = getattr(b.sampler, "accept", None)
@@ -321,7 +327,7 @@ def _checked(cur: TokenDataArray, lo: int, hi: int, capacity: int) -> tuple[np.n
     return data, int(selected), bool(cur.sorted)
 
 
-@ffi.callback("void(struct llama_sampler *, llama_token_data_array *)", onerror=_swallow)
+@_iface_callback("apply")
 def _cb_apply(smpl: Any, cur_p: Any) -> None:
     b = _bound(smpl)
     n = int(cur_p.size)
@@ -351,7 +357,7 @@ def _cb_apply(smpl: Any, cur_p: Any) -> None:
             cur_p.selected = best
 
 
-@ffi.callback("void(struct llama_sampler *)", onerror=_swallow)
+@_iface_callback("reset")
 def _cb_reset(smpl: Any) -> None:
     b = _bound(smpl)
     fn = getattr(b.sampler, "reset", None)
@@ -362,7 +368,7 @@ def _cb_reset(smpl: Any) -> None:
             _record(b, e)
 
 
-@ffi.callback("struct llama_sampler *(const struct llama_sampler *)", onerror=_swallow)
+@_iface_callback("clone")
 def _cb_clone(smpl: Any) -> Any:
     b = _bound(smpl)
     try:
@@ -376,7 +382,7 @@ def _cb_clone(smpl: Any) -> Any:
     return _custom_sampler(twin)
 
 
-@ffi.callback("void(struct llama_sampler *)", onerror=_swallow)
+@_iface_callback("free")
 def _cb_free(smpl: Any) -> None:
     _live.pop(int(ffi.cast("uintptr_t", smpl.ctx)), None)
 

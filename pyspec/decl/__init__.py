@@ -8,11 +8,14 @@ enumeration of struct layouts.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DECL_DIR", "FILES", "UPSTREAM", "define_values", "field_layout", "read", "struct_layouts", "upstream_files"]
+__all__ = ["DECL_DIR", "FILES", "UPSTREAM", "define_values", "digest", "field_layout", "is_opaque", "read",
+           "struct_layouts", "upstream_files"]
 
 DECL_DIR = Path(__file__).parent
 
@@ -42,6 +45,15 @@ def read(name: str) -> str:
     return (DECL_DIR / name).read_text()
 
 
+def digest(texts: Mapping[str, str] | None = None) -> str:
+    """sha256 of every declaration file in load order: names the prebuilt cffi module's source."""
+    h = hashlib.sha256()
+    for name, _header in FILES:
+        text = texts[name] if texts is not None and name in texts else read(name)
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
 def upstream_files() -> list[str]:
     """The declaration files that mirror a llama.cpp header, in load order."""
     return [name for name, header in FILES if header is not None]
@@ -62,11 +74,11 @@ def struct_layouts(ffi: Any) -> dict[str, list[str] | None]:
     from these same declaration files.
     """
     typedefs, structs, _unions = ffi.list_types()
-    types = [f"struct {name}" for name in structs if not name.startswith("pyspec_")]
+    types = [f"struct {name}" for name in structs if not name.startswith(("pyspec_", "_"))]
     named = {ffi.typeof(ctype) for ctype in types}
     # typedefs of anonymous structs (`typedef struct { ... } ggml_bf16_t;`)
     for name in typedefs:
-        if name.startswith("pyspec_"):
+        if name.startswith(("pyspec_", "_")) or name == "FILE":
             continue
         t = ffi.typeof(name)
         if t.kind == "struct" and t not in named:
@@ -74,8 +86,22 @@ def struct_layouts(ffi: Any) -> dict[str, list[str] | None]:
     out: dict[str, list[str] | None] = {}
     for ctype in sorted(types):
         t = ffi.typeof(ctype)
-        out[ctype] = None if t.fields is None else [path for path, _offset, _size in field_layout(ffi, t)]
+        out[ctype] = None if is_opaque(ffi, t) else [path for path, _offset, _size in field_layout(ffi, t)]
     return out
+
+
+def is_opaque(ffi: Any, t: Any) -> bool:
+    """Whether the struct ctype ``t`` is declared without a body.
+
+    Asked through sizeof, not ``t.fields``: in cffi 2.0's out-of-line mode (the
+    prebuilt module) reading ``.fields`` of an opaque struct fails an assertion in
+    _cffi_backend and aborts the process.
+    """
+    try:
+        ffi.sizeof(t)
+    except (ValueError, getattr(ffi, "error", ValueError)):  # a parsed FFI raises ValueError
+        return True
+    return False
 
 
 def field_layout(ffi: Any, t: Any, prefix: str = "", base: int = 0) -> list[tuple[str, int, int]]:
