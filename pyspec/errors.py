@@ -8,6 +8,7 @@ __all__ = [
     "AdapterError",
     "BatchFullError",
     "ChatTemplateError",
+    "CliError",
     "ClosedError",
     "ConcurrentUseError",
     "ContextError",
@@ -113,6 +114,10 @@ class RefError(SpeculativeError):
 
 class LoopInputError(RefError, ValueError):
     """The C++ loop refused its input (PYSPEC_REF_E_NULL / _RANGE / _CAPACITY)."""
+
+
+class CliError(PyspecError):
+    """A command-line error reported as one line, without a traceback."""
 
 
 class ParityError(AssertionError):

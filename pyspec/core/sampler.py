@@ -128,7 +128,9 @@ class SamplerChain(Handle):
         return int(llama.llama_sampler_chain_n(self.ptr))
 
     def names(self) -> list[str]:
-        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(self.ptr, i))).decode() for i in range(len(self))]
+        chain = self.ptr
+        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(chain, i))).decode()
+                for i in range(len(self))]
 
     def remove(self, i: int) -> None:
         """Mirrors llama_sampler_chain_remove; the removed sampler is freed."""
