@@ -35,8 +35,8 @@ from pyspec.ffi import c_const, ffi, ggml, llama
 if TYPE_CHECKING:
     from pyspec.core.context import Context
 
-__all__ = ["LoraAdapter", "LoraScales", "applied_lora_adapters", "control_vector_data", "load_control_vector", "set_control_vector",
-           "set_lora_adapters"]
+__all__ = ["LoraAdapter", "LoraScales", "applied_lora_adapters", "control_vector_data", "load_control_vector",
+           "set_control_vector", "set_lora_adapters"]
 
 LoraScales = Mapping["LoraAdapter", float] | Sequence[tuple["LoraAdapter", float]]
 
