@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "AdapterError",
+    "BadRequest",
     "BatchFullError",
     "ChatTemplateError",
     "CliError",
@@ -17,6 +18,7 @@ __all__ = [
     "LoopInputError",
     "MissingModelPackage",
     "ModelLoadError",
+    "NoChatTemplateError",
     "ParityError",
     "PyspecError",
     "QuantizeError",
@@ -58,11 +60,6 @@ class StateFileError(PyspecError):
     """A context or sequence state (a file, or bytes) could not be saved or loaded."""
 
 
-class ChatTemplateError(PyspecError, ValueError):
-    """llama_chat_apply_template does not know the template (it is no built-in name or
-    recognisable Jinja source; llama.cpp's C API has no Jinja engine)."""
-
-
 class SamplerCallbackError(PyspecError):
     """A custom Python sampler raised inside a llama.cpp callback.
 
@@ -85,6 +82,19 @@ class ClosedError(PyspecError):
 
 class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
+
+
+class ChatTemplateError(PyspecError, ValueError):
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it),
+    or llama_chat_apply_template does not know it (no built-in name, no Jinja source it recognises)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """Chat messages were given for a model that has no chat template, and no template was named."""
+
+
+class BadRequest(PyspecError, ValueError):
+    """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
 
 
 class BatchFullError(PyspecError, IndexError):

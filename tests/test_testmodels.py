@@ -14,7 +14,7 @@ import pytest
 
 from pyspec.testing import models as testmodels
 
-MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3")
+MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3", "chat-target")
 ARCH = {
     "target": "llama",
     "draft": "llama",
@@ -23,6 +23,7 @@ ARCH = {
     "cyclic-target": "llama",
     "cyclic-draft": "llama",
     "cyclic-eagle3": "eagle3",
+    "chat-target": "llama",
 }
 
 

@@ -1,6 +1,7 @@
-"""The ``pyspec`` command: run, bench, parity, models, demo.
+"""The ``pyspec`` command: run, serve, bench, parity, models, demo.
 
     python -m pyspec run --types ngram-map-k --prompt "def f(x):"
+    python -m pyspec serve --types ngram-map-k --parallel 4
     python -m pyspec bench --plot bench.png
     python -m pyspec parity ...
     python -m pyspec models
@@ -198,6 +199,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pyspec.cli.bench import common_log
+    from pyspec.common.params import CommonParamsSampling
+    from pyspec.generation.contexts import REAL_MODEL_PACKAGE
+    from pyspec.generation.engine import Engine
+    from pyspec.server.params import ServerDefaults
+
+    try:
+        from pyspec.server import serve
+    except ImportError as e:  # pragma: no cover - the extra is not installed
+        raise CliError(f"pyspec serve needs the server extra (pip install 'pyspec[server]'): {e}") from None
+    if args.parallel <= 0:
+        raise CliError("--parallel must be positive")
+    if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
+        raise CliError(f"--slot-save-path {args.slot_save_path} is not a folder")
+    import uvicorn  # noqa: F401  (fail early, with the hint above, when the extra is missing)
+
+    kw = _ctx_kw(args, args.parallel)
+    sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                    seed=args.seed)
+    with common_log(args.verbose):
+        engine = Engine.load(args.model, types=args.types, draft=args.draft, tiny=args.tiny,
+                             n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
+                             n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
+                             slot_similarity=args.slot_prompt_similarity, **_spec_kw(args))
+        name = args.alias or (Path(args.model).stem if args.model else
+                              ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
+        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
+        print(f"pyspec serve: {name} on http://{args.host}:{args.port} ({args.parallel} slots, types {args.types})",
+              file=sys.stderr, flush=True)
+        serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key, defaults=defaults,
+              slot_save_path=args.slot_save_path, log_level="info" if args.verbose else "warning")
+    return 0
+
+
 # --------------------------------------------------------------------------- bench
 
 
@@ -293,6 +332,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_spec_args(p, "ngram-map-k")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="HTTP server: OpenAI-compatible and llama-server endpoints, continuous batching")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--parallel", "-np", type=int, default=4, help="slots served at once (default 4)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
+    p.add_argument("--alias", "-a", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--n-predict", "-n", type=int, default=-1, help="default tokens per request (-1: no limit)")
+    p.add_argument("--temp", type=float, default=0.8, help="default temperature (0: greedy; default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="default top-k (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="default top-p (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="default min-p (default 0.05)")
+    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default seed (default: random)")
+    p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse prompt prefixes by default")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.1,
+                   help="least shared-prefix fraction for a request to pick a slot by its memory (default 0.1)")
+    p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
+    p.add_argument("--engine", choices=("python", "cpp"), default="python",
+                   help="python: the port; cpp: the C++ reference under the same loop")
+    _add_model_args(p)
+    _add_spec_args(p, "none")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")

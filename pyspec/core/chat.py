@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pyspec.core.cstrings import c_text
-from pyspec.errors import ChatTemplateError
+from pyspec.errors import ChatTemplateError, NoChatTemplateError
 from pyspec.ffi import ffi, llama
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def apply_chat_template(
     else:
         found = model_or_template.chat_template()
         if found is None:
-            raise ChatTemplateError(
+            raise NoChatTemplateError(
                 "the model has no chat template (tokenizer.chat_template); pass a template name "
                 "such as 'chatml' instead"
             )
