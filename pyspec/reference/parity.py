@@ -242,7 +242,7 @@ def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> _SideResult:
                     out.tokens.append(r.tokens)
                 out.n_drafted += gen.stats.n_drafted
                 out.n_accepted += gen.stats.n_accepted
-            out.impls = [i.counters() for i in gen.engine.impl_stats()]
+            out.impls = [i.counters() for i in gen.engine.backend.impl_stats()]
     return out
 
 
