@@ -135,6 +135,10 @@ struct loop {
         if (batch.n_tokens >= n_batch) {
             fail(PYSPEC_REF_E_CAPACITY, "batch of %d tokens is full", (int) n_batch);
         }
+        // a draft from an n-gram cache file may name any token; Context._check_batch says the same
+        if (id < 0 || id >= llama_vocab_n_tokens(vocab)) {
+            fail(PYSPEC_REF_E_RANGE, "token %d is outside the vocabulary (0..%d)", (int) id, llama_vocab_n_tokens(vocab) - 1);
+        }
         common_batch_add(batch, id, pos, { seq_id }, logits);
     }
 

@@ -2,22 +2,47 @@
 
 Every wrapper owns one C pointer and frees it exactly once. Objects that other
 objects depend on (a model under its contexts, a target context under its MTP
-context) are *retained* by their dependents: close() on them marks them closed
-at once, and the C free happens when the last dependent lets go, so closing in
-any order is safe.
+context, a sampler chain attached to a context) are *retained* by their
+dependents: close() on them marks them closed at once, and the C free happens
+when the last dependent lets go, so closing in any order is safe.
+
+A handle-owning object cannot be copied or pickled: a shallow copy would free
+the same pointer twice, and a C pointer means nothing in another process.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from pyspec.errors import ClosedError
 from pyspec.ffi import ffi
 
+__all__ = ["Handle", "NotCopyable"]
 
-class Handle:
+
+class NotCopyable:
+    """Refuses copy.copy, copy.deepcopy and pickle with a TypeError that says why."""
+
+    def _refuse_copy(self) -> NoReturn:
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} owns C memory and cannot be copied or pickled (a copy would free it twice; "
+            f"a pointer means nothing in another process): create a new {name} instead"
+        )
+
+    def __copy__(self) -> NoReturn:
+        self._refuse_copy()
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        self._refuse_copy()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse_copy()
+
+
+class Handle(NotCopyable):
     """Owner of one C pointer; subclasses call ``_own(ptr, free)``."""
 
     _kind = "object"
@@ -31,12 +56,20 @@ class Handle:
         self._lock = threading.Lock()
 
     def _own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
+        taken: list[Handle] = []
+        try:
+            for dep in deps:
+                dep._retain()
+                taken.append(dep)
+        except BaseException:
+            free(ptr)
+            for dep in taken:
+                dep._release()
+            raise
         self._ptr = ptr
         self._free = free
         self._closed = False
-        for dep in deps:
-            dep._retain()
-        self._deps = list(deps)
+        self._deps = taken
 
     @property
     def ptr(self) -> Any:

@@ -71,7 +71,11 @@ class Model(Handle):
         check_tensors: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         self.path = Path(path)
+        if "\0" in str(self.path):
+            raise ValueError("model path contains a NUL character")
         if not self.path.is_file():
             raise FileNotFoundError(f"model file not found: {self.path}")
         if split_mode not in _SPLIT_MODES:
@@ -82,6 +86,9 @@ class Model(Handle):
         ensure_backend()
 
         params = llama.llama_model_default_params()
+        for name, value in (("n_gpu_layers", n_gpu_layers), ("main_gpu", main_gpu)):
+            if isinstance(value, bool) or not isinstance(value, int) or not -(2**31) <= value < 2**31:
+                raise ValueError(f"{name} must be an int32, got {value!r}")
         params.n_gpu_layers = n_gpu_layers
         params.split_mode = _SPLIT_MODES[split_mode]
         params.main_gpu = main_gpu
@@ -94,7 +101,7 @@ class Model(Handle):
             n_dev = ggml.ggml_backend_dev_count()
             arr = ffi.new("ggml_backend_dev_t[]", len(devices) + 1)  # NULL-terminated
             for k, idx in enumerate(devices):
-                if not 0 <= idx < n_dev:
+                if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n_dev:
                     raise ValueError(f"device index {idx} out of range (0..{n_dev - 1})")
                 arr[k] = ggml.ggml_backend_dev_get(idx)
             params.devices = arr
@@ -110,6 +117,7 @@ class Model(Handle):
         if ptr == ffi.NULL:
             raise ModelLoadError(str(self.path), errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
         self._own(ptr, llama.llama_model_free)
+        self.vocab_only = bool(vocab_only)
         self.vocab = Vocab(self)
 
     # --- information -------------------------------------------------------
@@ -178,6 +186,8 @@ class Model(Handle):
 
     def meta(self, key: str) -> str | None:
         """Mirrors llama_model_meta_val_str (llama.h); None when the key is absent."""
+        if "\0" in key:
+            raise ValueError("metadata key contains a NUL character")
         buf = ffi.new("char[]", 1024)
         n = llama.llama_model_meta_val_str(self.ptr, key.encode(), buf, 1024)
         if n < 0:

@@ -74,6 +74,15 @@ enum llama_split_mode {
     LLAMA_SPLIT_MODE_TENSOR = 3,
 };
 
+enum llama_rope_type {
+    LLAMA_ROPE_TYPE_NONE   = -1,
+    LLAMA_ROPE_TYPE_NORM   = 0,
+    LLAMA_ROPE_TYPE_NEOX   = 2,
+    LLAMA_ROPE_TYPE_MROPE  = 8,
+    LLAMA_ROPE_TYPE_VISION = 24,
+    LLAMA_ROPE_TYPE_IMROPE = 40,
+};
+
 enum llama_context_type {
     LLAMA_CONTEXT_TYPE_DEFAULT = 0,
     LLAMA_CONTEXT_TYPE_MTP     = 1,
@@ -238,6 +247,8 @@ int32_t  llama_model_n_layer    (const struct llama_model * model);
 int32_t  llama_model_n_head     (const struct llama_model * model);
 int32_t  llama_model_n_head_kv  (const struct llama_model * model);
 int32_t  llama_model_n_swa      (const struct llama_model * model);
+uint32_t llama_model_n_cls_out  (const struct llama_model * model);
+enum llama_rope_type llama_model_rope_type(const struct llama_model * model);
 int32_t  llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 int32_t  llama_model_meta_count(const struct llama_model * model);
 int32_t  llama_model_meta_key_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
@@ -260,6 +271,7 @@ uint32_t llama_n_batch    (const struct llama_context * ctx);
 uint32_t llama_n_ubatch   (const struct llama_context * ctx);
 uint32_t llama_n_seq_max  (const struct llama_context * ctx);
 uint32_t llama_n_rs_seq   (const struct llama_context * ctx);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 
 const struct llama_model * llama_get_model (const struct llama_context * ctx);
 llama_memory_t             llama_get_memory(const struct llama_context * ctx);

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common.checks import check_speculative_params
 from pyspec.common.params import CommonParamsSpeculative, CommonParamsSpeculativeNgramMap
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.handle import Handle
 from pyspec.errors import RefError
 from pyspec.ffi import c_const, ffi, ref
-from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, token_array, token_ptr
+from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, held_all, token_array, token_ptr
 
 __all__ = ["RefSpeculative", "spec_params_struct", "spec_type_str"]
 
@@ -104,8 +105,7 @@ class RefSpeculative(Handle):
         for speculative decoding".
         """
         super().__init__()
-        if n_seq <= 0:
-            raise ValueError(f"n_seq must be positive, got {n_seq}")
+        check_speculative_params(params, n_seq)  # the port's checks, first (pyspec.common.checks)
         p, _keep = spec_params_struct(params)
         d = params.draft
 
@@ -138,11 +138,15 @@ class RefSpeculative(Handle):
     def begin(self, seq_id: int, prompt: Sequence[int] | np.ndarray) -> None:
         """Mirrors common_speculative_begin."""
         toks = token_array(prompt)
-        check(ref.pyspec_ref_spec_begin(self.ptr, self._seq(seq_id), token_ptr(toks), toks.size), "begin")
+        ptr = self.ptr
+        with held_all(self._deps):
+            check(ref.pyspec_ref_spec_begin(ptr, self._seq(seq_id), token_ptr(toks), toks.size), "begin")
 
     def process(self, batch: Any) -> bool:
         """Mirrors common_speculative_process: False when an implementation failed."""
-        return check(ref.pyspec_ref_spec_process(self.ptr, batch_ptr(batch)), "process") == 1
+        ptr = self.ptr
+        with held_all(self._deps):
+            return check(ref.pyspec_ref_spec_process(ptr, batch_ptr(batch)), "process") == 1
 
     def need_embd(self) -> bool:
         """Mirrors common_speculative_need_embd."""
@@ -176,7 +180,8 @@ class RefSpeculative(Handle):
             r.out = token_ptr(out)
             r.out_cap = out.size
             outs.append((int(req.seq_id), out))
-        rc = ref.pyspec_ref_spec_draft(ptr, reqs, n)
+        with held_all(self._deps):  # the draft implementations decode on the draft context
+            rc = ref.pyspec_ref_spec_draft(ptr, reqs, n)
         if rc == c_const("PYSPEC_REF_E_CAPACITY"):  # read the whole results back
             return {seq_id: self.result(seq_id) for seq_id, _ in outs}
         check(rc, "draft")
@@ -192,7 +197,9 @@ class RefSpeculative(Handle):
 
     def accept(self, seq_id: int, n_accepted: int) -> None:
         """Mirrors common_speculative_accept; RefError when seq_id has no draft yet."""
-        check(ref.pyspec_ref_spec_accept(self.ptr, self._seq(seq_id), int(n_accepted)), "accept")
+        ptr = self.ptr
+        with held_all(self._deps):
+            check(ref.pyspec_ref_spec_accept(ptr, self._seq(seq_id), int(n_accepted)), "accept")
 
     def print_stats(self) -> None:
         """Mirrors common_speculative_print_stats (logs through llama.cpp's common log)."""
