@@ -87,9 +87,7 @@ class Batch(_Arrays):
         self.n_embd = embd
         self.n_seq_max = n_seq_max
         self._token = np.zeros(n_tokens_max, dtype=np.int32) if tokens else None
-        self._embd_store = (
-            np.zeros(n_tokens_max * max(embd, embd_row_alloc), dtype=np.float32) if embd else None
-        )
+        self._embd_store = np.zeros(n_tokens_max * max(embd, embd_row_alloc) if embd else 0, dtype=np.float32)
         self._embd = self._embd_store[: n_tokens_max * embd].reshape(n_tokens_max, embd) if embd else None
         self._pos = np.zeros(n_tokens_max, dtype=np.int32)
         self._n_seq_id = np.zeros(n_tokens_max, dtype=np.int32)
@@ -137,7 +135,8 @@ class Batch(_Arrays):
         self._n = 0
         self.c.n_tokens = 0
 
-    def add(self, token: int, pos: int, seq_ids: Iterable[int] | int, logits: bool, embd: np.ndarray | None = None) -> None:
+    def add(self, token: int, pos: int, seq_ids: Iterable[int] | int, logits: bool,
+            embd: np.ndarray | None = None) -> None:
         """Mirrors common_batch_add (common.cpp); overflow raises BatchFullError.
 
         ``embd`` optionally fills this row's embedding (EAGLE3 / MTP rows).
@@ -159,7 +158,7 @@ class Batch(_Arrays):
         self.pos[i] = pos
         self.logits[i] = logits
         if embd is not None:
-            self.embd[i] = embd
+            self._embd_rows()[i] = embd
         self._n = i + 1
         self.c.n_tokens = i + 1
 
@@ -191,15 +190,22 @@ class Batch(_Arrays):
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
         if tokens is not None:
+            if self.token is None:
+                raise ValueError("this batch carries embeddings only")
             self.token[i : i + n] = tokens
         self.pos[i : i + n] = pos
         self.n_seq_id[i : i + n] = 1
         self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = logits
         if embd is not None:
-            self.embd[i : i + n] = embd
+            self._embd_rows()[i : i + n] = embd
         self._n = i + n
         self.c.n_tokens = i + n
+
+    def _embd_rows(self) -> np.ndarray:
+        if self.embd is None:
+            raise ValueError("this batch carries tokens only (made with embd=0)")
+        return self.embd
 
     def view(self, start: int, n: int) -> BatchView:
         """Rows start..start+n as a batch of their own (no copy), like the server's ubatch views."""

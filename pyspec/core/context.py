@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from pyspec.ffi import c_enum, ext, ffi, llama
 
 __all__ = ["MAX_THREADS", "AnyBatch", "Context"]
 
-AnyBatch = Union[Batch, BatchView, EmbdBatch]
+AnyBatch = Batch | BatchView | EmbdBatch
 
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
@@ -276,7 +276,7 @@ class Context(Handle):
     def _acquire(self) -> Any:
         """Take this context's own guard (closed, busy and fork checks); returns the C pointer."""
         if not self._busy.acquire(blocking=False):
-            self.ptr  # a closed context says so first
+            self.check_open()  # a closed context says so first
             if self._fork_gen != fork.child_generation():
                 raise ConcurrentUseError(
                     "this context was in use by another thread when the process forked; its state is undefined "
@@ -285,7 +285,7 @@ class Context(Handle):
             raise ConcurrentUseError("this context is in use by another thread; give each thread its own Context")
         if self._closed:  # checked under the guard: close() takes it too
             self._busy.release()
-            self.ptr
+            self.check_open()
         if self._fork_gen != fork.child_generation():
             self._adopt_after_fork()
         owner = self._claim_owner

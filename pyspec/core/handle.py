@@ -78,6 +78,11 @@ class Handle(NotCopyable):
             raise ClosedError(f"{self._kind} is closed")
         return self._ptr
 
+    def check_open(self) -> None:
+        """Raise ClosedError after close()."""
+        if self._closed:
+            raise ClosedError(f"{self._kind} is closed")
+
     @property
     def closed(self) -> bool:
         return self._closed

@@ -218,7 +218,7 @@ class SamplerChain(Handle):
     # --- attaching to a context (Context.set_sampler) ------------------------------
 
     def _check_attachable(self) -> None:
-        self.ptr  # raises ClosedError first
+        self.check_open()
         if self._used:
             raise ValueError(
                 "this chain was already attached to a context; llama.cpp sets a chain up for one context once "

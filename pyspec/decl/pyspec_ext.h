@@ -8,7 +8,6 @@ float *         pyspec_get_embeddings_layer_inp(struct llama_context * ctx, uint
 struct llama_context * pyspec_get_ctx_other(struct llama_context * ctx);
 const int32_t * pyspec_model_target_layer_ids(const struct llama_model * model);
 uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model);
-int32_t         pyspec_model_n_expert(const struct llama_model * model);
 
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
