@@ -28,11 +28,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SLOT = 1 << 20  # the largest input the shared memory file holds (longer inputs are cut there)
+_HEAD = 16  # the slot file starts with the input's length and the number of inputs started
 ALL = ["grammar", "state", "ngram", "api", "params", "gguf"]  # cli runs only when named (a process per input)
 
 
@@ -43,7 +45,7 @@ def _worker(args: argparse.Namespace) -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # llama.cpp and targets print to stderr; stdout carries our JSON lines
     fd = os.open(args.slot, os.O_RDWR)
-    mm = mmap.mmap(fd, 8 + SLOT)
+    mm = mmap.mmap(fd, _HEAD + SLOT)
     deadline = time.monotonic() + args.seconds
     rng = random.Random(args.seed)
     state = {"n": 0, "t": time.monotonic()}
@@ -55,13 +57,22 @@ def _worker(args: argparse.Namespace) -> None:
             from pyspec.testing import fuzz
     else:
         from pyspec.testing import fuzz
-    fuzz.setup([args.target])
-    target = fuzz.TARGETS[args.target]
+    if args.target == "extra":  # a target module from PYSPEC_FUZZ_EXTRA=dir:module (tests of the runner)
+        import importlib
+
+        folder, name = os.environ["PYSPEC_FUZZ_EXTRA"].split(":")
+        sys.path.insert(0, folder)
+        extra = importlib.import_module(name)
+        target, seeds = extra.target, list(getattr(extra, "SEEDS", [b""]))
+    else:
+        fuzz.setup([args.target])
+        target, seeds = fuzz.TARGETS[args.target], fuzz.seeds(args.target)
 
     def run_one(data: bytes) -> None:
         data = data[:SLOT]
-        mm[8 : 8 + len(data)] = data
+        mm[_HEAD : _HEAD + len(data)] = data
         mm[0:8] = len(data).to_bytes(8, "little")
+        mm[8:16] = (state["n"] + 1).to_bytes(8, "little")  # inputs started, read back after a crash
         try:
             target(data)
         except fuzz.Finding as e:
@@ -82,16 +93,17 @@ def _worker(args: argparse.Namespace) -> None:
         import atheris
 
         left = max(1, int(deadline - time.monotonic()))
-        corpus = Path(args.out) / f"corpus-{args.target}"
-        corpus.mkdir(parents=True, exist_ok=True)
-        for i, s in enumerate(fuzz.seeds(args.target)):
-            (corpus / f"seed-{i}").write_bytes(s)
+        corpus_dir = Path(args.out) / f"corpus-{args.target}"
+        corpus_dir.mkdir(parents=True, exist_ok=True)
+        for i, s in enumerate(seeds):
+            (corpus_dir / f"seed-{i}").write_bytes(s)
         argv = [sys.argv[0], f"-max_total_time={left}", f"-timeout={int(args.hang)}", "-rss_limit_mb=6144",
-                f"-max_len={min(SLOT, 65536)}", f"-artifact_prefix={args.out}/", "-print_final_stats=1", str(corpus)]
+                f"-max_len={min(SLOT, 65536)}", f"-artifact_prefix={args.out}/", "-print_final_stats=1",
+                str(corpus_dir)]
         atheris.Setup(argv, run_one)
         atheris.Fuzz()
     else:
-        corpus = fuzz.seeds(args.target) or [b""]
+        corpus = seeds or [b""]
         for s in corpus:
             run_one(s)
         while time.monotonic() < deadline:
@@ -132,8 +144,8 @@ def fuzz_target(target: str, seconds: float, args: argparse.Namespace) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     slot = out_dir / f".slot-{target}-{os.getpid()}"
-    slot.write_bytes(b"\0" * (8 + SLOT))
-    res = {"target": target, "inputs": 0, "signals": 0, "hangs": 0, "findings": 0, "restarts": 0,
+    slot.write_bytes(b"\0" * (_HEAD + SLOT))
+    res: dict[str, Any] = {"target": target, "inputs": 0, "signals": 0, "hangs": 0, "findings": 0, "restarts": 0,
            "seconds": 0.0, "examples": []}
     t0 = time.monotonic()
     seed = args.seed
@@ -171,7 +183,8 @@ def fuzz_target(target: str, seconds: float, args: argparse.Namespace) -> dict:
                 _save_slot(slot, out_dir / f"hang-{target}-{res['hangs']}")
                 break
         rc = proc.wait()
-        res["inputs"] += n_here
+        started = int.from_bytes(slot.read_bytes()[8:16], "little")
+        res["inputs"] += max(n_here, started)
         if rc == 70 and args.atheris:  # libFuzzer's -timeout_exitcode: one input ran past --hang
             res["hangs"] += 1
             _save_slot(slot, out_dir / f"hang-{target}-{res['hangs']}")
@@ -189,12 +202,12 @@ def fuzz_target(target: str, seconds: float, args: argparse.Namespace) -> dict:
 def _save_slot(slot: Path, dest: Path) -> None:
     raw = slot.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    dest.write_bytes(raw[8 : 8 + n])
+    dest.write_bytes(raw[_HEAD : _HEAD + n])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="all", help=f"one of {', '.join([*ALL, 'cli'])}, or all")
+    ap.add_argument("--target", default="all", help=f"comma-separated, of {', '.join([*ALL, 'cli'])}; or all")
     ap.add_argument("--seconds", type=float, default=60.0, help="per target")
     ap.add_argument("--atheris", action="store_true", help="coverage-guided (libFuzzer through atheris)")
     ap.add_argument("--out", default=str(ROOT / "build" / "fuzz"), help="crash / finding inputs and corpora")
@@ -213,7 +226,8 @@ def main() -> int:
     for t in targets:
         r = fuzz_target(t, args.seconds, args)
         results.append(r)
-        print(f"{t:8s} {r['inputs']:9d} inputs in {r['seconds']:6.0f} s ({r['inputs'] / max(r['seconds'], 1e-9):7.0f}/s)"
+        rate = r["inputs"] / max(r["seconds"], 1e-9)
+        print(f"{t:8s} {r['inputs']:9d} inputs in {r['seconds']:6.0f} s ({rate:7.0f}/s)"
               f"  signals {r['signals']}  hangs {r['hangs']}  findings {r['findings']}  restarts {r['restarts']}",
               flush=True)
         for ex in r["examples"]:

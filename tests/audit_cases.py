@@ -61,6 +61,33 @@ def _write(name: str, data: bytes) -> str:
     return str(p)
 
 
+# --- model files --------------------------------------------------------------------
+
+
+def gguf_repeated_token() -> Any:
+    data = Path(tm.make_target()).read_bytes()
+    entry = struct.pack("<Q", 6)
+    assert data.count(entry + b"<0x0B>") == 1
+    return Model(_write_bytes("repeat.gguf", data.replace(entry + b"<0x0B>", entry + b"<0x0A>")))
+
+
+def gguf_tokens_not_strings() -> Any:
+    # a well-formed GGUF whose token list holds int32 (a list of the same length)
+    from tests.test_hostile_files import write_tiny_llama
+
+    gguf = tm._gguf()
+    kv = []
+    for key, value, vtype, sub_type in tm._vocab_kv():
+        if key == "tokenizer.ggml.tokens":
+            value, sub_type = list(range(len(value))), gguf.GGUFValueType.INT32
+        kv.append((key, value, vtype, sub_type))
+    return Model(write_tiny_llama(TMP / "ints.gguf", vocab_kv=kv))
+
+
+def _write_bytes(name: str, data: bytes) -> str:
+    return _write(name, data)
+
+
 # --- context parameters -----------------------------------------------------------
 
 
@@ -540,6 +567,7 @@ HISTORIES = ([3, 4, 5, 6] * 10, [3, 4, 5, 6] * 3)  # a long history, then a shor
 
 def port_ngram_map_history_shrinks() -> Any:
     spec = sp.common_speculative_init(_map_spec(), 1)
+    assert spec is not None
     dp = sp.common_speculative_get_draft_params(spec, 0)
     for hist in HISTORIES:
         dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, 4, len(hist), 3

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT / "vendor" / "llama.cpp"
 AUDIT = tomllib.loads((ROOT / "docs" / "audit.toml").read_text())
 ROWS = AUDIT["site"]
-CASES = {n.name for n in ast.parse((ROOT / "tests" / "audit_cases.py").read_text()).body if isinstance(n, ast.FunctionDef)}
+CASES = {n.name for n in ast.parse((ROOT / "tests" / "audit_cases.py").read_text()).body
+         if isinstance(n, ast.FunctionDef)}
 
 
 @pytest.fixture(scope="module")

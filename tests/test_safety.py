@@ -7,6 +7,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_handle_owning_objects_refuse_copies_and_pickles(target_model, kind, how
             "batch_view": b.view(0, 1), "ref_sampler": RefSampler(target_model, greedy_sampling()),
             "port_sampler": smp.common_sampler_init(target_model, greedy_sampling())}
     obj = objs[kind]
-    fn = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    fn: Any = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
     with pytest.raises(TypeError, match="cannot be copied or pickled"):
         fn(obj)
     for o in objs.values():
@@ -245,7 +246,7 @@ def test_real_states_of_every_memory_kind_pass_the_check_and_restore(target_mode
 
     m_mtp = Model(tm.make_mtp()) if kind.startswith("mtp") else None
     tgt = Context(m_mtp or target_model, **KW, n_seq_max=2)
-    ctx = {"target": tgt, "mtp": tgt,
+    ctx: Any = {"target": tgt, "mtp": tgt,
            "mtp_draft": Context(m_mtp, **KW, n_seq_max=2, ctx_type="mtp", ctx_other=tgt) if m_mtp else None,
            "eagle3": Context(models_e3, **KW, n_seq_max=2, ctx_other=tgt)}[kind]
     b = Batch(6)

@@ -61,7 +61,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[CommonParamsSpeculative, CommonPara
             tmp, "short.cache", b"\x01" * 16 + b"\x02\0\0\0" + b"\x05\0\0\0")), g),
         "unknown type": (CommonParamsSpeculative(types=[99]), g),  # type: ignore[list-item]
         "mirostat 3": (spec(T.NGRAM_SIMPLE), sampling(mirostat=3)),
-        "unknown sampler": (spec(T.NGRAM_SIMPLE), sampling(samplers=[99])),  # type: ignore[list-item]
+        "unknown sampler": (spec(T.NGRAM_SIMPLE), sampling(samplers=[99])),
         "n_prev huge": (spec(T.NGRAM_SIMPLE), sampling(n_prev=2**31 - 1)),
         "penalty_last_n huge": (spec(T.NGRAM_SIMPLE), sampling(penalty_last_n=2**30)),
         "dry without window": (spec(T.NGRAM_SIMPLE), sampling(
@@ -91,7 +91,7 @@ def tmp_dir(tmp_path_factory):
 @pytest.mark.parametrize("name", list(bad_inputs(Path("/tmp"))))
 def test_both_engines_and_the_cpp_loop_refuse_with_the_same_exception_and_message(target_model, tmp_dir, name):
     p, s = bad_inputs(tmp_dir)[name]
-    results = {}
+    results: dict[str, tuple[str, str, set[str]]] = {}
     for engine in ("python", "cpp", "loop"):
         with Context(target_model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1) as ctx:
             if engine == "loop":
@@ -132,7 +132,8 @@ def _c_sampler_init(model: Any, p: CommonParamsSampling) -> str:
 C_ABI_SPEC = ["ngram_mod n_match 0", "ngram_mod n_max -1", "cache missing", "cache directory", "cache count <= 0",
               "cache cut short"]
 C_ABI_SAMPLING = ["mirostat 3", "unknown sampler", "n_prev huge", "penalty_last_n huge", "dry without window",
-                  "logit bias token", "grammar unparsable", "grammar nested", "grammar inverted repetition", "llguidance"]
+                  "logit bias token", "grammar unparsable", "grammar nested", "grammar inverted repetition",
+                  "llguidance"]
 
 
 @pytest.mark.parametrize("name", C_ABI_SPEC + C_ABI_SAMPLING)

@@ -146,9 +146,9 @@ def check_sampling_params(params: CommonParamsSampling, n_vocab: int, n_ctx_trai
                 raise SpeculativeError(f"unknown sampler type: {s}")
         if CommonSamplerType.DRY in params.samplers:
             check_dry_window(n_ctx_train, params.dry_multiplier, params.dry_base, params.dry_penalty_last_n)
-    for s in params.dry_sequence_breakers:
-        if not isinstance(s, str) or "\0" in s:
-            raise ValueError(f"dry sequence breakers must be str without NUL, got {s!r}")
+    for breaker in params.dry_sequence_breakers:
+        if not isinstance(breaker, str) or "\0" in breaker:
+            raise ValueError(f"dry sequence breakers must be str without NUL, got {breaker!r}")
     for tok, bias in params.logit_bias:
         _num("logit bias", bias)
         if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < n_vocab:

@@ -21,6 +21,7 @@ from pyspec.ffi import ffi
 __all__ = ["Batch", "BatchView", "EmbdBatch"]
 
 _MAX_CELLS = 2**31 - 1  # elements of one array: llama_batch counts in int32
+_POS_MAX = 2**31 - 1
 
 
 class _Arrays(NotCopyable):
@@ -144,19 +145,22 @@ class Batch(_Arrays):
         i = self._n
         if i >= self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded (capacity {self.n_tokens_max})")
-        if isinstance(seq_ids, int):
-            self.seq_id[i, 0] = seq_ids
-            self.n_seq_id[i] = 1
-        else:
-            ids = list(seq_ids)
-            if not 1 <= len(ids) <= self.n_seq_max:
-                raise ValueError(f"a token needs 1..{self.n_seq_max} sequence ids, got {len(ids)}")
-            self.seq_id[i, : len(ids)] = ids
-            self.n_seq_id[i] = len(ids)
-        if self.token is not None:
-            self.token[i] = token
-        self.pos[i] = pos
-        self.logits[i] = logits
+        try:
+            if isinstance(seq_ids, int):
+                self.seq_id[i, 0] = seq_ids
+                self.n_seq_id[i] = 1
+            else:
+                ids = list(seq_ids)
+                if not 1 <= len(ids) <= self.n_seq_max:
+                    raise ValueError(f"a token needs 1..{self.n_seq_max} sequence ids, got {len(ids)}")
+                self.seq_id[i, : len(ids)] = ids
+                self.n_seq_id[i] = len(ids)
+            if self.token is not None:
+                self.token[i] = token
+            self.pos[i] = pos
+        except OverflowError as e:  # numpy's message names no field: say which values must fit
+            raise ValueError(f"token, position and sequence ids must fit int32: {e}") from None
+        self.logits[i] = bool(logits)
         if embd is not None:
             self._embd_rows()[i] = embd
         self._n = i + 1
@@ -164,17 +168,25 @@ class Batch(_Arrays):
 
     def add_sequence(self, tokens: np.ndarray | list[int], pos0: int, seq_id: int, logits_last: bool = True) -> None:
         """Append consecutive tokens of one sequence at positions pos0.. in one numpy step."""
-        toks = np.asarray(tokens, dtype=np.int32)
+        try:
+            toks = np.asarray(tokens, dtype=np.int32)
+        except OverflowError as e:
+            raise ValueError(f"tokens must fit int32: {e}") from None
         n = toks.size
+        if isinstance(pos0, bool) or not isinstance(pos0, (int, np.integer)) or not -_POS_MAX <= pos0 <= _POS_MAX - n:
+            raise ValueError(f"positions {pos0}..{pos0}+{n} do not fit int32")
         i = self._n
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
         if self.token is None:
             raise ValueError("this batch carries embeddings only")
+        try:
+            self.seq_id[i : i + n, 0] = seq_id
+        except OverflowError as e:
+            raise ValueError(f"seq_id must fit int32: {e}") from None
         self.token[i : i + n] = toks
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.n_seq_id[i : i + n] = 1
-        self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = 0
         if logits_last and n:
             self.logits[i + n - 1] = 1
@@ -189,13 +201,16 @@ class Batch(_Arrays):
         i = self._n
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
-        if tokens is not None:
-            if self.token is None:
-                raise ValueError("this batch carries embeddings only")
-            self.token[i : i + n] = tokens
-        self.pos[i : i + n] = pos
+        try:
+            if tokens is not None:
+                if self.token is None:
+                    raise ValueError("this batch carries embeddings only")
+                self.token[i : i + n] = tokens
+            self.pos[i : i + n] = pos
+            self.seq_id[i : i + n, 0] = seq_id
+        except OverflowError as e:
+            raise ValueError(f"token, position and sequence ids must fit int32: {e}") from None
         self.n_seq_id[i : i + n] = 1
-        self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = logits
         if embd is not None:
             self._embd_rows()[i : i + n] = embd
@@ -258,7 +273,8 @@ class EmbdBatch(NotCopyable):
         self.n_tokens = 0
 
     def set(self, rows: np.ndarray) -> EmbdBatch:
-        if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2 or not rows.flags.c_contiguous:
+        ok = isinstance(rows, np.ndarray) and rows.dtype == np.float32 and rows.ndim == 2
+        if not ok or not rows.flags.c_contiguous:
             raise ValueError("rows must be a C-contiguous 2-D float32 array")
         self.rows = rows
         self._keep = ffi.from_buffer(rows)

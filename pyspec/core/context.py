@@ -119,8 +119,9 @@ class Context(Handle):
             if name in _THREAD_FIELDS:
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
                     raise ValueError(f"{name} must be an int in 1..{MAX_THREADS}, got {value!r}")
-            elif isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 and name.startswith("n_"):
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            elif name.startswith("n_") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if value < 0:
+                    raise ValueError(f"{name} must be >= 0, got {value}")
             try:
                 setattr(cparams, name, value)
             except OverflowError as e:
@@ -233,7 +234,8 @@ class Context(Handle):
         if cp.n_seq_max > n_outputs_max:
             # llama_context::output_reserve: GGML_ASSERT(max(n_outputs, n_seq_max) <= n_outputs_max)
             what = "n_outputs_max" if cp.n_outputs_max else f"n_batch (capped at n_ctx={n_ctx})"
-            raise ValueError(f"n_seq_max={cp.n_seq_max} exceeds {what}={n_outputs_max}: every sequence needs an output row")
+            raise ValueError(
+                f"n_seq_max={cp.n_seq_max} exceeds {what}={n_outputs_max}: every sequence needs an output row")
         # the memory this context would take, so a typo in n_ctx is an error, not a machine that swaps or hangs
         n_ubatch = min(n_batch, int(cp.n_ubatch) or n_batch)
         kv_type = {v: k for k, v in _KV_TYPES.items()}
@@ -343,7 +345,8 @@ class Context(Handle):
         if n > self.n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
         if not self._causal and n > self.n_ubatch:
-            raise ValueError(f"non-causal attention computes a batch in one ubatch: {n} tokens exceed n_ubatch={self.n_ubatch}")
+            raise ValueError(
+                f"non-causal attention computes a batch in one ubatch: {n} tokens exceed n_ubatch={self.n_ubatch}")
         if isinstance(batch, EmbdBatch):  # one sequence (0), positions from the memory, every row an output
             if batch.n_embd != self.model.n_embd_inp_or_embd():
                 raise ValueError(
@@ -462,7 +465,8 @@ class Context(Handle):
                 raise IndexError(f"{what}: index {i} out of range, the last decode produced {n} outputs")
             return n + i
         if i >= self._outputs.size or self._outputs[i] < 0:
-            raise IndexError(f"{what}: batch index {i} has no output (not requested in the last decode, or out of range)")
+            raise IndexError(
+                f"{what}: batch index {i} has no output (not requested in the last decode, or out of range)")
         return int(self._outputs[i])
 
     @staticmethod
@@ -516,7 +520,8 @@ class Context(Handle):
             if not self._embd_ready:
                 raise IndexError("embeddings not available: set_embeddings(True) before the decode")
             self._row(i, "embeddings")
-            return self._copy(llama.llama_get_embeddings_ith(ptr, i), (self.n_embd_out,), f"embeddings for index {i}", out)
+            p = llama.llama_get_embeddings_ith(ptr, i)
+            return self._copy(p, (self.n_embd_out,), f"embeddings for index {i}", out)
         finally:
             self._leave()
 

@@ -86,6 +86,10 @@ class Model(Handle):
         if problem:
             raise ModelLoadError(str(self.path), problem)
         ensure_backend()
+        err = ffi.new("char[]", 512)
+        if ext.pyspec_gguf_check(str(self.path).encode(), err, 512) != 0:
+            # metadata llama.cpp would read past or assert on (csrc/pyspec_gguf.cpp)
+            raise ModelLoadError(str(self.path), ffi.string(err).decode(errors="replace"))
 
         params = llama.llama_model_default_params()
         for name, value in (("n_gpu_layers", n_gpu_layers), ("main_gpu", main_gpu)):

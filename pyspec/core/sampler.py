@@ -268,7 +268,8 @@ class SamplerChain(Handle):
         if not isinstance(ctx, Context):
             raise TypeError(f"ctx must be a pyspec Context, got {type(ctx).__name__}")
         if self._n_vocab and self._n_vocab != ctx.n_vocab:
-            raise ValueError(f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, the context {ctx.n_vocab}")
+            raise ValueError(
+                f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, the context {ctx.n_vocab}")
         ptr = self.ptr
         with ctx.held() as cptr:
             ctx._row(idx, "sample")

@@ -38,3 +38,6 @@ int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text
 int     pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token,
                                     char * err, size_t err_len);
 int64_t pyspec_grammar_n_stacks(struct llama_sampler * smpl);
+
+/* csrc/pyspec_gguf.cpp: the tokenizer metadata llama.cpp reads unchecked; 0 or -1 with err */
+int     pyspec_gguf_check(const char * path, char * err, size_t err_len);

@@ -67,7 +67,7 @@ class Input:
         self.pos += 1
         return b
 
-    def int(self, lo: int, hi: int) -> int:
+    def num(self, lo: int, hi: int) -> int:
         span = hi - lo + 1
         v = 0
         for _ in range((span.bit_length() + 7) // 8):
@@ -75,11 +75,11 @@ class Input:
         return lo + v % span
 
     def choice(self, items: list[Any]) -> Any:
-        return items[self.int(0, len(items) - 1)]
+        return items[self.num(0, len(items) - 1)]
 
     def wild(self, lo: int, hi: int) -> int:
         """Mostly in lo..hi, sometimes an interesting value anywhere."""
-        return self.choice(INTERESTING) if self.byte() < 40 else self.int(lo, hi)
+        return self.choice(INTERESTING) if self.byte() < 40 else self.num(lo, hi)
 
     def bytes(self, n: int) -> bytes:
         out = self.data[self.pos : self.pos + n]
@@ -120,10 +120,10 @@ def _clean(e: BaseException) -> bool:
     return isinstance(e, CLEAN)
 
 
-def _call(fn: Callable[..., Any], *args: Any) -> Any:
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run one API call: a clean exception is an answer, anything else a Finding."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Finding:
         raise
     except BaseException as e:
@@ -139,7 +139,7 @@ def target_grammar(data: bytes) -> None:
     from pyspec import SamplerChain
 
     inp = Input(data)
-    n_text = inp.int(0, 255) * 16
+    n_text = inp.num(0, 255) * 16
     text = inp.bytes(n_text).decode("utf-8", "replace")
     chain = _call(lambda: SamplerChain().add_grammar(S["vocab"], text))
     if isinstance(chain, BaseException):
@@ -147,8 +147,8 @@ def target_grammar(data: bytes) -> None:
     try:
         _call(chain.add_greedy)
         n_vocab = S["vocab"].n_tokens
-        for _ in range(inp.int(0, 8)):
-            op = inp.int(0, 2)
+        for _ in range(inp.num(0, 8)):
+            op = inp.num(0, 2)
             if op == 0:
                 _call(chain.accept, inp.wild(0, n_vocab + 2))
             elif op == 1:
@@ -240,28 +240,26 @@ def target_api(data: bytes) -> None:
     specs: list[Any] = []
     owned: list[Any] = []
     try:
-        for _ in range(inp.int(1, 24)):
+        for _ in range(inp.num(1, 24)):
             if not inp.left():
                 break
-            op = inp.int(0, 19)
+            op = inp.num(0, 19)
             c = inp.choice(contexts)
             if op == 0 and len(contexts) < 4:
                 kw = dict(S["kw"])
-                for _ in range(inp.int(0, 2)):
+                for _ in range(inp.num(0, 2)):
                     key = inp.choice(["n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_outputs_max", "pooling_type",
                                       "attention_type", "embeddings", "kv_unified", "n_rs_seq", "type_k",
                                       "flash_attn_type"])
-                    kw[key] = inp.wild(0, 300) if key not in ("type_k", "flash_attn_type", "embeddings", "kv_unified") \
-                        else inp.choice({"type_k": ["f16", "q8_0", "q4_0", 99], "flash_attn_type": ["auto", "enabled", 7],
-                                         "embeddings": [True, False], "kv_unified": [True, False]}[key])
+                    kw[key] = inp.choice(_CHOICES[key]) if key in _CHOICES else inp.wild(0, 300)
                 model = S["mtp"] if inp.byte() < 60 and "mtp" in S else S["target"]
                 r = _call(Context, model, **kw)
                 if not isinstance(r, BaseException):
                     contexts.append(r)
                     owned.append(r)
             elif op in (1, 2, 3):  # decode
-                n = inp.int(1, 40)
-                b = Batch(max(n, 1), 0, inp.int(1, 3))
+                n = inp.num(1, 40)
+                b = Batch(max(n, 1), 0, inp.num(1, 3))
                 for _ in range(n):
                     seqs = inp.wild(0, 2) if inp.byte() < 230 else [inp.wild(0, 2), inp.wild(0, 2)]
                     _call(b.add, inp.wild(0, n_vocab - 1) if inp.byte() < 250 else inp.wild(0, n_vocab + 9),
@@ -294,13 +292,13 @@ def target_api(data: bytes) -> None:
                 blob = _call(c.state_seq_get, inp.wild(0, 1), inp.wild(0, 1))
                 if isinstance(blob, bytes) and blob:
                     blob = bytearray(blob)
-                    for _ in range(inp.int(0, 3)):
-                        blob[inp.int(0, len(blob) - 1)] = inp.byte()
+                    for _ in range(inp.num(0, 3)):
+                        blob[inp.num(0, len(blob) - 1)] = inp.byte()
                     _call(c.state_seq_set, inp.wild(0, 1), bytes(blob), inp.wild(0, 1))
             elif op == 10 and len(chains) < 4:
                 ch = SamplerChain()
                 owned.append(ch)
-                for _ in range(inp.int(0, 3)):
+                for _ in range(inp.num(0, 3)):
                     _call(_add_sampler, ch, inp)
                 chains.append(ch)
             elif op == 11 and chains:
@@ -352,8 +350,12 @@ def target_api(data: bytes) -> None:
         S["ctx"].memory.seq_rm(-1, 3, -1)
 
 
+_CHOICES: dict[str, list[Any]] = {"type_k": ["f16", "q8_0", "q4_0", 99], "flash_attn_type": ["auto", "enabled", 7],
+                                  "embeddings": [True, False], "kv_unified": [True, False]}
+
+
 def _add_sampler(ch: Any, inp: Input) -> None:
-    k = inp.int(0, 6)
+    k = inp.num(0, 6)
     if k == 0:
         ch.add_greedy()
     elif k == 1:
@@ -361,7 +363,7 @@ def _add_sampler(ch: Any, inp: Input) -> None:
     elif k == 2:
         ch.add_dist(inp.wild(0, 99))
     elif k == 3:
-        ch.add_temp(inp.int(0, 200) / 50)
+        ch.add_temp(inp.num(0, 200) / 50)
     elif k == 4:
         ch.add_penalties(inp.wild(-1, 64), 1.1, 0.1, 0.1)
     elif k == 5:
@@ -376,8 +378,8 @@ def _spec_call(eng: int, spec: Any, inp: Input) -> None:
     from pyspec.common.speculative import DraftRequest
 
     seq = inp.wild(0, 2)
-    hist = [inp.wild(0, 12) for _ in range(inp.int(0, 40))]
-    act = inp.int(0, 2)
+    hist = [inp.wild(0, 12) for _ in range(inp.num(0, 40))]
+    act = inp.num(0, 2)
     n_max, id_last, n_acc = inp.wild(0, 8), inp.wild(0, 12), inp.wild(0, 8)
     if act == 0:
         spec.begin(seq, hist) if eng else sp.common_speculative_begin(spec, seq, hist)
@@ -398,14 +400,14 @@ def _sampling(inp: Input) -> Any:
     p = CommonParamsSampling()
     p.seed = inp.wild(0, 100)
     p.top_k = inp.wild(-1, 50)
-    p.temp = inp.int(0, 300) / 100
+    p.temp = inp.num(0, 300) / 100
     p.n_prev = inp.wild(0, 64)
     p.penalty_last_n = inp.wild(-1, 64)
-    p.dry_multiplier = inp.int(0, 2) / 2
+    p.dry_multiplier = inp.num(0, 2) / 2
     p.dry_penalty_last_n = inp.wild(-2, 64)
     p.min_keep = inp.wild(0, 4)
     p.mirostat = inp.wild(0, 2)
-    p.samplers = [inp.choice([*CommonSamplerType, 99]) for _ in range(inp.int(0, 4))]
+    p.samplers = [inp.choice([*CommonSamplerType, 99]) for _ in range(inp.num(0, 4))]
     if inp.byte() < 40:
         p.grammar = inp.choice(['root ::= "a"', "root ::= [0-9]+", 'root ::= "x" | ""', "%llguidance {}", "root ::= ("])
     if inp.byte() < 30:
@@ -430,9 +432,9 @@ def target_params(data: bytes) -> None:
     p.ngram_mod.n_match, p.ngram_mod.n_min, p.ngram_mod.n_max = inp.wild(0, 6), inp.wild(-1, 8), inp.wild(-1, 12)
     p.draft.n_max, p.draft.n_min = inp.wild(-1, 8), inp.wild(-1, 4)
     sampling = _sampling(inp)
-    n_predict = inp.int(1, 12)
-    prompt = [inp.int(3, 40) for _ in range(inp.int(1, 24))]
-    outcome = {}
+    n_predict = inp.num(1, 12)
+    prompt = [inp.num(3, 40) for _ in range(inp.num(1, 24))]
+    outcome: dict[str, tuple[Any, ...]] = {}
     for engine in ("python", "cpp"):
         ctx = Context(S["target"], **S["kw"])
         try:
@@ -460,7 +462,7 @@ CLI_WORDS = ["run", "bench", "parity", "models", "--tiny", "--types", "ngram-sim
 
 def target_cli(data: bytes) -> None:
     inp = Input(data)
-    argv = [inp.choice(CLI_WORDS) for _ in range(inp.int(1, 10))]
+    argv = [inp.choice(CLI_WORDS) for _ in range(inp.num(1, 10))]
     if argv[0] not in ("run", "bench", "parity", "models"):
         argv.insert(0, "run")
     if "--tiny" not in argv and "--model" not in argv:
