@@ -117,10 +117,14 @@ def test_missing_llama_cpp_tree_says_how_to_fetch_it(tmp_path: Path, monkeypatch
         testmodels.llama_cpp_dir()
 
 
-def test_vocab_source_is_a_vendored_vocab_file() -> None:
+def test_vocab_source_is_the_vendored_vocab_file_or_its_packaged_copy() -> None:
+    # the build installs the file into pyspec/testing/data (beside the module after
+    # scripts/dev_build.sh); without it, the fetched tree's file is used
     path = testmodels.vocab_source()
-    assert path.parent == testmodels.llama_cpp_dir() / "models"
+    vendored = testmodels.llama_cpp_dir() / "models" / path.name
+    assert path.parent in (vendored.parent, Path(testmodels.__file__).with_name("data"))
     assert path.name.startswith("ggml-vocab-") and path.suffix == ".gguf"
+    assert path.read_bytes() == vendored.read_bytes()
 
 
 # --- metadata --------------------------------------------------------------

@@ -2,27 +2,53 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
 from pyspec.core import log
-from pyspec.ffi import c_enum, ffi, ggml, llama
+from pyspec.errors import LibraryNotFoundError
+from pyspec.ffi import c_enum, ffi, ggml, lib_dir, llama
 
-__all__ = ["Device", "devices", "ensure_backend", "system_info"]
+__all__ = ["Device", "devices", "ensure_backend", "load_backends", "system_info"]
 
 _init_lock = threading.Lock()
 _initialized = False
 
 
 def ensure_backend() -> None:
-    """Mirrors llama_backend_init (llama.h); runs once per process, with logging routed."""
+    """Mirrors llama_backend_init (llama.h), after loading the package's ggml backends; once per process.
+
+    Logging is routed first: loading a backend logs.
+    """
     global _initialized
     with _init_lock:
         if _initialized:
             return
         log.install()
+        load_backends()
         llama.llama_backend_init()
         _initialized = True
+
+
+def load_backends() -> None:
+    """Register the ggml backend modules of the package's library folder (ggml_backend_load_all_from_path).
+
+    A portable build links no backend in: the CPU backend is one module per CPU variant
+    (libggml-cpu-<variant>.so), of which ggml loads the best one this CPU runs, and a GPU
+    backend is one more module. Left to llama_backend_init, ggml would search the Python
+    executable's folder and the working directory instead. A native build has its CPU
+    backend linked in (registered already): nothing to load.
+    """
+    if ggml.ggml_backend_reg_count() > 0:
+        return
+    folder = lib_dir()
+    ggml.ggml_backend_load_all_from_path(os.fsencode(folder))
+    if ggml.ggml_backend_reg_count() == 0:
+        raise LibraryNotFoundError(
+            f"pyspec: no ggml backend in {folder} runs on this machine (a CPU backend is libggml-cpu*.so); "
+            "reinstall pyspec, or build it here with -DGGML_NATIVE=ON"
+        )
 
 
 _DEV_TYPES = {v: k.upper() for k, v in c_enum("enum ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_").items()}

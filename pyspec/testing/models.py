@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -162,7 +163,7 @@ def vocab_source() -> Path:
     pyspec makes its test models anywhere); a source checkout without a build
     falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``).
     """
-    packaged = _DATA_DIR / VOCAB_FILE
+    packaged = _packaged_vocab()
     if packaged.is_file() and not os.environ.get("PYSPEC_LLAMA_CPP"):
         return packaged
     try:
@@ -174,6 +175,17 @@ def vocab_source() -> Path:
             f"vocabulary file {VOCAB_FILE} not found (looked in {packaged} and the llama.cpp tree); "
             "build the package (pip install .) or run scripts/fetch_llama.py")
     return path
+
+
+def _packaged_vocab() -> Path:
+    # an editable install runs these sources, and the package __path__ adds the install
+    # tree that holds the data folder (as pyspec.ffi.lib_dir finds the libraries)
+    package = sys.modules[__name__.rpartition(".")[0]]
+    for folder in getattr(package, "__path__", ()):
+        candidate = Path(folder) / "data" / VOCAB_FILE
+        if candidate.is_file():
+            return candidate
+    return _DATA_DIR / VOCAB_FILE
 
 
 def _gguf() -> Any:
