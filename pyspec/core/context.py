@@ -293,7 +293,7 @@ class Context(Handle):
         owner = self._claim_owner
         if owner is not None and owner != threading.get_ident():
             self._busy.release()
-            raise ConcurrentUseError("this context is claimed by a generation in another thread")
+            raise ConcurrentUseError("a generation is already running on this context in another thread (it holds a claim)")
         return self._ptr
 
     def _enter(self) -> Any:

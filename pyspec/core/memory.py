@@ -35,7 +35,11 @@ class Memory:
         return llama.llama_get_memory(self._ctx.ptr)
 
     def check_seq(self, seq_id: int, allow_any: bool = False) -> int:
-        """seq_id as an int, or ValueError unless 0 <= seq_id < n_seq_max (or -1 with allow_any)."""
+        """seq_id as an int, or ValueError unless 0 <= seq_id < n_seq_max (or -1 with allow_any).
+
+        A closed context says so first (ClosedError), whatever the seq_id.
+        """
+        self._ctx.check_open()
         if isinstance(seq_id, bool) or not isinstance(seq_id, int):
             try:
                 s = int(seq_id)  # numpy integers

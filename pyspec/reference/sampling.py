@@ -66,6 +66,17 @@ def sampling_params_struct(params: CommonParamsSampling) -> tuple[Any, list[Any]
     return p, [breakers, breakers_arr, samplers, grammar, bias_tok, bias_val]
 
 
+def _as_ref_error(fn: Any, *args: Any) -> Any:
+    """Run a check the port runs too; its SpeculativeError comes out as the reference's RefError
+    (a SpeculativeError subclass: same message, and code that catches the port's error catches it)."""
+    try:
+        return fn(*args)
+    except RefError:
+        raise
+    except SpeculativeError as e:
+        raise RefError(str(e), c_const("PYSPEC_REF_E_RANGE")) from None
+
+
 class RefSampler(Handle):
     """Mirrors struct common_sampler and its functions (sampling.h), run by the C++.
 
@@ -114,7 +125,7 @@ class RefSampler(Handle):
         ptr = self.ptr
         with held(ctx) as cptr:
             if isinstance(ctx, Context):
-                check_output_row(ctx, idx)
+                _as_ref_error(check_output_row, ctx, idx)
             check(ref.pyspec_ref_sampler_sample(ptr, cptr, idx, grammar_first, out), "sample")
         return int(out[0])
 
@@ -139,7 +150,7 @@ class RefSampler(Handle):
         with held(ctx) as cptr:
             if isinstance(ctx, Context):
                 for i in (ix if idxs is not None else range(d.size + 1)):
-                    check_output_row(ctx, int(i))
+                    _as_ref_error(check_output_row, ctx, int(i))
             n = check(
                 ref.pyspec_ref_sampler_sample_and_accept_n(
                     ptr, cptr, ix_ptr, token_ptr(d), d.size, grammar_first, token_ptr(out), out.size,
@@ -155,11 +166,11 @@ class RefSampler(Handle):
         SpeculativeError the port raises (the C++ checks the same for its C callers).
         """
         ptr = self.ptr
-        token = check_token(int(token), self.n_vocab)
+        token = _as_ref_error(check_token, int(token), self.n_vocab)
         if accept_grammar:
             err = ffi.new("char[]", ERR_LEN)
             if ref.pyspec_ref_sampler_accept_check(ptr, token, err, ERR_LEN) != 0:
-                raise SpeculativeError(ffi.string(err).decode(errors="replace"))
+                raise RefError(ffi.string(err).decode(errors="replace"), c_const("PYSPEC_REF_E_EXCEPTION"))
         check(ref.pyspec_ref_sampler_accept(ptr, token, accept_grammar), "accept")
 
     def reset(self) -> None:

@@ -33,11 +33,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CLEAN", "TARGETS", "Finding", "Input", "mutate", "seeds", "setup"]
+from pyspec.errors import FuzzFinding as Finding
 
-
-class Finding(Exception):
-    """pyspec did something other than handle the input or refuse it cleanly."""
+__all__ = ["CLEAN", "TARGETS", "Input", "mutate", "seeds", "setup"]
 
 
 def _clean_types() -> tuple[type[BaseException], ...]:
