@@ -48,7 +48,7 @@ def _worker(args: argparse.Namespace) -> None:
     mm = mmap.mmap(fd, _HEAD + SLOT)
     deadline = time.monotonic() + args.seconds
     rng = random.Random(args.seed)
-    state = {"n": 0, "t": time.monotonic()}
+    state: dict[str, Any] = {"n": 0, "t": time.monotonic()}
 
     if args.atheris:
         import atheris
@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace) -> None:
         data = data[:SLOT]
         mm[_HEAD : _HEAD + len(data)] = data
         mm[0:8] = len(data).to_bytes(8, "little")
-        mm[8:16] = (state["n"] + 1).to_bytes(8, "little")  # inputs started, read back after a crash
+        mm[8:16] = (int(state["n"]) + 1).to_bytes(8, "little")  # inputs started, read back after a crash
         try:
             target(data)
         except fuzz.Finding as e:

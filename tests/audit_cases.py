@@ -73,15 +73,13 @@ def gguf_repeated_token() -> Any:
 
 def gguf_tokens_not_strings() -> Any:
     # a well-formed GGUF whose token list holds int32 (a list of the same length)
-    from tests.test_hostile_files import write_tiny_llama
-
     gguf = tm._gguf()
     kv = []
     for key, value, vtype, sub_type in tm._vocab_kv():
         if key == "tokenizer.ggml.tokens":
             value, sub_type = list(range(len(value))), gguf.GGUFValueType.INT32
         kv.append((key, value, vtype, sub_type))
-    return Model(write_tiny_llama(TMP / "ints.gguf", vocab_kv=kv))
+    return Model(tm.write_llama(TMP / "ints.gguf", vocab_kv=kv))
 
 
 def _write_bytes(name: str, data: bytes) -> str:
@@ -615,6 +613,22 @@ def eagle3_target_without_layer_export() -> Any:
     p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
     p.draft.ctx_dft = d
     return SpeculativeGenerator(c, p, engine="cpp")
+
+
+def driver_prompt_token_outside_vocab() -> Any:
+    with SpeculativeGenerator(ctx(n_ctx=512), _spec(T.NGRAM_SIMPLE), greedy_sampling()) as g:
+        return g.generate([[1, 2, 10**6]], 4)
+
+
+def cli_threads_beyond_ggml() -> Any:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pyspec", "run", "--tiny", "-n", "2", "--threads", "100000"],
+                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if r.returncode < 0 or "Traceback" in r.stderr:
+        return f"exit {r.returncode}: {r.stderr[-500:]}"
+    raise ValueError(f"exit {r.returncode}: {r.stderr.strip()}")
 
 
 # --- process -----------------------------------------------------------------------

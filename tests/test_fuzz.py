@@ -60,8 +60,8 @@ def test_the_runner_reports_a_signal_and_the_input_that_caused_it(tmp_path, monk
     assert saved and saved[0].read_bytes()[:4] == b"BOOM"
 
 
-@pytest.mark.parametrize("argv", [["run", "--tiny", "-n", "2", "--n-ctx", "-1"], ["run", "--tiny", "--threads", "100000",
-                                                                               "-n", "2"]])
+@pytest.mark.parametrize("argv", [["run", "--tiny", "-n", "2", "--n-ctx", "-1"],
+                                  ["run", "--tiny", "--threads", "100000", "-n", "2"]])
 def test_hostile_command_lines_end_with_a_message(argv):
     proc = subprocess.run([sys.executable, "-m", "pyspec", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, stdin=subprocess.DEVNULL)

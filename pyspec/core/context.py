@@ -170,7 +170,11 @@ class Context(Handle):
             for chain in samplers.values():
                 chain._retain()  # alive and unchanged from here on
                 taken.append(chain)
-            ptr = llama.llama_init_from_model(model.ptr, cparams)
+            if self.other is not None:  # llama.cpp reads the other context's memory while it builds this one
+                with self.other.held():
+                    ptr = llama.llama_init_from_model(model.ptr, cparams)
+            else:
+                ptr = llama.llama_init_from_model(model.ptr, cparams)
             if ptr == ffi.NULL:
                 raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
             self._own(ptr, llama.llama_free, tuple(deps))
@@ -293,7 +297,8 @@ class Context(Handle):
         owner = self._claim_owner
         if owner is not None and owner != threading.get_ident():
             self._busy.release()
-            raise ConcurrentUseError("a generation is already running on this context in another thread (it holds a claim)")
+            raise ConcurrentUseError(
+                "a generation is already running on this context in another thread (it holds a claim)")
         return self._ptr
 
     def _enter(self) -> Any:

@@ -12,14 +12,29 @@ the same pointer twice, and a C pointer means nothing in another process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Callable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar, cast
 
-from pyspec.errors import ClosedError
+from pyspec.errors import ClosedError, ConcurrentUseError
 from pyspec.ffi import ffi
 
-__all__ = ["Handle", "NotCopyable"]
+__all__ = ["Handle", "NotCopyable", "serialized"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def serialized(method: F) -> F:
+    """Run a Handle method inside ``self._in_use()``: one thread at a time on the C object."""
+
+    @functools.wraps(method)
+    def wrapper(self: Handle, *args: Any, **kwargs: Any) -> Any:
+        with self._in_use():
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 class NotCopyable:
@@ -54,6 +69,8 @@ class Handle(NotCopyable):
         self._users = 0
         self._deps: list[Handle] = []
         self._lock = threading.Lock()
+        # held by the one thread inside a C call on this object (see _in_use); re-entrant for that thread
+        self._calls = threading.RLock()
 
     def _own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
         taken: list[Handle] = []
@@ -83,6 +100,17 @@ class Handle(NotCopyable):
         if self._closed:
             raise ClosedError(f"{self._kind} is closed")
 
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[Any]:
+        """Hold this object for one C call: a second thread is refused, not interleaved (C objects
+        such as sampler chains keep state no two threads may change at once)."""
+        if not self._calls.acquire(blocking=False):
+            raise ConcurrentUseError(f"this {self._kind} is in use by another thread")
+        try:
+            yield self.ptr
+        finally:
+            self._calls.release()
+
     @property
     def closed(self) -> bool:
         return self._closed
@@ -110,12 +138,17 @@ class Handle(NotCopyable):
             dep._release()
 
     def close(self) -> None:
-        """Free the C object (deferred while dependents still use it). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            free_now = self._users == 0
+        """Free the C object (deferred while dependents still use it). Idempotent; refused mid-call."""
+        if not self._calls.acquire(blocking=False):
+            raise ConcurrentUseError(f"cannot close this {self._kind} while another thread is using it")
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                free_now = self._users == 0
+        finally:
+            self._calls.release()
         if free_now:
             self._destroy()
 

@@ -105,11 +105,11 @@ class SamplerChain(Handle):
             raise ValueError(f"could not create the {what} sampler (see the pyspec.llama log)")
         try:
             self._check_mutable()
-            ptr = self.ptr
+            with self._in_use() as ptr:
+                llama.llama_sampler_chain_add(ptr, smpl)
         except BaseException:
             llama.llama_sampler_free(smpl)
             raise
-        llama.llama_sampler_chain_add(ptr, smpl)
         return self
 
     def add_greedy(self) -> SamplerChain:
@@ -246,9 +246,11 @@ class SamplerChain(Handle):
     def remove(self, i: int) -> None:
         """Mirrors llama_sampler_chain_remove; the removed sampler is freed."""
         self._check_mutable()
-        if not 0 <= i < len(self):
-            raise IndexError(f"sampler index {i} out of range 0..{len(self) - 1}")
-        llama.llama_sampler_free(llama.llama_sampler_chain_remove(self.ptr, i))
+        n = len(self)
+        if not 0 <= i < n:
+            raise IndexError(f"sampler index {i} out of range 0..{n - 1}")
+        with self._in_use() as ptr:
+            llama.llama_sampler_free(llama.llama_sampler_chain_remove(ptr, i))
         self._grammars = [g - (g > i) for g in self._grammars if g != i]
 
     def _check_token(self, token: int) -> int:
@@ -270,7 +272,10 @@ class SamplerChain(Handle):
         if self._n_vocab and self._n_vocab != ctx.n_vocab:
             raise ValueError(
                 f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, the context {ctx.n_vocab}")
-        ptr = self.ptr
+        with self._in_use() as ptr:
+            return self._sample(ptr, ctx, idx)
+
+    def _sample(self, ptr: Any, ctx: Context, idx: int) -> int:
         with ctx.held() as cptr:
             ctx._row(idx, "sample")
             tok = int(llama.llama_get_sampled_token_ith(cptr, idx))
@@ -306,7 +311,7 @@ class SamplerChain(Handle):
         if not 0 <= sel < int(cur_p.size):
             raise ValueError("this chain selected no token: end it with greedy, dist, mirostat or adaptive-p")
         token = int(cur_p.data[sel].id)
-        self.accept(token)
+        self._accept(ptr, token)
         return token
 
     def _candidates(self, n_vocab: int) -> np.ndarray:
@@ -317,7 +322,10 @@ class SamplerChain(Handle):
     def accept(self, token: int) -> None:
         """Mirrors llama_sampler_accept; a token the chain's grammar does not allow raises ValueError."""
         t = self._check_token(token)
-        ptr = self.ptr
+        with self._in_use() as ptr:
+            self._accept(ptr, t)
+
+    def _accept(self, ptr: Any, t: int) -> None:
         if self._grammars:
             if not self._n_vocab:
                 raise ValueError("grammar chain without a vocabulary")
@@ -333,7 +341,6 @@ class SamplerChain(Handle):
 
         Returns (the candidates after the chain, the selected index or -1).
         """
-        ptr = self.ptr
         cand = np.asarray(candidates)
         if cand.dtype != TOKEN_DATA:
             logits = np.asarray(cand, dtype=np.float32).reshape(-1)
@@ -355,17 +362,21 @@ class SamplerChain(Handle):
         cur_p.size = cand.size
         cur_p.selected = -1
         cur_p.sorted = False
-        llama.llama_sampler_apply(ptr, cur_p)
+        with self._in_use() as ptr:
+            llama.llama_sampler_apply(ptr, cur_p)
         n = int(cur_p.size)
         sel = int(cur_p.selected)
         return cand[:n].copy(), (sel if 0 <= sel < n else -1)
 
     def reset(self) -> None:
-        llama.llama_sampler_reset(self.ptr)
+        with self._in_use() as ptr:
+            llama.llama_sampler_reset(ptr)
 
     def clone(self) -> SamplerChain:
         """Mirrors llama_sampler_clone: an independent chain (never attached, so attachable)."""
-        out = SamplerChain(_ptr=llama.llama_sampler_clone(self.ptr))
+        with self._in_use() as ptr:
+            copy = llama.llama_sampler_clone(ptr)
+        out = SamplerChain(_ptr=copy)
         out._n_vocab, out._vocab = self._n_vocab, self._vocab
         out._grammars = list(self._grammars)
         return out

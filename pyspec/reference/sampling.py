@@ -14,7 +14,7 @@ import numpy as np
 from pyspec.common.checks import check_output_row, check_sampling_params, check_token
 from pyspec.common.params import CommonParamsSampling
 from pyspec.core.context import Context
-from pyspec.core.handle import Handle
+from pyspec.core.handle import Handle, serialized
 from pyspec.core.model import Model
 from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import c_const, ffi, ref
@@ -107,6 +107,7 @@ class RefSampler(Handle):
         """Mirrors common_sampler_get: the llama_sampler chain, e.g. for llama_set_sampler."""
         return ref.pyspec_ref_sampler_get_chain(self.ptr)
 
+    @serialized
     def clone(self) -> RefSampler:
         """Mirrors common_sampler_clone."""
         ptr = ref.pyspec_ref_sampler_clone(self.ptr)
@@ -119,6 +120,7 @@ class RefSampler(Handle):
         out.n_vocab = self.n_vocab
         return out
 
+    @serialized
     def sample(self, ctx: Any, idx: int, grammar_first: bool = False) -> int:
         """Mirrors common_sampler_sample."""
         out = ffi.new("llama_token *")
@@ -129,6 +131,7 @@ class RefSampler(Handle):
             check(ref.pyspec_ref_sampler_sample(ptr, cptr, idx, grammar_first, out), "sample")
         return int(out[0])
 
+    @serialized
     def sample_and_accept_n(
         self,
         ctx: Any,
@@ -159,6 +162,7 @@ class RefSampler(Handle):
             )  # fmt: skip
         return out[:n].tolist()
 
+    @serialized
     def accept(self, token: int, accept_grammar: bool) -> None:
         """Mirrors common_sampler_accept (``accept_grammar`` is the C++ ``is_generated``).
 
@@ -173,22 +177,26 @@ class RefSampler(Handle):
                 raise RefError(ffi.string(err).decode(errors="replace"), c_const("PYSPEC_REF_E_EXCEPTION"))
         check(ref.pyspec_ref_sampler_accept(ptr, token, accept_grammar), "accept")
 
+    @serialized
     def reset(self) -> None:
         """Mirrors common_sampler_reset."""
         check(ref.pyspec_ref_sampler_reset(self.ptr), "reset")
 
+    @serialized
     def last(self) -> int:
         """Mirrors common_sampler_last; RefError when nothing was accepted yet."""
         out = ffi.new("llama_token *")
         check(ref.pyspec_ref_sampler_last(self.ptr, out), "last")
         return int(out[0])
 
+    @serialized
     def get_seed(self) -> int:
         """Mirrors common_sampler_get_seed."""
         out = ffi.new("uint32_t *")
         check(ref.pyspec_ref_sampler_get_seed(self.ptr, out), "get_seed")
         return int(out[0])
 
+    @serialized
     def candidates(self, do_sort: bool = False) -> Candidates:
         """Mirrors common_sampler_get_candidates (copied out); RefError before any sample."""
         cur_p = ref.pyspec_ref_sampler_get_candidates(self.ptr, do_sort)
