@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AdapterError",
+    "BadRequest",
     "BatchFullError",
+    "ChatTemplateError",
     "CliError",
     "ClosedError",
     "ConcurrentUseError",
@@ -16,10 +19,17 @@ __all__ = [
     "LoopInputError",
     "MissingModelPackage",
     "ModelLoadError",
+    "NoChatTemplateError",
     "ParityError",
     "PyspecError",
+    "QuantizeError",
     "RefError",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcUnavailableError",
+    "SamplerCallbackError",
     "SpeculativeError",
+    "StateFileError",
     "decode_error",
     "ref_error",
 ]
@@ -42,6 +52,26 @@ class ModelLoadError(PyspecError):
         super().__init__(f"{msg}: {reason}" if reason else msg)
 
 
+class AdapterError(PyspecError):
+    """llama.cpp refused a LoRA adapter or a control vector (wrong model, bad file, bad shape)."""
+
+
+class QuantizeError(PyspecError):
+    """llama_model_quantize failed (the reason is in the message)."""
+
+
+class StateFileError(PyspecError):
+    """A context or sequence state (a file, or bytes) could not be saved or loaded."""
+
+
+class SamplerCallbackError(PyspecError):
+    """A custom Python sampler raised inside a llama.cpp callback.
+
+    The exception was caught at the C boundary (it never unwinds through llama.cpp) and
+    is re-raised from the Python call that ran the sampler; ``__cause__`` is the original.
+    """
+
+
 class MissingModelPackage(PyspecError):
     """The real model's PyPI package is not installed."""
 
@@ -58,6 +88,19 @@ class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
 
 
+class ChatTemplateError(PyspecError, ValueError):
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it),
+    or llama_chat_apply_template does not know it (no built-in name, no Jinja source it recognises)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """Chat messages were given for a model that has no chat template, and no template was named."""
+
+
+class BadRequest(PyspecError, ValueError):
+    """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
+
+
 class BatchFullError(PyspecError, IndexError):
     """A token was added to a batch that is already at capacity."""
 
@@ -69,6 +112,26 @@ class DecodeError(PyspecError):
         self.code = code
         self.op = op
         super().__init__(f"{op} returned {code}: {meaning or ('fatal error' if code < 0 else 'warning')}")
+
+
+class RpcError(PyspecError):
+    """Something failed with llama.cpp's RPC backend or an rpc-server process."""
+
+
+class RpcUnavailableError(RpcError):
+    """This build has no RPC backend or no rpc-server (built with CMAKE_ARGS="-DGGML_RPC=off")."""
+
+
+class RpcConnectionError(RpcError, ConnectionError):
+    """An rpc-server could not be reached, stopped answering, or its connection was lost.
+
+    ``endpoints`` names the servers involved. A model whose server was lost stays
+    unusable (its weights were there); close it, and load it again once a server runs.
+    """
+
+    def __init__(self, message: str, endpoints: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoints = endpoints
 
 
 class SpeculativeError(PyspecError, RuntimeError):

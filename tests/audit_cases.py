@@ -649,3 +649,95 @@ def fork_after_multithreaded_decode() -> Any:
     if os.WEXITSTATUS(status) != 0:
         return f"child failed with status {status}"
     raise RuntimeError("child decoded single-threaded (checked)")
+
+
+# --- entry points from the abi work: custom samplers, LoRA, threadpools, state files --------
+
+
+class _Raising:
+    name = "raising"
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def apply(self, cur_p: Any) -> None:
+        if self.where == "apply":
+            raise RuntimeError("apply failed")
+        if self.where == "grow":
+            cur_p.data = np.concatenate([cur_p.data, cur_p.data])
+        if self.where == "none":
+            cur_p.selected = -1
+
+    def clone(self) -> Any:
+        if self.where == "clone":
+            return 42  # not a sampler
+        return _Raising(self.where)
+
+
+def custom_sampler_apply_raises() -> Any:
+    c = decoded()
+    return SamplerChain().add_custom(_Raising("apply")).sample(c, -1)
+
+
+def custom_sampler_selects_nothing() -> Any:
+    c = decoded()
+    return SamplerChain().add_custom(_Raising("none")).sample(c, -1)
+
+
+def custom_sampler_grows_the_array() -> Any:
+    c = decoded()
+    return SamplerChain().add_custom(_Raising("grow")).add_greedy().sample(c, -1)
+
+
+def custom_sampler_clone_not_a_sampler() -> Any:
+    return SamplerChain().add_custom(_Raising("clone")).clone()
+
+
+def lora_on_a_closed_model() -> Any:
+    from pyspec.core.adapters import LoraAdapter
+    from pyspec.testing import derived
+
+    m = Model(tm.make_target())
+    path = derived.make_lora(TMP / "lora.gguf").path
+    m.close()
+    return LoraAdapter(m, path)
+
+
+def lora_from_another_model() -> Any:
+    from pyspec.core.adapters import LoraAdapter
+    from pyspec.testing import derived
+
+    adapter = LoraAdapter(M["target"], derived.make_lora(TMP / "lora.gguf").path)
+    return Context(M["draft"], **KW).set_lora_adapters({adapter: 1.0})
+
+
+def threadpool_smaller_than_the_threads() -> Any:
+    from pyspec.core.threadpool import ThreadPool
+
+    c = ctx()
+    c.attach_threadpool(ThreadPool(1))
+    return c.set_n_threads(4)
+
+
+def threadpool_closed_before_attach() -> Any:
+    from pyspec.core.threadpool import ThreadPool
+
+    pool = ThreadPool(1)
+    pool.close()
+    return ctx().attach_threadpool(pool)
+
+
+def state_whole_negative_position() -> Any:
+    c = decoded()
+    blob = bytearray(c.state_get())
+    (n,) = struct.unpack_from("<I", blob, 0)
+    struct.pack_into("<i", blob, 4 + n + 8, -3)  # the first cell's position (after n_stream, cell_count)
+    return c.state_set(bytes(blob))
+
+
+def state_seq_file_huge_cell_count() -> Any:
+    from pyspec.ffi import c_const
+
+    head = struct.pack("<III", c_const("LLAMA_STATE_SEQ_MAGIC"), c_const("LLAMA_STATE_SEQ_VERSION"), 0)
+    return decoded().state_seq_load_file(_write("huge-cells.state", head + struct.pack("<II", 1, 0xFFFFFFFF)
+                                                + b"\0" * 64), 0)
