@@ -741,3 +741,8 @@ def state_seq_file_huge_cell_count() -> Any:
     head = struct.pack("<III", c_const("LLAMA_STATE_SEQ_MAGIC"), c_const("LLAMA_STATE_SEQ_VERSION"), 0)
     return decoded().state_seq_load_file(_write("huge-cells.state", head + struct.pack("<II", 1, 0xFFFFFFFF)
                                                 + b"\0" * 64), 0)
+
+
+def backend_chain_selects_twice() -> Any:
+    chain = SamplerChain().add_dist(1).add_top_k(10).add_greedy()
+    return ctx(n_seq_max=2).set_sampler(0, chain)

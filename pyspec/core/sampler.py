@@ -231,6 +231,18 @@ class SamplerChain(Handle):
                 "this chain was already attached to a context; llama.cpp sets a chain up for one context once "
                 "(attach a clone() instead)"
             )
+        # on the backend, a later selecting sampler replaces dist's choice: dist's random
+        # input drops out of the graph unallocated, and the next decode aborts setting it
+        names = self.names()
+        if "dist" in names:
+            first = names.index("dist")
+            later = [(i, n) for i, n in enumerate(names) if i > first and n in ("dist", "greedy")]
+            if later:
+                i, n = later[0]
+                raise ValueError(
+                    f"a backend sampler chain selects once: 'dist' (sampler {first}) is followed by '{n}' "
+                    f"(sampler {i}); end the chain with one selecting sampler"
+                )
 
     def _attached(self, ctx: Context) -> None:
         """ctx took this chain (and retained it)."""

@@ -57,7 +57,8 @@ from pyspec.ffi import c_const, ffi, llama
 if TYPE_CHECKING:
     from pyspec.core.context import Context
 
-__all__ = ["check_seq_state", "check_state", "load_file", "save_file", "seq_load_file", "seq_save_file", "state_get", "state_set"]
+__all__ = ["check_seq_state", "check_state", "load_file", "save_file", "seq_load_file", "seq_save_file", "state_get",
+           "state_set"]
 
 # --- sequence-state blobs: walked before llama.cpp reads them -----------------------
 

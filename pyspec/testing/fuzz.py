@@ -111,6 +111,9 @@ def setup(targets: list[str] | None = None) -> None:
         S["ctx_mtp"] = Context(S["mtp"], **kw)
         S["ctx_mtp"].decode(b)
         S["draft"] = Model(tm.make_draft())
+    for name in ("ctx", "ctx_mtp"):
+        if name in S:
+            S["whole_" + name] = S[name].state_get()  # restored after each whole-state input
     S["gguf"] = Path(tm.make_target()).read_bytes()
 
 
@@ -158,15 +161,37 @@ def target_grammar(data: bytes) -> None:
 
 
 def target_state(data: bytes) -> None:
+    """A state handed to a context: a sequence blob, a whole-context blob, or either as a file."""
+    from pyspec import Batch
+
     inp = Input(data)
-    which = "ctx_mtp" if (inp.byte() & 1 and "ctx_mtp" in S) else "ctx"
+    head = inp.byte()
+    which = "ctx_mtp" if (head & 1 and "ctx_mtp" in S) else "ctx"
+    mode = (head >> 1) & 3  # 0: state_seq_set, 1: state_set, 2: state_seq_load_file, 3: state_load_file
     ctx = S[which]
     flags = inp.byte() & 3
     blob = data[inp.pos :]
-    _call(ctx.state_seq_set, 1, blob, flags)
-    # the context must still work: its sequences read back, a restore of a good blob succeeds
-    ctx.memory.seq_pos_max(1)
+    if mode == 0:
+        _call(ctx.state_seq_set, 1, blob, flags)
+    elif mode == 1:
+        _call(ctx.state_set, blob)
+    else:
+        path = TMP / "state.bin"
+        path.write_bytes(blob)
+        if mode == 2:
+            _call(ctx.state_seq_load_file, path, 1)
+        else:
+            _call(ctx.state_load_file, path)
+    # the context must still work: a token decodes after what sequence 1 holds, and the
+    # sequences can be cleared and the saved state restored
+    top = ctx.memory.seq_pos_max(1)
+    if top + 1 < ctx.n_ctx_seq:
+        b = Batch(1)
+        b.add(5, top + 1, 1, True)
+        _call(ctx.decode, b)
     ctx.memory.seq_rm(1, -1, -1)
+    if mode in (1, 3):
+        ctx.state_set(S["whole_" + which])
 
 
 def target_ngram(data: bytes) -> None:
@@ -302,7 +327,18 @@ def target_api(data: bytes) -> None:
             elif op == 11 and chains:
                 _call(inp.choice(chains).sample, c, inp.wild(-2, 40))
             elif op == 12 and chains:
-                _call(inp.choice(chains).accept, inp.wild(0, n_vocab + 2))
+                ch = inp.choice(chains)
+                k = inp.byte() % 4
+                if k == 0:
+                    _call(ch.accept, inp.wild(0, n_vocab + 2))
+                elif k == 1:
+                    _call(ch.reset)
+                elif k == 2:
+                    twin = _call(ch.clone)
+                    if isinstance(twin, SamplerChain):
+                        owned.append(twin)
+                else:
+                    _call(ch.apply, np.arange(inp.num(0, 64), dtype=np.float32))
             elif op == 13 and chains:
                 _call(c.set_sampler, inp.wild(0, 2), inp.choice([*chains, None]))
             elif op == 14 and len(specs) < 3:
@@ -352,8 +388,48 @@ _CHOICES: dict[str, list[Any]] = {"type_k": ["f16", "q8_0", "q4_0", 99], "flash_
                                   "embeddings": [True, False], "kv_unified": [True, False]}
 
 
+class _FuzzSampler:
+    """A Python sampler (SamplerChain.add_custom) that misbehaves as the input says."""
+
+    name = "fuzz"
+
+    def __init__(self, how: int, arg: int) -> None:
+        self.how, self.arg = how, arg
+
+    def apply(self, cur_p: Any) -> None:
+        how, arg = self.how, self.arg
+        if how == 1:
+            raise RuntimeError("fuzz sampler raised")
+        if how == 2:
+            cur_p.data = cur_p.data[: max(arg % (cur_p.size + 2), 0)]  # may be empty: refused
+        elif how == 3:
+            cur_p.data = np.concatenate([cur_p.data, cur_p.data[: arg % 4 + 1]])  # grows: refused
+        elif how == 4:
+            cur_p.selected = arg  # any index, in range or not
+        elif how == 5:
+            cur_p.data["id"][0] = arg  # an id outside the candidates: refused
+        elif how == 6:
+            cur_p.data = [1, 2, 3]  # not an array
+        elif how == 7:
+            cur_p.data["logit"][:] = float("nan")
+
+    def accept(self, token: int) -> None:
+        if self.how == 8:
+            raise ValueError("fuzz accept raised")
+
+    def reset(self) -> None:
+        if self.how == 9:
+            raise KeyError("fuzz reset raised")
+
+    def clone(self) -> Any:
+        return None if self.how == 10 else _FuzzSampler(self.how, self.arg)
+
+
 def _add_sampler(ch: Any, inp: Input) -> None:
-    k = inp.num(0, 6)
+    k = inp.num(0, 7)
+    if k == 7:
+        ch.add_custom(_FuzzSampler(inp.num(0, 10), inp.wild(-2, 40)))
+        return
     if k == 0:
         ch.add_greedy()
     elif k == 1:
@@ -500,6 +576,15 @@ def seeds(target: str) -> list[bytes]:
         for name, flags in (("ctx", 0), ("ctx", 1), ("ctx_mtp", 0), ("ctx_mtp", 1)):
             if name in S:
                 out.append(bytes([1 if name == "ctx_mtp" else 0, flags]) + S[name].state_seq_get(0, flags))
+        for name in ("ctx", "ctx_mtp"):
+            if name not in S:
+                continue
+            c, bit = S[name], 1 if name == "ctx_mtp" else 0
+            out.append(bytes([bit | 2, 0]) + S["whole_" + name])
+            c.state_seq_save_file(TMP / "seed-seq.bin", 0, [1, 2, 3])
+            out.append(bytes([bit | 4, 0]) + (TMP / "seed-seq.bin").read_bytes())
+            c.state_save_file(TMP / "seed-whole.bin", [1, 2, 3])
+            out.append(bytes([bit | 6, 0]) + (TMP / "seed-whole.bin").read_bytes())
         return out
     if target == "ngram":
         rec = struct.pack("<4ii", 1, 2, 3, 4, 2) + struct.pack("<iiii", 5, 1, 6, 2)
