@@ -79,15 +79,24 @@ def test_rows_are_checked_against_the_last_decode(target_model):
 # --- not copyable ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["model", "context", "chain", "batch", "batch_view", "ref_sampler", "port_sampler"])
+@pytest.mark.parametrize("kind", ["model", "context", "chain", "batch", "batch_view", "ref_sampler", "port_sampler",
+                                  "threadpool", "lora"])
 @pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
-def test_handle_owning_objects_refuse_copies_and_pickles(target_model, kind, how):
+def test_handle_owning_objects_refuse_copies_and_pickles(target_model, kind, how, tmp_path):
+    from pyspec.core.adapters import LoraAdapter
+    from pyspec.core.threadpool import ThreadPool
+    from pyspec.testing import derived
+
     c = Context(target_model, **KW)
     b = Batch(4)
     b.add_sequence([1, 2], 0, 0)
     objs = {"model": target_model, "context": c, "chain": SamplerChain().add_greedy(), "batch": b,
             "batch_view": b.view(0, 1), "ref_sampler": RefSampler(target_model, greedy_sampling()),
             "port_sampler": smp.common_sampler_init(target_model, greedy_sampling())}
+    if kind == "threadpool":
+        objs[kind] = ThreadPool(1)
+    if kind == "lora":
+        objs[kind] = LoraAdapter(target_model, derived.make_lora(tmp_path / "lora.gguf").path)
     obj = objs[kind]
     fn: Any = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
     with pytest.raises(TypeError, match="cannot be copied or pickled"):

@@ -8,11 +8,11 @@ after a load, decode before reading logits.
 
 Files are saved by llama.cpp (llama_state[_seq]_save_file) and loaded here:
 read and checked in Python (magic, version, token count, size, the architecture
-name, the first cell counts), then handed to llama_state[_seq]_set_data, whose
-reader stops at the end of the buffer. (At this revision llama.cpp's file
-reader reads past the end of a truncated file without noticing, and sizes some
-allocations by counts from the file before reading what they count: a few bytes
-of hostile file could make it allocate gigabytes.) A failed load leaves the
+name, the first cell counts, then the walk of check_state / check_seq_state), then
+handed to llama_state[_seq]_set_data, whose reader stops at the end of the buffer.
+(At this revision llama.cpp's file reader reads past the end of a truncated file
+without noticing, and sizes some allocations by counts from the file before reading
+what they count: a few bytes of hostile file could make it allocate gigabytes.) A failed load leaves the
 memory (or the sequence) empty; llama.cpp's refusals become
 :class:`~pyspec.errors.StateFileError` with its reason.
 
@@ -384,6 +384,7 @@ def state_set(ctx: Context, data: bytes, what: str = "the state") -> None:
         try:
             check_state(ctx, data)  # what llama.cpp's reader does not check (see check_state)
         except ValueError as e:
+            llama.llama_memory_clear(llama.llama_get_memory(ptr), True)  # as after any failed restore
             raise StateFileError(f"{what} does not fit this context: {str(e).split(': ', 1)[-1]}") from None
         with capture_errors() as errors:
             n = llama.llama_state_set_data(ptr, ffi.from_buffer(data), len(data))
@@ -466,6 +467,7 @@ def seq_load_file(ctx: Context, path: str | os.PathLike[str], seq_id: int) -> li
         try:
             check_seq_state(ctx, data, 0)
         except ValueError as e:
+            llama.llama_memory_seq_rm(llama.llama_get_memory(ptr), seq, -1, -1)  # as after any failed restore
             raise StateFileError(f"{path} does not fit this context: {str(e).split(': ', 1)[-1]}") from None
         with capture_errors() as errors:
             n = llama.llama_state_seq_set_data(ptr, ffi.from_buffer(data), len(data), seq)
