@@ -354,8 +354,22 @@ class Context(Handle):
 
     # --- decode -----------------------------------------------------------
 
+    def _bad_token(self, batch: AnyBatch) -> int | None:
+        """A token of the batch outside the vocabulary (llama_decode refuses such a batch with -1)."""
+        token = getattr(batch, "token", None)  # an EmbdBatch carries none
+        if token is None or batch.n_tokens <= 0:
+            return None
+        toks = token[: batch.n_tokens]
+        lo, hi = int(toks.min()), int(toks.max())
+        if lo < 0 or hi >= self.n_vocab:
+            return lo if lo < 0 else hi
+        return None
+
     def _check_batch(self, batch: AnyBatch) -> int:
-        """Returns the number of outputs the batch asks for."""
+        """Returns the number of outputs the batch asks for (what llama_decode would abort on raises).
+
+        A token outside the vocabulary is not checked here: llama_decode refuses such a batch
+        itself with -1 (decode() raises ValueError for it first)."""
         if not isinstance(batch, (Batch, BatchView, EmbdBatch)):
             raise TypeError(f"expected a pyspec Batch, BatchView or EmbdBatch, got {type(batch).__name__}")
         n = batch.n_tokens
@@ -373,18 +387,13 @@ class Context(Handle):
             if n > self.n_outputs_max:
                 raise ValueError(f"batch asks for {n} outputs, this context allows n_outputs_max={self.n_outputs_max}")
             return n
-        if batch.token is not None:
-            toks = batch.token[:n]
-            lo, hi = int(toks.min()), int(toks.max())
-            if lo < 0 or hi >= self.n_vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
-        elif batch.embd is None:
-            raise ValueError("batch carries neither tokens nor embeddings")
-        elif batch.n_embd != self.model.n_embd_inp_or_embd():
-            raise ValueError(
-                f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
-            )
+        if batch.token is None:
+            if batch.embd is None:
+                raise ValueError("batch carries neither tokens nor embeddings")
+            if batch.n_embd != self.model.n_embd_inp_or_embd():
+                raise ValueError(
+                    f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
+                )
         nsi = batch.n_seq_id[:n]
         if int(nsi.min()) < 1 or int(nsi.max()) > min(batch.n_seq_max, self.n_seq_max):
             raise ValueError(f"each token needs 1..{self.n_seq_max} sequence ids")
@@ -406,13 +415,22 @@ class Context(Handle):
         return n_out
 
     def decode(self, batch: AnyBatch) -> None:
-        """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError."""
+        """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
+        the vocabulary ValueError."""
+        self.check_open()
+        bad = self._bad_token(batch)
+        if bad is not None:
+            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
         rc = self.decode_rc(batch)
         if rc != 0:
             raise decode_error(rc, "llama_decode")
 
     def decode_rc(self, batch: AnyBatch) -> int:
-        """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks."""
+        """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks.
+
+        A batch that llama_decode refuses itself (a token outside the vocabulary) returns its
+        -1, as in the C++, where e.g. a draft context whose vocabulary lacks a target token
+        makes the draft stop; what it would abort on raises ValueError."""
         ptr = self._enter()
         try:
             self._check_batch(batch)
