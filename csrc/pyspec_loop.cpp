@@ -142,6 +142,10 @@ struct loop {
         if (batch.n_tokens >= n_batch) {
             fail(PYSPEC_REF_E_CAPACITY, "batch of %d tokens is full", (int) n_batch);
         }
+        // a draft from an n-gram cache file may name any token; Context._check_batch says the same
+        if (id < 0 || id >= llama_vocab_n_tokens(vocab)) {
+            fail(PYSPEC_REF_E_RANGE, "token %d is outside the vocabulary (0..%d)", (int) id, llama_vocab_n_tokens(vocab) - 1);
+        }
         common_batch_add(batch, id, pos, { seq_id }, logits);
     }
 
@@ -487,7 +491,8 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         for (int32_t k = 0; k < n; ++k) {
             const llama_token t = p.prompt_tokens[off + k];
             if (t < 0 || t >= n_vocab) {
-                fail(PYSPEC_REF_E_RANGE, "prompt %d: token %d out of range [0, %d)", (int) i, (int) t, (int) n_vocab);
+                // Context._check_batch's words: the Python driver refuses the same prompt with them
+                fail(PYSPEC_REF_E_RANGE, "token %d is outside the vocabulary (0..%d)", (int) t, (int) n_vocab - 1);
             }
         }
         off += (size_t) n;

@@ -62,6 +62,8 @@
 
 #include "llama-ext.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cinttypes>
@@ -70,6 +72,7 @@
 #include <cstring>
 #include <fstream>
 #include <iomanip>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -98,6 +101,7 @@ namespace ref = pyspec_ref_impl;
 
 extern "C" {
 #include "../pyspec/decl/pyspec_ref.h"
+#include "../pyspec/decl/pyspec_ext.h"
 }
 
 // ---- errors -----------------------------------------------------------------
@@ -169,9 +173,37 @@ static void from_ngram_map(pyspec_ref_spec_ngram_map_params & dst, const common_
     dst.min_hits = src.min_hits;
 }
 
-static bool file_readable(const std::string & path) {
+// common_ngram_cache_load GGML_ASSERTs on a record cut short, a token count <= 0 or a
+// count <= 0, and aborts on a file it cannot open (a directory opens, then fails).
+// The same reading as pyspec.common.checks.check_ngram_cache_file, which the port runs.
+static bool ngram_cache_file_ok(const std::string & path) {
+    struct stat st;
+    if (path.find('\0') != std::string::npos || stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        return false;
+    }
     std::ifstream f(path, std::ios::binary);
-    return (bool) f;
+    if (!f) {
+        return false;
+    }
+    std::vector<char> raw((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const size_t n = raw.size() / 4;
+    std::vector<int32_t> words(n);
+    std::memcpy(words.data(), raw.data(), n * 4);
+    size_t p = 0;
+    while (n - p >= (size_t) LLAMA_NGRAM_MAX) {
+        p += LLAMA_NGRAM_MAX;
+        if (p >= n || words[p] <= 0 || n - (p + 1) < 2 * (size_t) words[p]) {
+            return false;
+        }
+        const size_t k = (size_t) words[p];
+        for (size_t j = 0; j < k; ++j) {
+            if (words[p + 2 + 2 * j] <= 0) {
+                return false;
+            }
+        }
+        p += 1 + 2 * k;
+    }
+    return true;
 }
 
 static bool has_type(const common_params_speculative & p, common_speculative_type t) {
@@ -195,13 +227,33 @@ static std::string check_spec_params(const common_params_speculative & p) {
             return "MTP input row width must match the target h_nextn width";
         }
     }
+    // pyspec.common.checks.check_speculative_params, with its messages
+    const std::pair<const char *, const common_params_speculative_ngram_map *> maps[] = {
+        { "ngram_simple", &p.ngram_simple }, { "ngram_map_k", &p.ngram_map_k }, { "ngram_map_k4v", &p.ngram_map_k4v } };
+    for (const auto & [name, m] : maps) {
+        if (m->size_n < 1) {
+            return std::string(name) + ".size_n must be an int in 1..65535, got " + std::to_string(m->size_n);
+        }
+        if (m->size_m < 1) {
+            return std::string(name) + ".size_m must be an int in 1..65535, got " + std::to_string(m->size_m);
+        }
+    }
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_NGRAM_MOD)) {
+        const auto & m = p.ngram_mod;
+        if (m.n_match <= 0) {
+            return "ngram_mod n_match must be positive, got " + std::to_string(m.n_match);
+        }
+        if (m.n_max < 0) {  // draft_one sizes its result n_match + n_max and writes n_match entries
+            return "ngram_mod.n_max must be an int in 0..2147483647, got " + std::to_string(m.n_max);
+        }
+    }
     if (has_type(p, COMMON_SPECULATIVE_TYPE_NGRAM_CACHE)) {
         const auto & c = p.ngram_cache;
-        if (!c.lookup_cache_static.empty() && !file_readable(c.lookup_cache_static)) {
-            return "Couldn't read static lookup cache";
+        if (!c.lookup_cache_static.empty() && !ngram_cache_file_ok(c.lookup_cache_static)) {
+            return "Couldn't read static lookup cache: " + c.lookup_cache_static;
         }
-        if (!c.lookup_cache_dynamic.empty() && !file_readable(c.lookup_cache_dynamic)) {
-            return "Couldn't read dynamic lookup cache";
+        if (!c.lookup_cache_dynamic.empty() && !ngram_cache_file_ok(c.lookup_cache_dynamic)) {
+            return "Couldn't read dynamic lookup cache: " + c.lookup_cache_dynamic;
         }
     }
     return "";
@@ -562,10 +614,16 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
         }
         for (int32_t r = 0; r < n_reqs; ++r) {
             const auto & map = mk->config[reqs[r].seq_id];
-            const size_t n = (size_t) reqs[r].n_prompt;
-            REQUIRE(map.idx_last_check <= n && map.size_last_begin <= n, PYSPEC_REF_E_STATE,
-                    "seq_id %d: the prompt is shorter than the n-gram map has seen (%zu tokens); call begin() first",
-                    (int) reqs[r].seq_id, std::max(map.idx_last_check, map.size_last_begin));
+            const size_t cur_len = (size_t) reqs[r].n_prompt;
+            // the conditions of common_ngram_map_draft, which returns before them for short prompts;
+            // the messages of its GGML_ABORTs, as the port raises them
+            if (cur_len < 2 * (size_t) map.size_key + map.size_value) {
+                continue;
+            }
+            REQUIRE(map.idx_last_check <= cur_len, PYSPEC_REF_E_STATE,
+                    "common_ngram_map_draft: map.idx_last_check > cur_len: %zu > %zu", map.idx_last_check, cur_len);
+            REQUIRE(map.size_last_begin <= cur_len, PYSPEC_REF_E_STATE,
+                    "common_ngram_map_draft: map.size_last_begin > cur_len: %zu > %zu", map.size_last_begin, cur_len);
         }
     }
 
@@ -693,6 +751,9 @@ struct pyspec_ref_sampler {
     const llama_model * model = nullptr;
     int32_t n_vocab = 0;
     bool backend_sampling = false;
+    // a grammar accept that threw inside common_sampler_* left the grammar without parse
+    // stacks, and its next use would GGML_ASSERT: the sampler refuses further calls
+    bool broken = false;
 
     ~pyspec_ref_sampler() { common_sampler_free(smpl); }
 };
@@ -714,6 +775,19 @@ static bool sampler_type_valid(int32_t t) {
         default:
             return false;
     }
+}
+
+// struct common_sampler is private to common/sampling.cpp; at this revision (e3a74b299) it
+// begins {common_params_sampling params; llama_sampler * grmr; ...}. This mirror of its first
+// members reaches the grammar sampler, so an accept the grammar would throw on (leaving it
+// without parse stacks, and the next use asserting) is refused beforehand, as the port does.
+struct common_sampler_head {
+    common_params_sampling params;
+    llama_sampler * grmr;
+};
+
+static llama_sampler * grammar_of(common_sampler * smpl) {
+    return reinterpret_cast<common_sampler_head *>(smpl)->grmr;
 }
 
 // common_sampler_sample GGML_ASSERTs that ctx has output for idx
@@ -805,8 +879,39 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
         (q.n_logit_bias < 0 || (q.n_logit_bias > 0 && (q.logit_bias_tokens == nullptr || q.logit_bias_values == nullptr)))) {
         return fail("invalid array in sampling params");
     }
+    // pyspec.common.checks.check_sampling_params, in its order and with its messages
+    const int32_t max_hist = PYSPEC_MAX_HISTORY;
+    if (q.n_prev > max_hist) {
+        return fail("n_prev " + std::to_string(q.n_prev) + " exceeds the history limit of " + std::to_string(max_hist) + " tokens");
+    }
+    if (q.min_keep < 0) {
+        return fail("min_keep must be an int in 0..2147483647, got " + std::to_string(q.min_keep));
+    }
+    if (q.penalty_last_n < -1 || q.penalty_last_n > max_hist) {
+        return fail("penalty_last_n must be an int in -1.." + std::to_string(max_hist) + ", got " + std::to_string(q.penalty_last_n));
+    }
+    if (q.dry_penalty_last_n < -1) {
+        return fail("dry_penalty_last_n must be an int in -1..2147483647, got " + std::to_string(q.dry_penalty_last_n));
+    }
     if (q.mirostat < 0 || q.mirostat > 2) {
         return fail("unknown mirostat version");
+    }
+    if (q.mirostat == 0) {
+        bool has_dry = false;
+        for (int32_t i = 0; i < q.n_samplers; ++i) {
+            if (!sampler_type_valid(q.samplers[i])) {
+                return fail("unknown sampler type: " + std::to_string(q.samplers[i]));
+            }
+            has_dry |= q.samplers[i] == COMMON_SAMPLER_TYPE_DRY;
+        }
+        // llama_sampler_init_dry: an empty history window throws on the first accept, a huge one is allocated
+        if (has_dry && q.dry_multiplier != 0.0f && q.dry_base >= 1.0f && q.dry_penalty_last_n != 0) {
+            const int32_t window = q.dry_penalty_last_n == -1 ? llama_model_n_ctx_train(model) : std::max(q.dry_penalty_last_n, 0);
+            if (window < 1 || window > max_hist) {
+                return fail("DRY needs a history window in 1.." + std::to_string(max_hist) +
+                            " tokens (penalty_last_n, or n_ctx_train when it is -1), got " + std::to_string(window));
+            }
+        }
     }
 
     try {
@@ -856,15 +961,13 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
 
         p.samplers.clear();
         for (int32_t i = 0; i < q.n_samplers; ++i) {
-            if (q.mirostat == 0 && !sampler_type_valid(q.samplers[i])) {
-                return fail("unknown sampler type: " + std::to_string(q.samplers[i]));
-            }
             p.samplers.push_back((common_sampler_type) q.samplers[i]);
         }
 
         for (int32_t i = 0; i < q.n_logit_bias; ++i) {
             if (q.logit_bias_tokens[i] < 0 || q.logit_bias_tokens[i] >= n_vocab) {
-                return fail("logit bias token " + std::to_string(q.logit_bias_tokens[i]) + " out of range");
+                return fail("logit bias token " + std::to_string(q.logit_bias_tokens[i]) +
+                            " is outside the vocabulary (0.." + std::to_string(n_vocab - 1) + ")");
             }
             p.logit_bias.push_back({ q.logit_bias_tokens[i], q.logit_bias_values[i] });
         }
@@ -874,10 +977,14 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
             if (grammar.compare(0, 11, "%llguidance") == 0) {
                 return fail("llguidance (cmake -DLLAMA_LLGUIDANCE=ON) is not enabled");
             }
-            // common_sampler_init silently drops a grammar that does not parse
+            // bounded first (pyspec_grammar.cpp); common_sampler_init silently drops a grammar that does not parse
+            char gerr[512] = "";
+            if (pyspec_grammar_check(vocab, grammar.data(), grammar.size(), "root", gerr, sizeof(gerr)) != 0) {
+                return fail(std::string("grammar refused: ") + gerr);
+            }
             llama_sampler * probe = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
             if (probe == nullptr) {
-                return fail("failed to parse grammar");
+                return fail("grammar refused: failed to parse the grammar");
             }
             llama_sampler_free(probe);
             p.grammar = common_grammar(COMMON_GRAMMAR_TYPE_USER, grammar);
@@ -912,6 +1019,7 @@ pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl) {
         out->model            = smpl->model;
         out->n_vocab          = smpl->n_vocab;
         out->backend_sampling = smpl->backend_sampling;
+        out->broken           = smpl->broken;
         out->smpl             = common_sampler_clone(smpl->smpl);
         return out;
     } catch (const std::exception &) {
@@ -923,7 +1031,44 @@ bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl) {
     return smpl ? smpl->backend_sampling : false;
 }
 
-#define REQUIRE_SMPL(s) REQUIRE((s) != nullptr && (s)->smpl != nullptr, PYSPEC_REF_E_NULL, "sampler is NULL")
+int32_t pyspec_ref_sampler_n_vocab(const pyspec_ref_sampler * smpl) {
+    return smpl ? smpl->n_vocab : 0;
+}
+
+int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token, char * err, size_t err_len) {
+    copy_err(err, err_len, "");
+    if (smpl == nullptr || smpl->smpl == nullptr) {
+        copy_err(err, err_len, "sampler is NULL");
+        return -1;
+    }
+    if (token < 0 || token >= smpl->n_vocab) {
+        copy_err(err, err_len, "token " + std::to_string(token) + " out of range [0, " + std::to_string(smpl->n_vocab) + ")");
+        return -1;
+    }
+    llama_sampler * grmr = grammar_of(smpl->smpl);
+    if (grmr == nullptr) {
+        return 0;
+    }
+    return pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token, err, err_len) == 0 ? 0 : -1;
+}
+
+#define REQUIRE_SMPL(s) \
+    REQUIRE((s) != nullptr && (s)->smpl != nullptr, PYSPEC_REF_E_NULL, "sampler is NULL"); \
+    REQUIRE(!(s)->broken, PYSPEC_REF_E_STATE, "this sampler's grammar lost its state in an earlier error; create a new sampler")
+
+} // extern "C"
+
+// run f() on the sampler; an exception marks it broken (see pyspec_ref_sampler::broken)
+template <typename F>
+static int guarded_smpl(pyspec_ref_sampler * smpl, F && f) {
+    const int rc = guarded(std::forward<F>(f));
+    if (rc == PYSPEC_REF_E_EXCEPTION && grammar_of(smpl->smpl) != nullptr) {
+        smpl->broken = true;
+    }
+    return rc;
+}
+
+extern "C" {
 
 int pyspec_ref_sampler_sample(pyspec_ref_sampler * smpl, llama_context * ctx, int32_t idx,
                               bool grammar_first, llama_token * out) {
@@ -932,7 +1077,7 @@ int pyspec_ref_sampler_sample(pyspec_ref_sampler * smpl, llama_context * ctx, in
     REQUIRE(out != nullptr, PYSPEC_REF_E_NULL, "out is NULL");
     REQUIRE(llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx))) == smpl->n_vocab, PYSPEC_REF_E_RANGE,
             "ctx vocabulary size differs from the sampler's model");
-    return guarded([&] {
+    return guarded_smpl(smpl, [&] {
         REQUIRE(ctx_has_output(ctx, idx), PYSPEC_REF_E_RANGE, "no output (logits) for batch index %d", (int) idx);
         *out = common_sampler_sample(smpl->smpl, ctx, idx, grammar_first);
         return (int) PYSPEC_REF_OK;
@@ -950,7 +1095,7 @@ int pyspec_ref_sampler_sample_and_accept_n(pyspec_ref_sampler * smpl, llama_cont
             (int) out_cap, (int) n_draft + 1);
     REQUIRE(llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx))) == smpl->n_vocab, PYSPEC_REF_E_RANGE,
             "ctx vocabulary size differs from the sampler's model");
-    return guarded([&] {
+    return guarded_smpl(smpl, [&] {
         const llama_tokens d(draft, draft + n_draft);
         // every index that may be sampled must have output
         for (int32_t i = 0; i <= n_draft; ++i) {
@@ -973,7 +1118,14 @@ int pyspec_ref_sampler_accept(pyspec_ref_sampler * smpl, llama_token token, bool
     REQUIRE_SMPL(smpl);
     REQUIRE(token >= 0 && token < smpl->n_vocab, PYSPEC_REF_E_RANGE,
             "token %d out of range [0, %d)", (int) token, (int) smpl->n_vocab);
-    return guarded([&] {
+    llama_sampler * grmr = grammar_of(smpl->smpl);
+    if (accept_grammar && grmr != nullptr) {
+        char err[512] = "";
+        if (pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token, err, sizeof(err)) != 0) {
+            return set_error(PYSPEC_REF_E_EXCEPTION, "%s", err);
+        }
+    }
+    return guarded_smpl(smpl, [&] {
         common_sampler_accept(smpl->smpl, token, accept_grammar);
         return (int) PYSPEC_REF_OK;
     });

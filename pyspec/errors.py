@@ -14,6 +14,7 @@ __all__ = [
     "ConcurrentUseError",
     "ContextError",
     "DecodeError",
+    "FuzzFinding",
     "LibraryNotFoundError",
     "LoopInputError",
     "MissingModelPackage",
@@ -151,6 +152,10 @@ class LoopInputError(RefError, ValueError):
 
 class CliError(PyspecError):
     """A command-line error reported as one line, without a traceback."""
+
+
+class FuzzFinding(AssertionError):
+    """A fuzz input that pyspec neither handled nor refused cleanly (pyspec.testing.fuzz)."""
 
 
 class ParityError(AssertionError):

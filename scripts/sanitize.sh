@@ -65,9 +65,21 @@ for t, engine in runs:
 # hostile calls that reach C: each must raise, not touch freed or foreign memory
 ctx = Context(tgt, **kw)
 b = Batch(4); b.add(1, 0, 0, True); ctx.decode(b)
+from pyspec import SamplerChain
+import struct
+def grammar_accept():  # the checked accept restores the grammar's stacks after a refused token
+    with SamplerChain().add_grammar(tgt.vocab, "root ::= [ a]+") as ch:
+        ch.accept(tgt.vocab.tokenize("a", add_special=False)[-1])
+        ch.accept(tgt.vocab.tokenize("b", add_special=False)[-1])
+def chain_outlives_close():  # the context keeps its backend chain alive (then raise to count it)
+    c2 = Context(tgt, **kw); chain = SamplerChain().add_top_k(3).add_dist(1)
+    c2.set_sampler(0, chain); chain.close(); c2.decode(b); c2.close()
+    raise ValueError("chain kept alive")
 for call in (lambda: ctx.get_embeddings_layer_inp(1, 1), lambda: ctx.get_logits(1000),
              lambda: ctx.encode(b), lambda: ctx.state_seq_set(0, b"garbage" * 9),
-             lambda: Context(tgt, **kw, ctx_type="mtp", ctx_other=ctx)):
+             lambda: ctx.state_seq_set(0, struct.pack("<IiII", 0xAF143CD8, 0, 1, 0xFFFFFFFF) + bytes(64)),
+             lambda: Context(tgt, **kw, ctx_type="mtp", ctx_other=ctx), grammar_accept, chain_outlives_close,
+             lambda: SamplerChain().add_grammar(tgt.vocab, "root ::= x{4,3}\nx ::= \"b\"")):
     try:
         call()
         raise SystemExit("hostile call did not raise")

@@ -3,19 +3,23 @@
 
     python scripts/soak.py                      # 10,000 steps of draft-simple on the tiny models
     python scripts/soak.py --steps 1000 --types draft-eagle3,ngram-mod --engine cpp
+    python scripts/soak.py --each --engine both # every type alone, both engines: one table
     python scripts/soak.py --threads 1,2,4      # throughput against the number of threads
 
 Prints RSS after warm-up and at the end, open file descriptors, threads and
 steps/s; exits 1 when RSS grew by more than --max-growth-mb after warm-up or
 when fds / threads grew. Each generation uses a new generator (and, every
 --recreate-every generations, new contexts), so object churn is exercised too.
-Run from the repository root.
+``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
+each in a fresh process so one run's allocator state does not flatter the next,
+and prints one row per run. Run from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import threading
@@ -101,6 +105,39 @@ class Setup:
             m.close()
 
 
+ALL_TYPES = ["draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
+             "ngram-mod", "ngram-cache"]
+
+
+def each(args: argparse.Namespace) -> int:
+    """One fresh process per (type, engine); a table of their figures."""
+    import subprocess
+
+    engines = ["python", "cpp"] if args.engine == "both" else [args.engine]
+    types = ALL_TYPES if args.types in (None, "all") else args.types.split(",")
+    rows, ok = [], True
+    for t in types:
+        for e in engines:
+            cmd = [sys.executable, __file__, "--types", t, "--engine", e, "--steps", str(args.steps),
+                   "--warmup-steps", str(args.warmup_steps), "--max-growth-mb", str(args.max_growth_mb),
+                   "--n-predict", str(args.n_predict), "--json-line"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
+            if out.returncode not in (0, 1) or line is None:
+                print(f"{t:14s} {e:6s} FAILED (exit {out.returncode}): {out.stderr[-500:]}", flush=True)
+                ok = False
+                continue
+            r = json.loads(line)
+            rows.append(r)
+            ok = ok and r["ok"]
+            print(f"{t:14s} {e:6s} {r['steps']:6d} steps {r['steps_per_s']:7.0f}/s  RSS {r['rss0_mb']:7.1f} -> "
+                  f"{r['rss1_mb']:7.1f} MB ({r['growth_mb']:+.2f})  fds {r['fds0']}->{r['fds1']}  "
+                  f"threads {r['thr0']}->{r['thr1']}  accept {r['acceptance']:.2f}  {'OK' if r['ok'] else 'FAIL'}",
+                  flush=True)
+    print("OK" if ok else "FAIL")
+    return 0 if ok else 1
+
+
 def soak(args: argparse.Namespace) -> int:
     types = sp.common_speculative_types_from_names(args.types.split(","))
     setup = Setup(types, args.ctx_threads)
@@ -149,6 +186,11 @@ def soak(args: argparse.Namespace) -> int:
           f"fds {fds0} -> {fds1}; threads {thr0} -> {thr1}; RSS after closing the contexts {rss_closed / 1024:.1f} MB")
     setup.close()
     ok = growth_mb < args.max_growth_mb and fds1 <= fds0 and thr1 <= thr0
+    if args.json_line:
+        print(json.dumps({"types": args.types, "engine": args.engine, "steps": n, "steps_per_s": n / dt,
+                          "rss0_mb": rss0 / 1024, "rss1_mb": rss1 / 1024, "growth_mb": growth_mb, "fds0": fds0,
+                          "fds1": fds1, "thr0": thr0, "thr1": thr1, "acceptance": accepted / max(drafted, 1),
+                          "ok": ok}))
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -198,8 +240,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10_000, help="speculative steps after warm-up")
     ap.add_argument("--warmup-steps", type=int, default=500)
-    ap.add_argument("--types", default="draft-simple")
-    ap.add_argument("--engine", default="python", choices=["python", "cpp"])
+    ap.add_argument("--types", default=None, help="comma-separated types (default draft-simple; with --each: all 8)")
+    ap.add_argument("--engine", default="python", choices=["python", "cpp", "both"])
+    ap.add_argument("--each", action="store_true", help="every type (or those of --types) alone, one process each")
+    ap.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--recreate-every", type=int, default=25, help="new contexts every N generations")
     ap.add_argument("--ctx-threads", type=int, default=1, help="llama.cpp threads per context")
@@ -207,6 +251,11 @@ def main() -> int:
     ap.add_argument("--threads", default="", help="e.g. 1,2,4: measure throughput against Python threads instead")
     ap.add_argument("--gens-per-thread", type=int, default=8)
     args = ap.parse_args()
+    if args.each:
+        return each(args)
+    args.types = args.types or "draft-simple"
+    if args.engine == "both":
+        ap.error("--engine both needs --each")
     return threads_bench(args) if args.threads else soak(args)
 
 

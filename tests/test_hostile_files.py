@@ -40,31 +40,7 @@ def rss_kb() -> int:
 # --- small GGUF writers (the vendored gguf-py, through testmodels' helpers) ---
 
 
-def write_tiny_llama(path: Path, arch: str = "llama", vocab_kv: Any = None, n_layer: int = 2) -> Path:
-    """The tiny draft's tensors under another architecture name and/or vocabulary."""
-    gguf = tm._gguf()
-    kv = tm._vocab_kv() if vocab_kv is None else vocab_kv
-
-    def fill(w: Any) -> None:
-        w.add_name("pyspec-hostile")
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-        w.add_context_length(tm.N_CTX_TRAIN)
-        w.add_embedding_length(tm.N_EMBD)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(tm.N_FF)
-        w.add_head_count(tm.N_HEAD)
-        w.add_head_count_kv(tm.N_HEAD_KV)
-        w.add_layer_norm_rms_eps(tm.RMS_EPS)
-        w.add_rope_freq_base(tm.ROPE_BASE)
-        w.add_rope_dimension_count(tm.HEAD_DIM)
-        for key, value, vtype, sub_type in kv:
-            w.add_key_value(key, value, vtype, sub_type)
-        for name, data in tm._llama_tensors():
-            if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer:
-                w.add_tensor(name, data)
-
-    tm._write_atomic(path, fill, arch)
-    return path
+write_tiny_llama = tm.write_llama
 
 
 def vocab_with_swapped_tokens(a: int = 1000, b: int = 1001) -> list:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pyspec.common.checks import check_output_row, check_sampling_params, check_token
 from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas
 from pyspec.common.params import CommonParamsSampling, CommonSamplerType
+from pyspec.core.handle import NotCopyable
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import ext, ffi, llama
 
@@ -38,12 +40,18 @@ assert TOKEN_DATA.itemsize == ffi.sizeof("llama_token_data")
 _NEG_INF = float("-inf")
 
 
-class CommonSampler:
-    """Mirrors struct common_sampler (sampling.cpp). Free with close() or ``with``."""
+class CommonSampler(NotCopyable):
+    """Mirrors struct common_sampler (sampling.cpp). Free with close() or ``with``.
+
+    It keeps its model alive (its grammar reads the model's vocabulary) until closed.
+    """
 
     def __init__(
-        self, params: CommonParamsSampling, grmr, chain, n_vocab: int,
+        self, params: CommonParamsSampling, grmr, chain, n_vocab: int, model: Model | None = None,
     ) -> None:
+        self.model = model
+        if model is not None:
+            model._retain()
         self.params = params
         self.grmr = grmr
         self.rbudget = ffi.NULL  # the reasoning budget is not part of speculative decoding
@@ -112,6 +120,9 @@ class CommonSampler:
             llama.llama_sampler_free(self.chain)
             self.grmr = self.rbudget = ffi.NULL
             self.chain = None
+            model, self.model = self.model, None
+            if model is not None:
+                model._release()
 
     def __enter__(self) -> CommonSampler:
         return self
@@ -138,6 +149,7 @@ def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSam
     """Mirrors common_sampler_init (sampling.cpp); may set params.backend_sampling = False as it does."""
     vocab = model.vocab
     vptr = vocab.ptr
+    check_sampling_params(params, vocab.n_tokens, model.n_ctx_train, vptr)  # as the C++ reference does
 
     lparams = llama.llama_sampler_chain_default_params()
     lparams.no_perf = params.no_perf
@@ -228,7 +240,7 @@ def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSam
         # the reference logs a warning and disables backend sampling
         params.backend_sampling = False
 
-    return CommonSampler(params, grmr, chain, vocab.n_tokens)
+    return CommonSampler(params, grmr, chain, vocab.n_tokens, model)
 
 
 def common_sampler_free(gsmpl: CommonSampler | None) -> None:
@@ -247,9 +259,15 @@ def common_sampler_accept(gsmpl: CommonSampler | None, token: int, is_generated:
     """Mirrors common_sampler_accept (sampling.cpp)."""
     if gsmpl is None:
         return
+    token = check_token(int(token), gsmpl.n_vocab)  # the C++ indexes its vocabulary with it
     with gsmpl.tm():
         accept_grammar = is_generated and grammar_should_apply(gsmpl)
         if accept_grammar:
+            # a token the grammar does not allow throws through llama.cpp's C API (the process ends)
+            err = ffi.new("char[]", 512)
+            vptr = gsmpl.model.vocab.ptr if gsmpl.model is not None else ffi.NULL
+            if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token, err, 512) != 0:
+                raise SpeculativeError(ffi.string(err).decode(errors="replace"))
             llama.llama_sampler_accept(gsmpl.grmr, token)
         llama.llama_sampler_accept(_chain(gsmpl), token)
         gsmpl.prev.append(token)
@@ -266,7 +284,7 @@ def common_sampler_reset(gsmpl: CommonSampler | None) -> None:
 def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     """Mirrors common_sampler_clone (sampling.cpp)."""
     grmr = llama.llama_sampler_clone(gsmpl.grmr) if gsmpl.grmr != ffi.NULL else ffi.NULL
-    out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab)
+    out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab, gsmpl.model)
     out.prev = deque(gsmpl.prev, maxlen=gsmpl.prev.maxlen)
     n = int(gsmpl.cur.size)
     # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
@@ -284,8 +302,13 @@ def common_sampler_get(gsmpl: CommonSampler | None):
 
 def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_first: bool = False) -> int:
     """Mirrors common_sampler_sample (sampling.cpp)."""
-    cptr = ctx.ptr
+    with ctx.held() as cptr:  # no other thread may decode on ctx while its outputs are read
+        return _sample(gsmpl, ctx, cptr, idx, grammar_first)
+
+
+def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: bool) -> int:
     chain = _chain(gsmpl)
+    check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
     llama.llama_synchronize(cptr)
 
     # measure after the synchronization so ongoing async work is not counted

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common.checks import check_speculative_params
 from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
@@ -54,6 +55,7 @@ from pyspec.common.sampling import (
     common_sampler_sample,
 )
 from pyspec.core.batch import Batch, BatchView
+from pyspec.core.batch import EmbdBatch as _EmbdBatch
 from pyspec.core.context import Context
 from pyspec.core.sampler import SamplerChain
 from pyspec.errors import SpeculativeError
@@ -405,26 +407,6 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 
     def need_embd(self) -> bool:
         return False
-
-
-class _EmbdBatch:
-    """An embeddings-only llama_batch over rows of a numpy array (the C++ brace-initialised enc_batch)."""
-
-    def __init__(self) -> None:
-        self.c = ffi.new("llama_batch *")
-        self._keep: Any = None
-
-    def set(self, rows: np.ndarray) -> _EmbdBatch:
-        self._keep = ffi.from_buffer(rows)
-        self.c.n_tokens = rows.shape[0]
-        self.c.token = ffi.NULL
-        self.c.embd = ffi.cast("float *", self._keep)
-        self.c.pos = ffi.NULL
-        self.c.n_seq_id = ffi.NULL
-        self.c.seq_id = ffi.NULL
-        self.c.logits = ffi.NULL
-        self.n_tokens = rows.shape[0]
-        return self
 
 
 # EAGLE3 speculative decoding state
@@ -1483,11 +1465,7 @@ def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
 
 def common_speculative_init(params: CommonParamsSpeculative, n_seq: int) -> CommonSpeculative | None:
     """Mirrors common_speculative_init (speculative.cpp): None when no implementation is selected."""
-    if n_seq <= 0:
-        raise ValueError(f"n_seq must be positive, got {n_seq}")
-    for t in params.types:
-        if not 0 <= int(t) < T.COUNT:
-            raise ValueError(f"unknown speculative type: {t}")
+    check_speculative_params(params, n_seq)  # the same checks as the C++ reference (pyspec.common.checks)
 
     # the implementations to use, in their order of preference
     configs: list[CommonSpeculativeConfig] = []

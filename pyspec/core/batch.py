@@ -14,13 +14,58 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.core.handle import NotCopyable
 from pyspec.errors import BatchFullError
 from pyspec.ffi import ffi
 
-__all__ = ["Batch", "BatchView"]
+__all__ = ["Batch", "BatchView", "EmbdBatch"]
+
+_MAX_CELLS = 2**31 - 1  # elements of one array: llama_batch counts in int32
+_POS_MAX = 2**31 - 1
 
 
-class Batch:
+class _Arrays(NotCopyable):
+    """The numpy arrays a llama_batch points into, as read-only attributes.
+
+    The C struct holds the addresses of these very arrays; assigning another array to
+    ``batch.token`` would leave the struct pointing at the old one while the checks
+    before llama_decode read the new one, so the attributes cannot be reassigned
+    (fill them in place: ``batch.token[:n] = ...``).
+    """
+
+    _token: np.ndarray | None
+    _embd: np.ndarray | None
+    _pos: np.ndarray
+    _n_seq_id: np.ndarray
+    _seq_id: np.ndarray
+    _logits: np.ndarray
+
+    @property
+    def token(self) -> np.ndarray | None:
+        return self._token
+
+    @property
+    def embd(self) -> np.ndarray | None:
+        return self._embd
+
+    @property
+    def pos(self) -> np.ndarray:
+        return self._pos
+
+    @property
+    def n_seq_id(self) -> np.ndarray:
+        return self._n_seq_id
+
+    @property
+    def seq_id(self) -> np.ndarray:
+        return self._seq_id
+
+    @property
+    def logits(self) -> np.ndarray:
+        return self._logits
+
+
+class Batch(_Arrays):
     """A llama_batch of capacity ``n_tokens_max`` (see llama_batch_init in llama.h)."""
 
     def __init__(
@@ -29,38 +74,40 @@ class Batch:
     ) -> None:
         """``embd_row_alloc`` over-allocates the embeddings buffer to that many floats per row,
         for readers that stride rows wider than ``embd`` (see the EAGLE3 note in speculative.py)."""
-        if n_tokens_max <= 0:
-            raise ValueError(f"n_tokens_max must be positive, got {n_tokens_max}")
-        if n_seq_max <= 0:
-            raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
-        if embd < 0:
-            raise ValueError(f"embd must be >= 0, got {embd}")
+        for name, v in (("n_tokens_max", n_tokens_max), ("n_seq_max", n_seq_max)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name, v in (("embd", embd), ("embd_row_alloc", embd_row_alloc)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if n_tokens_max * max(n_seq_max, embd, embd_row_alloc, 1) > _MAX_CELLS:
+            raise ValueError(f"a batch of {n_tokens_max} tokens x {max(n_seq_max, embd, embd_row_alloc)} is too large")
         if tokens is None:
             tokens = embd == 0
         self.n_tokens_max = n_tokens_max
         self.n_embd = embd
         self.n_seq_max = n_seq_max
-        self.token = np.zeros(n_tokens_max, dtype=np.int32) if tokens else None
+        self._token = np.zeros(n_tokens_max, dtype=np.int32) if tokens else None
         self._embd_store = np.zeros(n_tokens_max * max(embd, embd_row_alloc) if embd else 0, dtype=np.float32)
-        self.embd = self._embd_store[: n_tokens_max * embd].reshape(n_tokens_max, embd) if embd else None
-        self.pos = np.zeros(n_tokens_max, dtype=np.int32)
-        self.n_seq_id = np.zeros(n_tokens_max, dtype=np.int32)
-        self.seq_id = np.zeros((n_tokens_max, n_seq_max), dtype=np.int32)
-        self.logits = np.zeros(n_tokens_max, dtype=np.int8)
+        self._embd = self._embd_store[: n_tokens_max * embd].reshape(n_tokens_max, embd) if embd else None
+        self._pos = np.zeros(n_tokens_max, dtype=np.int32)
+        self._n_seq_id = np.zeros(n_tokens_max, dtype=np.int32)
+        self._seq_id = np.zeros((n_tokens_max, n_seq_max), dtype=np.int32)
+        self._logits = np.zeros(n_tokens_max, dtype=np.int8)
 
-        seq_base = ffi.cast("llama_seq_id *", ffi.from_buffer(self.seq_id))
-        self._seq_ptrs = ffi.new("llama_seq_id *[]", n_tokens_max)
-        for i in range(n_tokens_max):
-            self._seq_ptrs[i] = seq_base + i * n_seq_max
+        self._bufs: list[Any] = []  # keep the cffi buffer objects alive with the batch
+        # one pointer per token into its row of seq_id, computed in numpy (no per-token Python loop)
+        seq_base = int(ffi.cast("uintptr_t", self._ptr("llama_seq_id *", self._seq_id)))
+        self._seq_addr = seq_base + np.arange(n_tokens_max, dtype=np.uint64) * np.uint64(4 * n_seq_max)
+        self._seq_ptrs = self._ptr("llama_seq_id **", self._seq_addr)
 
         self.c = ffi.new("llama_batch *")
-        self._bufs: list[Any] = []  # keep the cffi buffer objects alive with the batch
-        self.c.token = self._ptr("llama_token *", self.token)
-        self.c.embd = self._ptr("float *", self.embd)
-        self.c.pos = self._ptr("llama_pos *", self.pos)
-        self.c.n_seq_id = self._ptr("int32_t *", self.n_seq_id)
+        self.c.token = self._ptr("llama_token *", self._token)
+        self.c.embd = self._ptr("float *", self._embd)
+        self.c.pos = self._ptr("llama_pos *", self._pos)
+        self.c.n_seq_id = self._ptr("int32_t *", self._n_seq_id)
         self.c.seq_id = self._seq_ptrs
-        self.c.logits = self._ptr("int8_t *", self.logits)
+        self.c.logits = self._ptr("int8_t *", self._logits)
         self._n = 0
 
     def _ptr(self, ctype: str, arr: np.ndarray | None):
@@ -76,7 +123,7 @@ class Batch:
 
     @n_tokens.setter
     def n_tokens(self, n: int) -> None:
-        if not 0 <= n <= self.n_tokens_max:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.n_tokens_max:
             raise ValueError(f"n_tokens {n} outside 0..{self.n_tokens_max}")
         self._n = n
         self.c.n_tokens = n
@@ -98,19 +145,22 @@ class Batch:
         i = self._n
         if i >= self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded (capacity {self.n_tokens_max})")
-        if isinstance(seq_ids, int):
-            self.seq_id[i, 0] = seq_ids
-            self.n_seq_id[i] = 1
-        else:
-            ids = list(seq_ids)
-            if not 1 <= len(ids) <= self.n_seq_max:
-                raise ValueError(f"a token needs 1..{self.n_seq_max} sequence ids, got {len(ids)}")
-            self.seq_id[i, : len(ids)] = ids
-            self.n_seq_id[i] = len(ids)
-        if self.token is not None:
-            self.token[i] = token
-        self.pos[i] = pos
-        self.logits[i] = logits
+        try:
+            if isinstance(seq_ids, int):
+                self.seq_id[i, 0] = seq_ids
+                self.n_seq_id[i] = 1
+            else:
+                ids = list(seq_ids)
+                if not 1 <= len(ids) <= self.n_seq_max:
+                    raise ValueError(f"a token needs 1..{self.n_seq_max} sequence ids, got {len(ids)}")
+                self.seq_id[i, : len(ids)] = ids
+                self.n_seq_id[i] = len(ids)
+            if self.token is not None:
+                self.token[i] = token
+            self.pos[i] = pos
+        except OverflowError as e:  # numpy's message names no field: say which values must fit
+            raise ValueError(f"token, position and sequence ids must fit int32: {e}") from None
+        self.logits[i] = bool(logits)
         if embd is not None:
             self._embd_rows()[i] = embd
         self._n = i + 1
@@ -118,17 +168,25 @@ class Batch:
 
     def add_sequence(self, tokens: np.ndarray | list[int], pos0: int, seq_id: int, logits_last: bool = True) -> None:
         """Append consecutive tokens of one sequence at positions pos0.. in one numpy step."""
-        toks = np.asarray(tokens, dtype=np.int32)
+        try:
+            toks = np.asarray(tokens, dtype=np.int32)
+        except OverflowError as e:
+            raise ValueError(f"tokens must fit int32: {e}") from None
         n = toks.size
+        if isinstance(pos0, bool) or not isinstance(pos0, (int, np.integer)) or not -_POS_MAX <= pos0 <= _POS_MAX - n:
+            raise ValueError(f"positions {pos0}..{pos0}+{n} do not fit int32")
         i = self._n
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
         if self.token is None:
             raise ValueError("this batch carries embeddings only")
+        try:
+            self.seq_id[i : i + n, 0] = seq_id
+        except OverflowError as e:
+            raise ValueError(f"seq_id must fit int32: {e}") from None
         self.token[i : i + n] = toks
         self.pos[i : i + n] = np.arange(pos0, pos0 + n, dtype=np.int32)
         self.n_seq_id[i : i + n] = 1
-        self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = 0
         if logits_last and n:
             self.logits[i + n - 1] = 1
@@ -143,13 +201,16 @@ class Batch:
         i = self._n
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
-        if tokens is not None:
-            if self.token is None:
-                raise ValueError("this batch carries embeddings only")
-            self.token[i : i + n] = tokens
-        self.pos[i : i + n] = pos
+        try:
+            if tokens is not None:
+                if self.token is None:
+                    raise ValueError("this batch carries embeddings only")
+                self.token[i : i + n] = tokens
+            self.pos[i : i + n] = pos
+            self.seq_id[i : i + n, 0] = seq_id
+        except OverflowError as e:
+            raise ValueError(f"token, position and sequence ids must fit int32: {e}") from None
         self.n_seq_id[i : i + n] = 1
-        self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = logits
         if embd is not None:
             self._embd_rows()[i : i + n] = embd
@@ -168,18 +229,18 @@ class Batch:
         return BatchView(self, start, n)
 
 
-class BatchView:
+class BatchView(_Arrays):
     """A window on a Batch's rows, passed to llama_decode like a Batch."""
 
     def __init__(self, parent: Batch, start: int, n: int) -> None:
         self.parent = parent
         s = slice(start, start + n)
-        self.token = parent.token[s] if parent.token is not None else None
-        self.embd = parent.embd[s] if parent.embd is not None else None
-        self.pos = parent.pos[s]
-        self.n_seq_id = parent.n_seq_id[s]
-        self.seq_id = parent.seq_id[s]
-        self.logits = parent.logits[s]
+        self._token = parent.token[s] if parent.token is not None else None
+        self._embd = parent.embd[s] if parent.embd is not None else None
+        self._pos = parent.pos[s]
+        self._n_seq_id = parent.n_seq_id[s]
+        self._seq_id = parent.seq_id[s]
+        self._logits = parent.logits[s]
         self.n_seq_max = parent.n_seq_max
         self.n_embd = parent.n_embd
         pc = parent.c
@@ -199,3 +260,34 @@ class BatchView:
 
     def __len__(self) -> int:
         return self._n
+
+
+class EmbdBatch(NotCopyable):
+    """An embeddings-only llama_batch over the rows of a 2-D float32 array, with no positions or
+    sequence ids (llama.cpp fills them in): the C++ brace-initialised encoder batch of EAGLE3."""
+
+    def __init__(self) -> None:
+        self.c = ffi.new("llama_batch *")
+        self.rows: np.ndarray = np.zeros((0, 0), np.float32)
+        self._keep: Any = None
+        self.n_tokens = 0
+
+    def set(self, rows: np.ndarray) -> EmbdBatch:
+        ok = isinstance(rows, np.ndarray) and rows.dtype == np.float32 and rows.ndim == 2
+        if not ok or not rows.flags.c_contiguous:
+            raise ValueError("rows must be a C-contiguous 2-D float32 array")
+        self.rows = rows
+        self._keep = ffi.from_buffer(rows)
+        self.c.n_tokens = rows.shape[0]
+        self.c.token = ffi.NULL
+        self.c.embd = ffi.cast("float *", self._keep)
+        self.c.pos = ffi.NULL
+        self.c.n_seq_id = ffi.NULL
+        self.c.seq_id = ffi.NULL
+        self.c.logits = ffi.NULL
+        self.n_tokens = rows.shape[0]
+        return self
+
+    @property
+    def n_embd(self) -> int:
+        return int(self.rows.shape[1])

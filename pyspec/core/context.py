@@ -1,4 +1,16 @@
-"""A llama_context: decode/encode, outputs as numpy views, memory, state."""
+"""A llama_context: decode/encode, outputs as numpy arrays, memory, state.
+
+Safety rules (docs/audit.toml lists every llama.cpp site they keep out of reach):
+
+- One thread at a time. Every method that reaches the C context takes the
+  context's guard without waiting; a second thread gets ConcurrentUseError
+  instead of racing a running decode.
+- Outputs are copies. llama.cpp frees its output buffer on close and moves it
+  when a later decode needs more rows, so an array over it would dangle; each
+  getter copies the rows it is asked for (``out=`` reuses an array of yours).
+- Every value that llama.cpp would GGML_ASSERT on, abort on, or index with
+  unchecked is checked here first and raises a Python exception naming it.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +18,15 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from pyspec.core import adapters as _adapters
+from pyspec.core import fork
 from pyspec.core import state as _state
-from pyspec.core.batch import Batch, BatchView
+from pyspec.core.batch import Batch, BatchView, EmbdBatch
 from pyspec.core.handle import Handle
 from pyspec.core.memory import Memory
 from pyspec.core.model import Model
@@ -21,9 +34,9 @@ from pyspec.core.threadpool import ThreadPool
 from pyspec.errors import ConcurrentUseError, ContextError, decode_error
 from pyspec.ffi import c_enum, ext, ffi, llama
 
-__all__ = ["AnyBatch", "Context"]
+__all__ = ["MAX_THREADS", "AnyBatch", "Context"]
 
-AnyBatch = Batch | BatchView
+AnyBatch = Batch | BatchView | EmbdBatch
 
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
@@ -32,21 +45,41 @@ _FLASH_ATTN.update({False: _FLASH_ATTN["disabled"], True: _FLASH_ATTN["enabled"]
 # ggml types are not cache types and may abort inside llama.cpp
 _KV_TYPES = {k: v for k, v in c_enum("enum ggml_type", "GGML_TYPE_").items()
              if k in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")}
+_POOLING = c_enum("enum llama_pooling_type", "LLAMA_POOLING_TYPE_")
+_ROPE_SCALING = c_enum("enum llama_rope_scaling_type", "LLAMA_ROPE_SCALING_TYPE_")
+_ATTENTION = c_enum("enum llama_attention_type", "LLAMA_ATTENTION_TYPE_")
 # fields set through a converter below rather than copied as they are
-_SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
+_ENUM_FIELDS: dict[str, dict[Any, int]] = {
+    "ctx_type": _CTX_TYPES, "flash_attn_type": _FLASH_ATTN, "type_k": _KV_TYPES, "type_v": _KV_TYPES,
+    "pooling_type": _POOLING, "rope_scaling_type": _ROPE_SCALING, "attention_type": _ATTENTION,
+}
+_SPECIAL = {*_ENUM_FIELDS, "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
 _POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "n_samplers"}
+_THREAD_FIELDS = {"n_threads", "n_threads_batch"}
 # architectures whose graph (src/models/<arch>.cpp) records each layer's input: on any
 # other, a decode with set_embeddings_layer_inp enabled hits a GGML_ASSERT and aborts
 _LAYER_INP_ARCHS = {"llama", "qwen3", "qwen3moe", "gpt-oss", "gemma4"}
+MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): ggml's per-thread tables have this many entries
+_STATE_FLAGS_HOST = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; ON_DEVICE (2) keeps the data off the host
+# bytes per KV element of the cache types (ggml_type_size / block size), for the memory estimate
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+             "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 
 
 def _convert(table: dict[Any, int], name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value in table.values():
         return value
-    if value in table:
+    if isinstance(value, (str, bool)) and value in table:
         return table[value]
     raise ValueError(f"{name} must be one of {sorted(str(k) for k in table)}, not {value!r}")
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 1 << 62
 
 
 class Context(Handle):
@@ -55,8 +88,11 @@ class Context(Handle):
     Keyword arguments are the fields of ``llama_context_params`` (n_ctx,
     n_batch, n_ubatch, n_seq_max, n_rs_seq, n_threads, embeddings, ...);
     ``ctx_type`` takes "default" or "mtp", ``flash_attn_type`` "auto" /
-    "enabled" / "disabled", ``type_k``/``type_v`` a cache type name, and
-    ``ctx_other`` another Context, which this one keeps alive.
+    "enabled" / "disabled", ``type_k``/``type_v`` a cache type name,
+    ``pooling_type`` / ``rope_scaling_type`` / ``attention_type`` a member name
+    of their enum, ``ctx_other`` another Context, which this one keeps alive,
+    and ``samplers`` a {seq_id: SamplerChain} of backend samplers, which this
+    context keeps alive while it uses them.
     """
 
     _kind = "context"
@@ -65,6 +101,8 @@ class Context(Handle):
         super().__init__()
         self._busy = threading.Lock()  # held while llama.cpp runs on this context
         self._claimed = threading.Lock()  # held for a whole generation (see claim)
+        self._claim_owner: int | None = None  # the thread holding the claim: others are refused meanwhile
+        self._fork_gen = fork.child_generation()
         self.t_decode_ns = 0  # wall time spent in llama_decode / llama_encode, for statistics
         unknown = set(params) - _FIELDS - {"samplers"}
         if unknown:
@@ -72,31 +110,36 @@ class Context(Handle):
         bad_ptr = set(params) & _POINTER_FIELDS
         if bad_ptr:
             raise TypeError(f"field(s) {', '.join(sorted(bad_ptr))} are not settable from Python")
+        if model.vocab_only:
+            raise ValueError(
+                f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with "
+                "(tokenize with model.vocab, or load it again without vocab_only to create a Context)"
+            )
         cparams = llama.llama_context_default_params()
-        n_cpu = os.cpu_count() or 1
+        n_cpu = min(os.cpu_count() or 1, MAX_THREADS)
         cparams.n_threads = n_cpu
         cparams.n_threads_batch = n_cpu
         for name, value in params.items():
-            if name not in _SPECIAL:
-                is_count = name.startswith("n_") and name not in ("n_threads", "n_threads_batch")
-                if is_count and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            if name in _SPECIAL:
+                continue
+            if name in _THREAD_FIELDS:
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+                    raise ValueError(f"{name} must be an int in 1..{MAX_THREADS}, got {value!r}")
+            elif name.startswith("n_") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if value < 0:
                     raise ValueError(f"{name} must be >= 0, got {value}")
-                try:
-                    setattr(cparams, name, value)
-                except OverflowError as e:
-                    raise ValueError(f"{name}={value!r} out of range") from e
-        if "ctx_type" in params:
-            cparams.ctx_type = _convert(_CTX_TYPES, "ctx_type", params["ctx_type"])
-        if "flash_attn_type" in params:
-            cparams.flash_attn_type = _convert(_FLASH_ATTN, "flash_attn_type", params["flash_attn_type"])
-        for name in ("type_k", "type_v"):
+            try:
+                setattr(cparams, name, value)
+            except OverflowError as e:
+                raise ValueError(f"{name}={value!r} out of range") from e
+            except TypeError as e:
+                raise TypeError(f"{name}: {e}") from e
+        for name, table in _ENUM_FIELDS.items():
             if name in params:
-                setattr(cparams, name, _convert(_KV_TYPES, name, params[name]))
-        if cparams.n_seq_max == 0:
-            raise ValueError("n_seq_max must be >= 1")
-        if cparams.n_ubatch > cparams.n_batch and cparams.n_batch > 0:
-            # llama.cpp clamps n_ubatch to n_batch; do it explicitly so n_ubatch reads back true
-            cparams.n_ubatch = cparams.n_batch
+                setattr(cparams, name, _convert(table, name, params[name]))
+        if fork.in_single_thread_child():
+            cparams.n_threads = cparams.n_threads_batch = 1
+        self._check_sizes(model, cparams)
 
         if cparams.ctx_type == _CTX_TYPES["mtp"]:
             # llama.cpp refuses this too, but only with a log line; say why here
@@ -109,15 +152,16 @@ class Context(Handle):
 
         self.model = model
         self.other: Context | None = params.get("ctx_other")
-        deps: tuple[Handle, ...] = (model,)
+        deps: list[Handle] = [model]
         if self.other is not None:
             if not isinstance(self.other, Context):
                 raise TypeError("ctx_other must be a pyspec Context")
             cparams.ctx_other = self.other.ptr
-            deps = (model, self.other)
-        # backend sampler chains given at creation: {seq_id: SamplerChain}
+            deps.append(self.other)
+        # backend sampler chains: {seq_id: SamplerChain}, each retained while attached
         self._samplers: dict[int, Any] = {}
-        samplers = params.get("samplers") or {}
+        samplers = self._check_samplers(params.get("samplers"), int(cparams.n_seq_max))
+        cfg = None
         if samplers:
             cfg = ffi.new("struct llama_sampler_seq_config[]", len(samplers))
             for k, (seq, chain) in enumerate(samplers.items()):
@@ -125,17 +169,31 @@ class Context(Handle):
                 cfg[k].sampler = chain.ptr
             cparams.samplers = cfg
             cparams.n_samplers = len(samplers)
+        self._retired: list[Any] = []  # chains detached since the last decode (its graph may still hold them)
 
         # a model on rpc-servers: its calls go through the RPC guard (pyspec.core.rpc)
         self._rpc = model.rpc
-        if self._rpc is not None:
-            ptr = self._rpc.init_context(model.ptr, cparams)
-        else:
-            ptr = llama.llama_init_from_model(model.ptr, cparams)
-        if ptr == ffi.NULL:
-            raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
-        self._own(ptr, self._rpc.free(llama.llama_free) if self._rpc is not None else llama.llama_free, deps)
-        self._samplers.update(samplers)
+        taken: list[Any] = []
+        try:
+            for chain in samplers.values():
+                chain._retain()  # alive and unchanged from here on
+                taken.append(chain)
+            if self.other is not None:  # llama.cpp reads the other context's memory while it builds this one
+                with self.other.held():
+                    ptr = self._init_from_model(model, cparams)
+            else:
+                ptr = self._init_from_model(model, cparams)
+            if ptr == ffi.NULL:
+                raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
+            self._own(ptr, self._rpc.free(llama.llama_free) if self._rpc is not None else llama.llama_free,
+                      tuple(deps))
+        except BaseException:
+            for chain in taken:
+                chain._release()
+            raise
+        for seq, chain in samplers.items():
+            chain._attached(self)
+            self._samplers[seq] = chain
         self.params = cparams
         self.n_vocab = model.vocab.n_tokens
         self.n_seq_max = int(llama.llama_n_seq_max(ptr))
@@ -145,38 +203,197 @@ class Context(Handle):
         self.n_ctx_seq = int(llama.llama_n_ctx_seq(ptr))  # positions each sequence may use
         self.n_embd = model.n_embd
         self.n_embd_out = model.n_embd_out
+        # the most outputs one decode may ask for (llama.cpp asserts beyond it)
+        self.n_outputs_max = self.n_batch if cparams.n_outputs_max == 0 or model.has_encoder else min(
+            int(cparams.n_outputs_max), self.n_batch)
+        self._causal = self._is_causal(model, int(cparams.attention_type))
+        self._threads = max(int(cparams.n_threads), int(cparams.n_threads_batch))
         self.memory = Memory(self)
-        # what the C output buffer holds after the last decode/encode, to bound the views
+        # what the C output buffers hold after the last decode/encode, to check the getters
         self._embeddings = bool(cparams.embeddings)
+        self._outputs: np.ndarray = np.zeros(0, np.int32)  # batch index -> output row, -1 without output
         self._n_outputs = 0
+        self._n_tokens = 0
+        self._embd_ready = False
+        self._nextn_on = False
         self._nextn_masked = True
+        self._nextn_ready = False
         self._layer_inp_on: set[int] = set()
         self._layer_inp_ready: set[int] = set()
+
+    def _init_from_model(self, model: Model, cparams: Any) -> Any:
+        if self._rpc is not None:
+            return self._rpc.init_context(model.ptr, cparams)
+        return llama.llama_init_from_model(model.ptr, cparams)
+
+    # --- creation checks -------------------------------------------------
+
+    @staticmethod
+    def _is_causal(model: Model, attention_type: int) -> bool:
+        if attention_type != _ATTENTION["unspecified"]:
+            return attention_type == _ATTENTION["causal"]
+        arch = model.meta("general.architecture") or ""
+        return (model.meta(f"{arch}.attention.causal") or "true").lower() != "false"
+
+    @staticmethod
+    def _check_sizes(model: Model, cp: Any) -> None:
+        """What llama_init_from_model / the first decode would assert on, allocate without bound or hang on."""
+        n_seq_max_c = int(llama.llama_max_parallel_sequences())
+        if cp.n_seq_max < 1 or cp.n_seq_max > n_seq_max_c:
+            raise ValueError(f"n_seq_max must be in 1..{n_seq_max_c} (LLAMA_MAX_SEQ), got {cp.n_seq_max}")
+        if cp.n_batch < 1:
+            raise ValueError(f"n_batch must be >= 1, got {cp.n_batch}")
+        n_ctx = int(cp.n_ctx) or model.n_ctx_train
+        if n_ctx <= 0:
+            raise ValueError("n_ctx is 0 and the model gives no training context length: set n_ctx")
+        causal = Context._is_causal(model, int(cp.attention_type))
+        n_batch = min(n_ctx, int(cp.n_batch)) if causal else int(cp.n_batch)
+        n_outputs_max = n_batch if cp.n_outputs_max == 0 or model.has_encoder else int(cp.n_outputs_max)
+        if cp.n_seq_max > n_outputs_max:
+            # llama_context::output_reserve: GGML_ASSERT(max(n_outputs, n_seq_max) <= n_outputs_max)
+            what = "n_outputs_max" if cp.n_outputs_max else f"n_batch (capped at n_ctx={n_ctx})"
+            raise ValueError(
+                f"n_seq_max={cp.n_seq_max} exceeds {what}={n_outputs_max}: every sequence needs an output row")
+        # the memory this context would take, so a typo in n_ctx is an error, not a machine that swaps or hangs
+        n_ubatch = min(n_batch, int(cp.n_ubatch) or n_batch)
+        kv_type = {v: k for k, v in _KV_TYPES.items()}
+        bytes_k = _KV_BYTES.get(kv_type.get(int(cp.type_k), "f16"), 4.0)
+        bytes_v = _KV_BYTES.get(kv_type.get(int(cp.type_v), "f16"), 4.0)
+        n_head = max(model.n_head, 1)
+        head_dim = model.n_embd / n_head
+        kv_width = model.n_layer * max(model.n_head_kv, 1) * head_dim
+        need = (n_ctx + 256) * kv_width * (bytes_k + bytes_v)
+        need += 4.0 * model.vocab.n_tokens * (min(n_outputs_max, max(n_ubatch, int(cp.n_seq_max))) + n_ubatch)
+        have = _physical_memory()
+        if need > have:
+            raise ValueError(
+                f"this context would need about {need / 2**30:.1f} GiB (n_ctx={n_ctx}, n_batch={n_batch}, "
+                f"n_ubatch={n_ubatch}), more than this machine's {have / 2**30:.1f} GiB: lower n_ctx / n_batch"
+            )
+
+    @staticmethod
+    def _check_samplers(samplers: Any, n_seq_max: int) -> dict[int, Any]:
+        from pyspec.core.sampler import SamplerChain
+
+        if not samplers:
+            return {}
+        if not isinstance(samplers, Mapping):
+            raise TypeError("samplers must be a {seq_id: SamplerChain} mapping")
+        out: dict[int, Any] = {}
+        for seq, chain in samplers.items():
+            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < n_seq_max:
+                raise ValueError(f"samplers: seq_id {seq!r} out of range 0..{n_seq_max - 1}")
+            if not isinstance(chain, SamplerChain):
+                raise TypeError(f"samplers[{seq}] must be a SamplerChain, got {type(chain).__name__}")
+            chain._check_attachable()
+            if any(chain is c for c in out.values()):
+                raise ValueError("samplers: one SamplerChain cannot serve two sequences (it is set up once per use)")
+            out[seq] = chain
+        return out
+
+    # --- the guard -----------------------------------------------------------
+
+    def _acquire(self) -> Any:
+        """Take this context's own guard (closed, busy and fork checks); returns the C pointer."""
+        if not self._busy.acquire(blocking=False):
+            self.check_open()  # a closed context says so first
+            if self._fork_gen != fork.child_generation():
+                raise ConcurrentUseError(
+                    "this context was in use by another thread when the process forked; its state is undefined "
+                    "in the child: create a new Context there"
+                )
+            raise ConcurrentUseError("this context is in use by another thread; give each thread its own Context")
+        if self._closed:  # checked under the guard: close() takes it too
+            self._busy.release()
+            self.check_open()
+        if self._fork_gen != fork.child_generation():
+            self._adopt_after_fork()
+        owner = self._claim_owner
+        if owner is not None and owner != threading.get_ident():
+            self._busy.release()
+            raise ConcurrentUseError(
+                "a generation is already running on this context in another thread (it holds a claim)")
+        return self._ptr
+
+    def _enter(self) -> Any:
+        """Take this context for one call into llama.cpp; returns the C pointer. Pair with _leave().
+
+        A context reading another one (EAGLE3 reads its target's layer inputs, an MTP context
+        shares its target's memory) takes that one's guard too.
+        """
+        ptr = self._acquire()
+        other = self.other
+        if other is not None and not other._busy.acquire(blocking=False):
+            self._busy.release()
+            raise ConcurrentUseError("the context this one reads (ctx_other) is in use by another thread")
+        return ptr
+
+    def _leave(self) -> None:
+        if self.other is not None:
+            self.other._busy.release()
+        self._busy.release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[Any]:
+        """Hold this context's guard around C code that uses it (the port's sampler, the C++ reference)."""
+        ptr = self._enter()
+        try:
+            fork.note_compute(self._threads)
+            yield ptr
+        finally:
+            self._leave()
+
+    def _adopt_after_fork(self) -> None:
+        # first use in a forked child (the guard is held): threads the child does not have are gone
+        self._claimed = threading.Lock()
+        self._claim_owner = None
+        if fork.in_single_thread_child() and self._threads > 1:
+            llama.llama_set_n_threads(self._ptr, 1, 1)
+            self._threads = 1
+        self._fork_gen = fork.child_generation()
 
     # --- decode -----------------------------------------------------------
 
     def _bad_token(self, batch: AnyBatch) -> int | None:
         """A token of the batch outside the vocabulary (llama_decode refuses such a batch with -1)."""
-        if batch.token is None or batch.n_tokens <= 0:
+        token = getattr(batch, "token", None)  # an EmbdBatch carries none
+        if token is None or batch.n_tokens <= 0:
             return None
-        toks = batch.token[: batch.n_tokens]
+        toks = token[: batch.n_tokens]
         lo, hi = int(toks.min()), int(toks.max())
         if lo < 0 or hi >= self.n_vocab:
             return lo if lo < 0 else hi
         return None
 
-    def _check_batch(self, batch: AnyBatch) -> None:
-        # what llama_decode would abort on, or read out of bounds for
-        self.check_open()
+    def _check_batch(self, batch: AnyBatch) -> int:
+        """Returns the number of outputs the batch asks for (what llama_decode would abort on raises).
+
+        A token outside the vocabulary is not checked here: llama_decode refuses such a batch
+        itself with -1 (decode() raises ValueError for it first)."""
+        if not isinstance(batch, (Batch, BatchView, EmbdBatch)):
+            raise TypeError(f"expected a pyspec Batch, BatchView or EmbdBatch, got {type(batch).__name__}")
         n = batch.n_tokens
         if n <= 0:
             raise ValueError("batch is empty")
         if n > self.n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
-        if batch.token is None and batch.embd is not None and batch.n_embd != self.model.n_embd_inp_or_embd():
+        if not self._causal and n > self.n_ubatch:
             raise ValueError(
-                f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
-            )
+                f"non-causal attention computes a batch in one ubatch: {n} tokens exceed n_ubatch={self.n_ubatch}")
+        if isinstance(batch, EmbdBatch):  # one sequence (0), positions from the memory, every row an output
+            if batch.n_embd != self.model.n_embd_inp_or_embd():
+                raise ValueError(
+                    f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}")
+            if n > self.n_outputs_max:
+                raise ValueError(f"batch asks for {n} outputs, this context allows n_outputs_max={self.n_outputs_max}")
+            return n
+        if batch.token is None:
+            if batch.embd is None:
+                raise ValueError("batch carries neither tokens nor embeddings")
+            if batch.n_embd != self.model.n_embd_inp_or_embd():
+                raise ValueError(
+                    f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
+                )
         nsi = batch.n_seq_id[:n]
         if int(nsi.min()) < 1 or int(nsi.max()) > min(batch.n_seq_max, self.n_seq_max):
             raise ValueError(f"each token needs 1..{self.n_seq_max} sequence ids")
@@ -189,11 +406,13 @@ class Context(Handle):
         if lo < 0 or hi >= self.n_seq_max:
             bad = lo if lo < 0 else hi
             raise ValueError(f"seq_id {bad} out of range 0..{self.n_seq_max - 1}")
-
-    def _enter(self) -> None:
-        # a llama_context is not thread-safe: a second thread is refused, not interleaved
-        if not self._busy.acquire(blocking=False):
-            raise ConcurrentUseError("this context is in use by another thread; give each thread its own Context")
+        n_out = n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))
+        if n_out > self.n_outputs_max:
+            raise ValueError(f"batch asks for {n_out} outputs, this context allows n_outputs_max={self.n_outputs_max}")
+        if self._samplers and batch.n_seq_max > 1 and int(nsi.max()) > 1:
+            # backend sampling counts outputs per sequence id and expects one id per output token
+            raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
+        return n_out
 
     def decode(self, batch: AnyBatch) -> None:
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
@@ -212,21 +431,40 @@ class Context(Handle):
         A batch that llama_decode refuses itself (a token outside the vocabulary) returns its
         -1, as in the C++, where e.g. a draft context whose vocabulary lacks a target token
         makes the draft stop; what it would abort on raises ValueError."""
-        self._check_batch(batch)
-        self._enter()
-        t0 = time.perf_counter_ns()
+        ptr = self._enter()
         try:
+            self._check_batch(batch)
+            fork.note_compute(self._threads)
+            t0 = time.perf_counter_ns()
             if self._rpc is not None:
-                rc = self._rpc.decode(self._ptr, batch.c[0])
+                rc = self._rpc.decode(ptr, batch.c[0])
             else:
-                rc = int(llama.llama_decode(self._ptr, batch.c[0]))
+                rc = int(llama.llama_decode(ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
-            n = batch.n_tokens
-            self._n_outputs = (n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))) if rc == 0 else 0
-            self._layer_inp_ready = set(self._layer_inp_on) if rc == 0 else set()
+            self._after_compute(batch, rc, self._embeddings)
+            if rc == 0 and self._retired:
+                self._release_retired()
             return rc
         finally:
-            self._busy.release()
+            self._leave()
+
+    def _after_compute(self, batch: AnyBatch, rc: int, all_outputs: bool) -> None:
+        n = batch.n_tokens
+        if rc != 0:
+            self._outputs = np.zeros(0, np.int32)
+            self._n_outputs = self._n_tokens = 0
+            self._embd_ready = self._nextn_ready = False
+            self._layer_inp_ready = set()
+            return
+        flags = np.ones(n, np.bool_) if all_outputs or isinstance(batch, EmbdBatch) else batch.logits[:n] != 0
+        rows = np.cumsum(flags, dtype=np.int32) - 1
+        rows[~flags] = -1
+        self._outputs = rows
+        self._n_outputs = int(flags.sum())
+        self._n_tokens = n
+        self._embd_ready = self._embeddings
+        self._nextn_ready = self._nextn_on
+        self._layer_inp_ready = set(self._layer_inp_on)
 
     def encode(self, batch: AnyBatch) -> None:
         """Mirrors llama_encode (llama.h); a non-zero result raises DecodeError."""
@@ -235,83 +473,166 @@ class Context(Handle):
             raise decode_error(rc, "llama_encode")
 
     def encode_rc(self, batch: AnyBatch) -> int:
-        self.check_open()
-        if batch.n_tokens <= 0:
-            raise ValueError("batch is empty")
-        if batch.n_tokens > self.n_ubatch:
-            raise ValueError(f"encoder batch of {batch.n_tokens} tokens exceeds n_ubatch={self.n_ubatch}")
-        if not self.model.has_encoder:
-            # llama_encode on a decoder-only model crashes at this revision
-            raise ValueError("llama_encode needs a model with an encoder (T5, EAGLE3); use decode() for this model")
-        self._enter()
-        t0 = time.perf_counter_ns()
+        ptr = self._enter()
         try:
+            if not isinstance(batch, (Batch, BatchView, EmbdBatch)):
+                raise TypeError(f"expected a pyspec Batch, BatchView or EmbdBatch, got {type(batch).__name__}")
+            if batch.n_tokens <= 0:
+                raise ValueError("batch is empty")
+            if batch.n_tokens > self.n_ubatch:
+                raise ValueError(f"encoder batch of {batch.n_tokens} tokens exceeds n_ubatch={self.n_ubatch}")
+            if not self.model.has_encoder:
+                # llama_encode on a decoder-only model crashes at this revision
+                raise ValueError("llama_encode needs a model with an encoder (T5, EAGLE3); use decode() for this model")
+            self._check_batch(batch)
+            fork.note_compute(self._threads)
+            t0 = time.perf_counter_ns()
             if self._rpc is not None:
-                rc = self._rpc.encode(self._ptr, batch.c[0])
+                rc = self._rpc.encode(ptr, batch.c[0])
             else:
-                rc = int(llama.llama_encode(self._ptr, batch.c[0]))
+                rc = int(llama.llama_encode(ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
-            self._n_outputs = batch.n_tokens if rc == 0 else 0
+            self._after_compute(batch, rc, True)
             return rc
         finally:
-            self._busy.release()
+            self._leave()
 
-    # --- outputs (numpy views over C memory, valid until the next decode) ---
+    # --- outputs (copies: llama.cpp frees or moves its buffer later) -----------
 
-    def _check_rows(self, n: int, what: str, n_max: int | None = None) -> None:
-        # a view past the rows llama.cpp wrote would read (or crash on) memory it does not own;
-        # its output buffer holds at least max(outputs of the last decode, n_seq_max) rows
-        self.check_open()
-        limit = max(self._n_outputs, self.n_seq_max) if n_max is None else n_max
-        if not 0 <= n <= limit:
-            raise IndexError(f"{what}: {n} rows requested, the last decode produced at most {limit}")
+    def _row(self, i: int, what: str) -> int:
+        """The output row of batch index i (negative counts from the last output), or IndexError."""
+        i = int(i)
+        n = self._n_outputs
+        if i < 0:
+            if -i > n:
+                raise IndexError(f"{what}: index {i} out of range, the last decode produced {n} outputs")
+            return n + i
+        if i >= self._outputs.size or self._outputs[i] < 0:
+            raise IndexError(
+                f"{what}: batch index {i} has no output (not requested in the last decode, or out of range)")
+        return int(self._outputs[i])
 
-    def _view(self, p: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    @staticmethod
+    def _copy(p: Any, shape: tuple[int, ...], what: str, out: np.ndarray | None = None,
+              dtype: Any = np.float32) -> np.ndarray:
         if p == ffi.NULL:
             raise IndexError(f"{what} not available (no such output row, or outputs not requested)")
         n = 1
         for s in shape:
             n *= s
-        return np.frombuffer(ffi.buffer(p, 4 * n), dtype=np.float32).reshape(shape)
+        if out is None:
+            out = np.empty(shape, dtype)
+        elif (not isinstance(out, np.ndarray) or out.dtype != np.dtype(dtype) or out.size != n
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"out must be a writeable C-contiguous {np.dtype(dtype).name} array of {n} elements")
+        if n:
+            ffi.memmove(ffi.from_buffer(out), p, n * out.itemsize)
+        return out
 
-    def get_logits_ith(self, i: int) -> np.ndarray:
-        """Mirrors llama_get_logits_ith: the logits row of batch index i (negative counts from the end)."""
-        return self._view(llama.llama_get_logits_ith(self.ptr, i), (self.n_vocab,), f"logits for index {i}")
+    def get_logits_ith(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Mirrors llama_get_logits_ith: a copy of the logits row of batch index i (negative counts from the end).
 
-    def get_logits(self, n_outputs: int) -> np.ndarray:
-        """Mirrors llama_get_logits: the first n_outputs rows as an (n_outputs, n_vocab) view."""
-        self._check_rows(n_outputs, "logits")
-        return self._view(llama.llama_get_logits(self.ptr), (n_outputs, self.n_vocab), "logits")
+        With a backend sampler on that sequence the row holds the sampled candidates' logits only.
+        """
+        ptr = self._enter()
+        try:
+            self._row(i, "logits")
+            n = self.n_vocab
+            if self._samplers and llama.llama_get_sampled_logits_ith(ptr, i) != ffi.NULL:
+                n = min(n, int(llama.llama_get_sampled_logits_count_ith(ptr, i)))
+            return self._copy(llama.llama_get_logits_ith(ptr, i), (n,), f"logits for index {i}", out)
+        finally:
+            self._leave()
 
-    def get_embeddings_ith(self, i: int) -> np.ndarray:
-        return self._view(llama.llama_get_embeddings_ith(self.ptr, i), (self.n_embd_out,), f"embeddings for index {i}")
+    def _check_rows(self, n: int, what: str, n_max: int) -> None:
+        if not 0 <= n <= n_max:
+            raise IndexError(f"{what}: {n} rows requested, the last decode produced {n_max}")
 
-    def get_embeddings(self, n_outputs: int) -> np.ndarray:
-        self._check_rows(n_outputs, "embeddings")
-        return self._view(llama.llama_get_embeddings(self.ptr), (n_outputs, self.n_embd_out), "embeddings")
+    def get_logits(self, n_outputs: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Mirrors llama_get_logits: a copy of the first n_outputs rows, shape (n_outputs, n_vocab)."""
+        ptr = self._enter()
+        try:
+            self._check_rows(n_outputs, "logits", self._n_outputs)
+            return self._copy(llama.llama_get_logits(ptr), (n_outputs, self.n_vocab), "logits", out)
+        finally:
+            self._leave()
 
-    def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
-        return self._view(llama.llama_get_embeddings_seq(self.ptr, seq_id), (self.n_embd_out,),
-                          f"embeddings of seq {seq_id}")
+    def get_embeddings_ith(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
+        ptr = self._enter()
+        try:
+            if not self._embd_ready:
+                raise IndexError("embeddings not available: set_embeddings(True) before the decode")
+            self._row(i, "embeddings")
+            p = llama.llama_get_embeddings_ith(ptr, i)
+            return self._copy(p, (self.n_embd_out,), f"embeddings for index {i}", out)
+        finally:
+            self._leave()
+
+    def get_embeddings(self, n_outputs: int, out: np.ndarray | None = None) -> np.ndarray:
+        ptr = self._enter()
+        try:
+            if not self._embd_ready:
+                raise IndexError("embeddings not available: set_embeddings(True) before the decode")
+            self._check_rows(n_outputs, "embeddings", self._n_outputs)
+            return self._copy(llama.llama_get_embeddings(ptr), (n_outputs, self.n_embd_out), "embeddings", out)
+        finally:
+            self._leave()
+
+    def get_embeddings_seq(self, seq_id: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Mirrors llama_get_embeddings_seq: the pooled embedding (or, for rank pooling, the scores) of seq_id."""
+        ptr = self._enter()
+        try:
+            seq = self.memory.check_seq(seq_id)
+            pooling = int(llama.llama_pooling_type(ptr))
+            n = int(llama.llama_model_n_cls_out(self.model.ptr)) if pooling == _POOLING["rank"] else self.n_embd_out
+            p = llama.llama_get_embeddings_seq(ptr, seq) if self._embd_ready else ffi.NULL
+            return self._copy(p, (n,), f"pooled embeddings of seq {seq}", out)
+        finally:
+            self._leave()
 
     def set_embeddings(self, value: bool) -> None:
-        llama.llama_set_embeddings(self.ptr, value)
-        self._embeddings = bool(value)
+        ptr = self._enter()
+        try:
+            llama.llama_set_embeddings(ptr, bool(value))
+            self._embeddings = bool(value)
+        finally:
+            self._leave()
 
     # --- staging API of llama-ext.h (through the pyspec_ext shim) ---------
 
     def set_embeddings_nextn(self, value: bool, masked: bool) -> None:
-        ext.pyspec_set_embeddings_nextn(self.ptr, value, masked)
-        self._nextn_masked = bool(masked)
+        ptr = self._enter()
+        try:
+            ext.pyspec_set_embeddings_nextn(ptr, bool(value), bool(masked))
+            self._nextn_on = bool(value)
+            self._nextn_masked = bool(masked)
+        finally:
+            self._leave()
 
-    def get_embeddings_nextn(self, n_rows: int) -> np.ndarray:
-        # unmasked: one row per batch token (n_batch rows); masked: one per output
-        self._check_rows(n_rows, "nextn embeddings", None if self._nextn_masked else self.n_batch)
-        return self._view(ext.pyspec_get_embeddings_nextn(self.ptr), (n_rows, self.n_embd), "nextn embeddings")
+    def get_embeddings_nextn(self, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
+        ptr = self._enter()
+        try:
+            if not self._nextn_ready:
+                raise IndexError("nextn embeddings not available: set_embeddings_nextn(True, ...) before the decode")
+            # unmasked: one row per batch token; masked: one per output
+            self._check_rows(n_rows, "nextn embeddings", self._n_outputs if self._nextn_masked else self._n_tokens)
+            return self._copy(ext.pyspec_get_embeddings_nextn(ptr), (n_rows, self.n_embd_out), "nextn embeddings", out)
+        finally:
+            self._leave()
 
-    def get_embeddings_nextn_ith(self, i: int) -> np.ndarray:
-        return self._view(ext.pyspec_get_embeddings_nextn_ith(self.ptr, i), (self.n_embd,),
-                          f"nextn embeddings for index {i}")
+    def get_embeddings_nextn_ith(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
+        ptr = self._enter()
+        try:
+            if not self._nextn_ready:
+                raise IndexError("nextn embeddings not available: set_embeddings_nextn(True, ...) before the decode")
+            if self._nextn_masked:
+                self._row(i, "nextn embeddings")
+            elif not 0 <= int(i) < self._n_tokens:
+                raise IndexError(f"nextn embeddings: index {i} out of range 0..{self._n_tokens - 1}")
+            p = ext.pyspec_get_embeddings_nextn_ith(ptr, i)
+            return self._copy(p, (self.n_embd_out,), f"nextn embeddings for index {i}", out)
+        finally:
+            self._leave()
 
     def check_layer_inp(self, layer: int) -> None:
         """Raise ValueError unless this context can export the input of ``layer`` (llama.cpp aborts otherwise)."""
@@ -329,100 +650,189 @@ class Context(Handle):
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
         if value:
             self.check_layer_inp(layer)
-        ext.pyspec_set_embeddings_layer_inp(self.ptr, layer, value)
-        (self._layer_inp_on.add if value else self._layer_inp_on.discard)(layer)
+        ptr = self._enter()
+        try:
+            ext.pyspec_set_embeddings_layer_inp(ptr, layer, bool(value))
+            (self._layer_inp_on.add if value else self._layer_inp_on.discard)(layer)
+        finally:
+            self._leave()
 
-    def get_embeddings_layer_inp(self, layer: int, n_tokens: int) -> np.ndarray:
+    def get_embeddings_layer_inp(self, layer: int, n_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         if not 0 <= layer < self.model.n_layer:
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
-        if layer not in self._layer_inp_ready:
-            # llama.cpp asserts (aborts) when the layer's buffer was not filled by a decode
-            raise IndexError(f"layer {layer} input not available: "
-                             f"enable set_embeddings_layer_inp({layer}, True), then decode")
-        self._check_rows(n_tokens, f"layer {layer} input", self.n_batch)
-        return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd),
-                          f"layer {layer} input")
+        ptr = self._enter()
+        try:
+            if layer not in self._layer_inp_ready:
+                # llama.cpp asserts (aborts) when the layer's buffer was not filled by a decode
+                raise IndexError(
+                    f"layer {layer} input not available: enable set_embeddings_layer_inp({layer}, True), then decode")
+            self._check_rows(n_tokens, f"layer {layer} input", self._n_tokens)
+            p = ext.pyspec_get_embeddings_layer_inp(ptr, layer)
+            return self._copy(p, (n_tokens, self.n_embd), f"layer {layer} input", out)
+        finally:
+            self._leave()
 
-    def get_ctx_other_ptr(self):
+    def get_ctx_other_ptr(self) -> Any:
         return ext.pyspec_get_ctx_other(self.ptr)
 
     # --- backend sampling --------------------------------------------------
 
     def set_sampler(self, seq_id: int, chain: Any) -> bool:
-        """Mirrors llama_set_sampler: attach a sampler chain (or None) to seq_id; keeps it alive."""
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id {seq_id} out of range 0..{self.n_seq_max - 1}")
-        ok = bool(llama.llama_set_sampler(self.ptr, seq_id, chain.ptr if chain is not None else ffi.NULL))
-        if ok and chain is not None:
-            self._samplers[seq_id] = chain
-        elif chain is None:
-            self._samplers.pop(seq_id, None)
-        return ok
+        """Mirrors llama_set_sampler: attach a sampler chain (or None) to seq_id.
+
+        The context keeps an attached chain alive until it is detached or the context
+        is freed. llama.cpp sets a chain up for one context once: a chain that was ever
+        attached cannot be attached again (clone() it).
+        """
+        from pyspec.core.sampler import SamplerChain
+
+        seq = self.memory.check_seq(seq_id)
+        if chain is not None:
+            if not isinstance(chain, SamplerChain):
+                raise TypeError(f"chain must be a SamplerChain or None, got {type(chain).__name__}")
+            chain._check_attachable()
+        ptr = self._enter()
+        try:
+            if chain is not None:
+                chain._retain()
+            try:
+                ok = bool(llama.llama_set_sampler(ptr, seq, chain.ptr if chain is not None else ffi.NULL))
+            except BaseException:
+                if chain is not None:
+                    chain._release()
+                raise
+            # llama.cpp now holds the new chain for seq (ok) or none at all
+            old = self._samplers.pop(seq, None)
+            if old is not None:
+                self._retired.append(old)
+            if chain is not None:
+                if ok:
+                    chain._attached(self)
+                    self._samplers[seq] = chain
+                else:
+                    chain._release()  # not offloadable: llama.cpp did not take it
+            return ok
+        finally:
+            self._leave()
 
     def get_sampled_token_ith(self, i: int) -> int:
-        return int(llama.llama_get_sampled_token_ith(self.ptr, i))
+        ptr = self._enter()
+        try:
+            return int(llama.llama_get_sampled_token_ith(ptr, i))
+        finally:
+            self._leave()
+
+    def _sampled(self, i: int, count_fn: Any, data_fn: Any, what: str, dtype: Any) -> np.ndarray:
+        ptr = self._enter()
+        try:
+            n = min(int(count_fn(ptr, i)), self.n_vocab)
+            p = data_fn(ptr, i)
+            if n == 0 or p == ffi.NULL:
+                return np.zeros(0, dtype)
+            return self._copy(p, (n,), what, None, dtype)
+        finally:
+            self._leave()
 
     def get_sampled_probs_ith(self, i: int) -> np.ndarray:
-        n = llama.llama_get_sampled_probs_count_ith(self.ptr, i)
-        p = llama.llama_get_sampled_probs_ith(self.ptr, i)
-        return np.zeros(0, np.float32) if n == 0 or p == ffi.NULL else self._view(p, (n,), "sampled probs")
+        return self._sampled(i, llama.llama_get_sampled_probs_count_ith, llama.llama_get_sampled_probs_ith,
+                             "sampled probs", np.float32)
 
     def get_sampled_logits_ith(self, i: int) -> np.ndarray:
-        n = llama.llama_get_sampled_logits_count_ith(self.ptr, i)
-        p = llama.llama_get_sampled_logits_ith(self.ptr, i)
-        return np.zeros(0, np.float32) if n == 0 or p == ffi.NULL else self._view(p, (n,), "sampled logits")
+        return self._sampled(i, llama.llama_get_sampled_logits_count_ith, llama.llama_get_sampled_logits_ith,
+                             "sampled logits", np.float32)
 
     def get_sampled_candidates_ith(self, i: int) -> np.ndarray:
-        n = llama.llama_get_sampled_candidates_count_ith(self.ptr, i)
-        p = llama.llama_get_sampled_candidates_ith(self.ptr, i)
-        if n == 0 or p == ffi.NULL:
-            return np.zeros(0, np.int32)
-        return np.frombuffer(ffi.buffer(p, 4 * n), dtype=np.int32)
+        return self._sampled(i, llama.llama_get_sampled_candidates_count_ith, llama.llama_get_sampled_candidates_ith,
+                             "sampled candidates", np.int32)
 
     # --- state (per-sequence checkpoints) ----------------------------------
+
+    @staticmethod
+    def _check_state_flags(flags: int) -> int:
+        if isinstance(flags, bool) or not isinstance(flags, int) or flags & ~_STATE_FLAGS_HOST:
+            raise ValueError(
+                f"state flags must be 0 or LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (1), got {flags!r} "
+                "(ON_DEVICE states live in device memory, which pyspec does not hand out)"
+            )
+        return flags
 
     def state_seq_get(self, seq_id: int, flags: int = 0) -> bytes:
         """Mirrors llama_state_seq_get_data_ext: a copy of one sequence's state."""
         seq = self.memory.check_seq(seq_id)
+        flags = self._check_state_flags(flags)
         if self._rpc is not None:
             self._rpc.ensure_usable("reading a sequence's state")
-        size = llama.llama_state_seq_get_size_ext(self.ptr, seq, flags)
-        buf = ffi.new("uint8_t[]", size)
-        n = llama.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
-        return ffi.buffer(buf, n)[:]
+        ptr = self._enter()
+        try:
+            size = llama.llama_state_seq_get_size_ext(ptr, seq, flags)
+            buf = ffi.new("uint8_t[]", size)
+            n = llama.llama_state_seq_get_data_ext(ptr, buf, size, seq, flags)
+            return ffi.buffer(buf, n)[:]
+        finally:
+            self._leave()
 
     def state_seq_set(self, seq_id: int, data: bytes, flags: int = 0) -> None:
-        """Mirrors llama_state_seq_set_data_ext; raises if llama.cpp rejects the data."""
+        """Mirrors llama_state_seq_set_data_ext; the data is checked against this context first.
+
+        A state that does not fit this context raises ValueError before llama.cpp reads it;
+        one that llama.cpp rejects raises ContextError (and leaves the sequence empty).
+        """
+        from pyspec.core.state import check_seq_state
+
         seq = self.memory.check_seq(seq_id)
+        flags = self._check_state_flags(flags)
+        data = bytes(data)
         if not data:
             raise ValueError("empty state")
         if self._rpc is not None:
             self._rpc.ensure_usable("restoring a sequence's state")
-        n = llama.llama_state_seq_set_data_ext(self.ptr, ffi.from_buffer(data), len(data), seq, flags)
+        ptr = self._enter()
+        try:
+            check_seq_state(self, data, flags)
+            n = llama.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(data), len(data), seq, flags)
+        finally:
+            self._leave()
         if n == 0:
             raise ContextError(f"llama_state_seq_set_data rejected the state for seq {seq}")
 
     # --- threads, perf ------------------------------------------------------
 
     def set_n_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        if n_threads <= 0 or (n_threads_batch is not None and n_threads_batch <= 0):
-            raise ValueError("thread counts must be positive")
-        self._check_pool_threads(n_threads, n_threads_batch or n_threads)
-        llama.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
+        nb = n_threads if n_threads_batch is None else n_threads_batch
+        for name, v in (("n_threads", n_threads), ("n_threads_batch", nb)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_THREADS:
+                raise ValueError(f"{name} must be an int in 1..{MAX_THREADS}, got {v!r}")
+        if fork.in_single_thread_child():
+            n_threads = nb = 1
+        self._check_pool_threads(n_threads, nb)
+        ptr = self._enter()
+        try:
+            llama.llama_set_n_threads(ptr, n_threads, nb)
+            self._threads = max(n_threads, nb)
+        finally:
+            self._leave()
 
     @property
     def n_rs_seq(self) -> int:
         return int(llama.llama_n_rs_seq(self.ptr))
 
     def synchronize(self) -> None:
-        llama.llama_synchronize(self.ptr)
+        ptr = self._enter()
+        try:
+            llama.llama_synchronize(ptr)
+        finally:
+            self._leave()
 
     @property
     def n_threads(self) -> int:
         return int(llama.llama_n_threads(self.ptr))
 
     def perf(self) -> dict[str, float]:
-        d = llama.llama_perf_context(self.ptr)
+        ptr = self._enter()
+        try:
+            d = llama.llama_perf_context(ptr)
+        finally:
+            self._leave()
         return {
             "t_start_ms": d.t_start_ms,
             "t_load_ms": d.t_load_ms,
@@ -434,44 +844,74 @@ class Context(Handle):
         }
 
     def perf_reset(self) -> None:
-        llama.llama_perf_context_reset(self.ptr)
+        ptr = self._enter()
+        try:
+            llama.llama_perf_context_reset(ptr)
+        finally:
+            self._leave()
 
     # --- claiming for a generation -------------------------------------------
 
     @contextlib.contextmanager
     def claim(self, *, exclusive: bool = False) -> Iterator[None]:
-        """Hold this context for one generation; a second claim (another thread, another
-        generator, a callback) raises ConcurrentUseError instead of interleaving its memory edits.
+        """Hold this context for one generation (or any sequence of calls that must not be
+        interleaved); a second claim (another thread, another generator, a callback) raises
+        ConcurrentUseError, and so does any call from another thread while the claim lasts.
 
         ``exclusive`` also holds the decode guard for the whole time, for C code that
         decodes on this context by itself (the C++ loop); what that code left in the
-        output buffers is then forgotten, so the output views stay bounded.
+        output buffers is then forgotten, so the output getters stay bounded.
         """
-        self.check_open()
+        self._acquire()  # the closed, busy and fork checks
+        self._busy.release()
         if not self._claimed.acquire(blocking=False):
             raise ConcurrentUseError("a generation is already running on this context (another thread or generator)")
+        self._claim_owner = threading.get_ident()
         try:
-            if exclusive:
-                self._enter()
+            if exclusive:  # this context's own guard: the caller claims every context the C code uses
+                self._acquire()
                 try:
+                    fork.note_compute(self._threads)
                     yield
                 finally:
-                    self._n_outputs = 0
-                    self._layer_inp_ready = set()
+                    self._forget_outputs()
                     self._busy.release()
             else:
                 yield
         finally:
+            self._claim_owner = None
             self._claimed.release()
+
+    def _forget_outputs(self) -> None:
+        """C code decoded on this context behind our back: nothing is known about its output buffers."""
+        self._outputs = np.zeros(0, np.int32)
+        self._n_outputs = self._n_tokens = 0
+        self._embd_ready = self._nextn_ready = False
+        self._layer_inp_ready = set()
 
     def close(self) -> None:
         """Free the context (deferred while an MTP/EAGLE3 context still uses it); refused mid-decode."""
+        if self._closed:
+            return
         if not self._busy.acquire(blocking=False):
-            raise ConcurrentUseError("cannot close a context while another thread is decoding on it")
+            raise ConcurrentUseError("cannot close a context while another thread is using it")
         try:
             super().close()
         finally:
             self._busy.release()
+
+    def _release_retired(self) -> None:
+        # a decode rebuilt the graph without them: the detached chains may go
+        retired, self._retired = self._retired, []
+        for chain in retired:
+            chain._detached()
+
+    def _destroy(self) -> None:
+        chains = [*self._samplers.values(), *self._retired]
+        self._samplers, self._retired = {}, []
+        super()._destroy()  # llama_free first: the chains must outlive the context that uses them
+        for chain in chains:
+            chain._detached()
 
     # --- state to bytes and files (pyspec.core.state) ---------------------------
 
@@ -549,16 +989,17 @@ class Context(Handle):
             if user is not None and user is not self and not user.closed:
                 raise ValueError(f"{pool!r} is attached to another context; detach it there first")
         self.detach_threadpool()
-        self._enter()
+        ptr = self._enter()
         try:
             for pool in pools:
                 self._hold(pool)
                 pool.set_user(self)
-            llama.llama_attach_threadpool(self.ptr, threadpool.ptr, pools[-1].ptr)
-            llama.llama_set_n_threads(self.ptr, threadpool.n_threads, pools[-1].n_threads)
+            llama.llama_attach_threadpool(ptr, threadpool.ptr, pools[-1].ptr)
+            llama.llama_set_n_threads(ptr, threadpool.n_threads, pools[-1].n_threads)
+            self._threads = max(threadpool.n_threads, pools[-1].n_threads)
             self._threadpools = pools
         finally:
-            self._busy.release()
+            self._leave()
 
     def _check_pool_threads(self, n_threads: int, n_threads_batch: int) -> None:
         pools = getattr(self, "_threadpools", [])
@@ -573,12 +1014,12 @@ class Context(Handle):
         pools = getattr(self, "_threadpools", [])
         if not pools:
             return
-        self._enter()
+        ptr = self._enter()
         try:
-            llama.llama_detach_threadpool(self.ptr)
+            llama.llama_detach_threadpool(ptr)
             self._threadpools = []
             for pool in pools:
                 pool.set_user(None)
                 self._unhold(pool)
         finally:
-            self._busy.release()
+            self._leave()

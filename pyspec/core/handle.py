@@ -2,24 +2,62 @@
 
 Every wrapper owns one C pointer and frees it exactly once. Objects that other
 objects depend on (a model under its contexts, a target context under its MTP
-context) are *retained* by their dependents: close() on them marks them closed
-at once, and the C free happens when the last dependent lets go, so closing in
-any order is safe.
+context, a sampler chain attached to a context) are *retained* by their
+dependents: close() on them marks them closed at once, and the C free happens
+when the last dependent lets go, so closing in any order is safe.
+
+A handle-owning object cannot be copied or pickled: a shallow copy would free
+the same pointer twice, and a C pointer means nothing in another process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar, cast
 
-from pyspec.errors import ClosedError
+from pyspec.errors import ClosedError, ConcurrentUseError
 from pyspec.ffi import ffi
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "NotCopyable", "serialized"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Handle:
+def serialized(method: F) -> F:
+    """Run a Handle method inside ``self._in_use()``: one thread at a time on the C object."""
+
+    @functools.wraps(method)
+    def wrapper(self: Handle, *args: Any, **kwargs: Any) -> Any:
+        with self._in_use():
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+class NotCopyable:
+    """Refuses copy.copy, copy.deepcopy and pickle with a TypeError that says why."""
+
+    def _refuse_copy(self) -> NoReturn:
+        name = type(self).__name__
+        raise TypeError(
+            f"{name} owns C memory and cannot be copied or pickled (a copy would free it twice; "
+            f"a pointer means nothing in another process): create a new {name} instead"
+        )
+
+    def __copy__(self) -> NoReturn:
+        self._refuse_copy()
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        self._refuse_copy()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse_copy()
+
+
+class Handle(NotCopyable):
     """Owner of one C pointer; subclasses call ``_own(ptr, free)``."""
 
     _kind = "object"
@@ -31,14 +69,24 @@ class Handle:
         self._users = 0
         self._deps: list[Handle] = []
         self._lock = threading.Lock()
+        # held by the one thread inside a C call on this object (see _in_use); re-entrant for that thread
+        self._calls = threading.RLock()
 
     def _own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
+        taken: list[Handle] = []
+        try:
+            for dep in deps:
+                dep._retain()
+                taken.append(dep)
+        except BaseException:
+            free(ptr)
+            for dep in taken:
+                dep._release()
+            raise
         self._ptr = ptr
         self._free = free
         self._closed = False
-        for dep in deps:
-            dep._retain()
-        self._deps = list(deps)
+        self._deps = taken
 
     @property
     def ptr(self) -> Any:
@@ -51,6 +99,17 @@ class Handle:
         """Raise ClosedError after close()."""
         if self._closed:
             raise ClosedError(f"{self._kind} is closed")
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[Any]:
+        """Hold this object for one C call: a second thread is refused, not interleaved (C objects
+        such as sampler chains keep state no two threads may change at once)."""
+        if not self._calls.acquire(blocking=False):
+            raise ConcurrentUseError(f"this {self._kind} is in use by another thread")
+        try:
+            yield self.ptr
+        finally:
+            self._calls.release()
 
     @property
     def closed(self) -> bool:
@@ -94,12 +153,17 @@ class Handle:
             dep._release()
 
     def close(self) -> None:
-        """Free the C object (deferred while dependents still use it). Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            free_now = self._users == 0
+        """Free the C object (deferred while dependents still use it). Idempotent; refused mid-call."""
+        if not self._calls.acquire(blocking=False):
+            raise ConcurrentUseError(f"cannot close this {self._kind} while another thread is using it")
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                free_now = self._users == 0
+        finally:
+            self._calls.release()
         if free_now:
             self._destroy()
 

@@ -137,7 +137,14 @@ class Model(Handle):
         tensor_buft_overrides: Sequence[tuple[str, str]] | Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
-        paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]  # type: ignore[arg-type]
+        raw_paths: list[Any] = list(path) if isinstance(path, (list, tuple)) else [path]
+        paths: list[Path] = []
+        for p in raw_paths:
+            if not isinstance(p, (str, os.PathLike)):
+                raise TypeError(f"path must be a str or os.PathLike (or a list of them), got {type(p).__name__}")
+            if "\0" in os.fsdecode(p):
+                raise ValueError("model path contains a NUL character")
+            paths.append(Path(p))
         if not paths:
             raise ValueError("no model file given (an empty list of splits)")
         self.path = paths[0]
@@ -152,9 +159,15 @@ class Model(Handle):
             if problem:
                 raise ModelLoadError(str(p), problem)
         ensure_backend()
+        err = ffi.new("char[]", 512)
+        if ext.pyspec_gguf_check(os.fsencode(self.path), err, 512) != 0:
+            # metadata llama.cpp would read past or assert on (csrc/pyspec_gguf.cpp)
+            raise ModelLoadError(str(self.path), ffi.string(err).decode(errors="replace"))
 
-        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
+        if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers < 2**31:
             raise ValueError(f"n_gpu_layers must be -1 (all layers) or a count >= 0, not {n_gpu_layers!r}")
+        if isinstance(main_gpu, bool) or not isinstance(main_gpu, int) or not -(2**31) <= main_gpu < 2**31:
+            raise ValueError(f"main_gpu must be an int32, got {main_gpu!r}")
         offload, self.rpc = _offload_devices(devices, rpc_servers)
         self.devices: list[Device] = offload
         if split_mode == "none" and offload and not -1 <= main_gpu < len(offload):
@@ -217,6 +230,7 @@ class Model(Handle):
             reason = errors.reason("error loading model:") or "llama.cpp rejected the file (see the pyspec.llama log)"
             raise ModelLoadError(str(self.path), reason)
         self._own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
+        self.vocab_only = bool(vocab_only)
         self.vocab = Vocab(self)
 
     # --- information -------------------------------------------------------

@@ -1,4 +1,13 @@
-"""llama_sampler chains (the sampler API of llama.h)."""
+"""llama_sampler chains (the sampler API of llama.h).
+
+What llama.cpp would abort on or index with unchecked is refused here first:
+sampler parameters that leave a sampler without state (DRY with no window),
+tokens outside the vocabulary, a token the chain's grammar does not allow
+(llama.cpp throws through its C API, which ends the process), a candidate
+array that is empty or names unknown tokens, a chain that selects no token,
+sampling a batch index without logits, and a chain attached to a second
+context (llama.cpp sets a chain up for the backend once).
+"""
 
 from __future__ import annotations
 
@@ -9,108 +18,239 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pyspec.core.grammar import check_grammar
 from pyspec.core.handle import Handle
 from pyspec.errors import SamplerCallbackError
-from pyspec.ffi import ffi, llama
+from pyspec.ffi import c_const, ext, ffi, llama
 
 if TYPE_CHECKING:
     from pyspec.core.context import Context
     from pyspec.core.vocab import Vocab
 
-__all__ = ["TOKEN_DATA_DTYPE", "CustomSampler", "SamplerChain", "TokenDataArray", "raise_sampler_errors"]
+__all__ = ["MAX_HISTORY", "TOKEN_DATA", "TOKEN_DATA_DTYPE", "CustomSampler", "SamplerChain", "TokenDataArray",
+           "check_dry_window", "raise_sampler_errors"]
+
+# the layout of llama_token_data: {llama_token id; float logit; float p}
+TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert TOKEN_DATA_DTYPE.itemsize == ffi.sizeof("llama_token_data")
+TOKEN_DATA = TOKEN_DATA_DTYPE  # the shorter name of the same dtype
+_INT32_MAX = 2**31 - 1
+# the longest token history a sampler may keep: llama.cpp allocates its ring buffers
+# (penalties, DRY, common_sampler's prev) at full size up front
+MAX_HISTORY = c_const("PYSPEC_MAX_HISTORY")
+
+
+def check_dry_window(n_ctx_train: int, multiplier: float, base: float, penalty_last_n: int) -> None:
+    """Raise ValueError unless llama_sampler_init_dry gets a usable history window.
+
+    DRY is on when multiplier != 0, base >= 1 and penalty_last_n != 0; its window is then
+    n_ctx_train (penalty_last_n == -1) or max(penalty_last_n, 0). An empty window makes the
+    first accept throw through the C API (the process ends); a huge one is allocated at once.
+    """
+    if not (multiplier != 0.0 and base >= 1.0 and penalty_last_n != 0):
+        return
+    window = n_ctx_train if penalty_last_n == -1 else max(penalty_last_n, 0)
+    if not 1 <= window <= MAX_HISTORY:
+        raise ValueError(
+            f"DRY needs a history window in 1..{MAX_HISTORY} tokens (penalty_last_n, or n_ctx_train when it is -1), "
+            f"got {window}"
+        )
+
+
+def _int(name: str, value: Any, lo: int = -(2**31), hi: int = _INT32_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 class SamplerChain(Handle):
     """Mirrors llama_sampler_chain_init / llama_sampler_free (llama.h).
 
     The ``add_*`` methods create a sampler and hand it to the chain, which owns
-    it from then on (as llama_sampler_chain_add does).
+    it from then on (as llama_sampler_chain_add does). A chain attached to a
+    context as its backend sampler (Context.set_sampler) is kept alive by that
+    context and cannot be changed or attached again.
     """
 
     _kind = "sampler chain"
 
-    def __init__(self, no_perf: bool = True, _ptr=None) -> None:
+    def __init__(self, no_perf: bool = True, _ptr: Any = None) -> None:
         super().__init__()
         if _ptr is None:
             params = llama.llama_sampler_chain_default_params()
-            params.no_perf = no_perf
+            params.no_perf = bool(no_perf)
             _ptr = llama.llama_sampler_chain_init(params)
         self._own(_ptr, llama.llama_sampler_free)
+        self._n_vocab = 0  # the vocabulary size of the samplers that know one (0: none yet)
+        self._vocab: Any = None
+        self._grammars: list[int] = []  # chain indices of grammar samplers
+        self._used = False  # set up for a context's backend sampling (llama.cpp does that once per chain)
+        self._cand: np.ndarray | None = None  # candidate buffer of sample(), reused
 
-    def _add(self, smpl, what: str) -> SamplerChain:
+    # --- building --------------------------------------------------------------
+
+    def _check_mutable(self) -> None:
+        if self._used:
+            raise ValueError("this chain was attached to a context as a backend sampler; it cannot change (clone() it)")
+
+    def _vocab_of(self, vocab: Vocab) -> Any:
+        n = vocab.n_tokens
+        if self._n_vocab and n != self._n_vocab:
+            raise ValueError(f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, not {n}")
+        self._n_vocab = n
+        self._vocab = vocab
+        return vocab.ptr
+
+    def _add(self, smpl: Any, what: str) -> SamplerChain:
         if smpl == ffi.NULL:
             raise ValueError(f"could not create the {what} sampler (see the pyspec.llama log)")
-        llama.llama_sampler_chain_add(self.ptr, smpl)
+        try:
+            self._check_mutable()
+            with self._in_use() as ptr:
+                llama.llama_sampler_chain_add(ptr, smpl)
+        except BaseException:
+            llama.llama_sampler_free(smpl)
+            raise
         return self
 
     def add_greedy(self) -> SamplerChain:
         return self._add(llama.llama_sampler_init_greedy(), "greedy")
 
     def add_dist(self, seed: int) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_dist(seed & 0xFFFFFFFF), "dist")
+        return self._add(llama.llama_sampler_init_dist(_int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF), "dist")
 
     def add_top_k(self, k: int) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_top_k(k), "top-k")
+        return self._add(llama.llama_sampler_init_top_k(_int("k", k)), "top-k")
 
     def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_top_p(p, min_keep), "top-p")
+        return self._add(llama.llama_sampler_init_top_p(_float("p", p), _int("min_keep", min_keep, 0)), "top-p")
 
     def add_min_p(self, p: float, min_keep: int = 1) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_min_p(p, min_keep), "min-p")
+        return self._add(llama.llama_sampler_init_min_p(_float("p", p), _int("min_keep", min_keep, 0)), "min-p")
 
     def add_typical(self, p: float, min_keep: int = 1) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_typical(p, min_keep), "typical")
+        return self._add(llama.llama_sampler_init_typical(_float("p", p), _int("min_keep", min_keep, 0)), "typical")
 
     def add_temp(self, t: float) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_temp(t), "temp")
+        return self._add(llama.llama_sampler_init_temp(_float("t", t)), "temp")
 
     def add_temp_ext(self, t: float, delta: float, exponent: float) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_temp_ext(t, delta, exponent), "temp-ext")
+        smpl = llama.llama_sampler_init_temp_ext(_float("t", t), _float("delta", delta), _float("exponent", exponent))
+        return self._add(smpl, "temp-ext")
 
     def add_xtc(self, p: float, t: float, min_keep: int, seed: int) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_xtc(p, t, min_keep, seed & 0xFFFFFFFF), "xtc")
+        smpl = llama.llama_sampler_init_xtc(_float("p", p), _float("t", t), _int("min_keep", min_keep, 0),
+                                            _int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF)
+        return self._add(smpl, "xtc")
 
     def add_top_n_sigma(self, n: float) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_top_n_sigma(n), "top-n-sigma")
+        return self._add(llama.llama_sampler_init_top_n_sigma(_float("n", n)), "top-n-sigma")
 
     def add_mirostat(self, n_vocab: int, seed: int, tau: float, eta: float, m: int = 100) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_mirostat(n_vocab, seed & 0xFFFFFFFF, tau, eta, m), "mirostat")
+        n_vocab = _int("n_vocab", n_vocab, 1)
+        if self._n_vocab and n_vocab != self._n_vocab:
+            raise ValueError(f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, not {n_vocab}")
+        m = _int("m", m, 1, n_vocab)  # it averages over the top m candidates
+        smpl = llama.llama_sampler_init_mirostat(n_vocab, _int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF,
+                                                 _float("tau", tau), _float("eta", eta), m)
+        self._add(smpl, "mirostat")
+        self._n_vocab = n_vocab
+        return self
 
     def add_mirostat_v2(self, seed: int, tau: float, eta: float) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_mirostat_v2(seed & 0xFFFFFFFF, tau, eta), "mirostat-v2")
+        smpl = llama.llama_sampler_init_mirostat_v2(_int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF,
+                                                    _float("tau", tau), _float("eta", eta))
+        return self._add(smpl, "mirostat-v2")
 
     def add_penalties(self, last_n: int, repeat: float, freq: float, present: float) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_penalties(last_n, repeat, freq, present), "penalties")
+        smpl = llama.llama_sampler_init_penalties(_int("last_n", last_n, -1, MAX_HISTORY), _float("repeat", repeat),
+                                                  _float("freq", freq), _float("present", present))
+        return self._add(smpl, "penalties")
 
     def add_dry(
         self, vocab: Vocab, n_ctx_train: int, multiplier: float, base: float, allowed_length: int,
         penalty_last_n: int, seq_breakers: Sequence[str],
     ) -> SamplerChain:
-        keep = [ffi.new("char[]", s.encode()) for s in seq_breakers]
+        n_ctx_train = _int("n_ctx_train", n_ctx_train)
+        penalty_last_n = _int("penalty_last_n", penalty_last_n, -(2**31))
+        check_dry_window(n_ctx_train, _float("multiplier", multiplier), _float("base", base), penalty_last_n)
+        keep = [ffi.new("char[]", str(s).encode()) for s in seq_breakers]
         arr = ffi.new("const char *[]", keep) if keep else ffi.NULL
         smpl = llama.llama_sampler_init_dry(
-            vocab.ptr, n_ctx_train, multiplier, base, allowed_length, penalty_last_n, arr, len(keep)
+            self._vocab_of(vocab), n_ctx_train, _float("multiplier", multiplier), _float("base", base),
+            _int("allowed_length", allowed_length), penalty_last_n, arr, len(keep)
         )
         return self._add(smpl, "dry")
 
     def add_adaptive_p(self, target: float, decay: float, seed: int) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_adaptive_p(target, decay, seed & 0xFFFFFFFF), "adaptive-p")
+        smpl = llama.llama_sampler_init_adaptive_p(_float("target", target), _float("decay", decay),
+                                                   _int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF)
+        return self._add(smpl, "adaptive-p")
 
     def add_logit_bias(self, n_vocab: int, biases: Sequence[tuple[int, float]]) -> SamplerChain:
-        for tok, _ in biases:
+        n_vocab = _int("n_vocab", n_vocab, 1)
+        if self._n_vocab and n_vocab != self._n_vocab:
+            raise ValueError(f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, not {n_vocab}")
+        items = [(int(t), _float("bias", b)) for t, b in biases]
+        for tok, _ in items:
             if not 0 <= tok < n_vocab:
                 raise ValueError(f"logit bias token {tok} is outside the vocabulary (0..{n_vocab - 1})")
-        arr = ffi.new("llama_logit_bias[]", [{"token": t, "bias": b} for t, b in biases]) if biases else ffi.NULL
-        return self._add(llama.llama_sampler_init_logit_bias(n_vocab, len(biases), arr), "logit-bias")
+        arr = ffi.new("llama_logit_bias[]", [{"token": t, "bias": b} for t, b in items]) if items else ffi.NULL
+        self._add(llama.llama_sampler_init_logit_bias(n_vocab, len(items), arr), "logit-bias")
+        self._n_vocab = n_vocab
+        return self
 
     def add_grammar(self, vocab: Vocab, grammar: str, root: str = "root") -> SamplerChain:
-        smpl = llama.llama_sampler_init_grammar(vocab.ptr, grammar.encode(), root.encode())
+        """Mirrors llama_sampler_init_grammar, after pyspec.core.grammar.check_grammar bounded the grammar."""
+        self._check_mutable()
+        vptr = self._vocab_of(vocab)
+        check_grammar(grammar, root, vptr)
+        smpl = llama.llama_sampler_init_grammar(vptr, grammar.encode(), root.encode())
         if smpl == ffi.NULL:
             raise ValueError("failed to parse the grammar (see the pyspec.llama log)")
-        return self._add(smpl, "grammar")
+        index = len(self)
+        self._add(smpl, "grammar")
+        self._grammars.append(index)
+        return self
 
     def add_infill(self, vocab: Vocab) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_infill(vocab.ptr), "infill")
+        return self._add(llama.llama_sampler_init_infill(self._vocab_of(vocab)), "infill")
+
+    # --- attaching to a context (Context.set_sampler) ------------------------------
+
+    def _check_attachable(self) -> None:
+        self.check_open()
+        if self._used:
+            raise ValueError(
+                "this chain was already attached to a context; llama.cpp sets a chain up for one context once "
+                "(attach a clone() instead)"
+            )
+        # on the backend, a later selecting sampler replaces dist's choice: dist's random
+        # input drops out of the graph unallocated, and the next decode aborts setting it
+        names = self.names()
+        if "dist" in names:
+            first = names.index("dist")
+            later = [(i, n) for i, n in enumerate(names) if i > first and n in ("dist", "greedy")]
+            if later:
+                i, n = later[0]
+                raise ValueError(
+                    f"a backend sampler chain selects once: 'dist' (sampler {first}) is followed by '{n}' "
+                    f"(sampler {i}); end the chain with one selecting sampler"
+                )
+
+    def _attached(self, ctx: Context) -> None:
+        """ctx took this chain (and retained it)."""
+        self._used = True
+
+    def _detached(self) -> None:
+        """The context let go of this chain."""
+        self._release()
 
     def add_custom(self, sampler: Any) -> SamplerChain:
         """Add a sampler written in Python (see :class:`CustomSampler`); the chain owns it from now on.
@@ -119,7 +259,8 @@ class SamplerChain(Handle):
         chain call that ran it (sample, apply, accept, reset, clone) as
         :class:`~pyspec.errors.SamplerCallbackError`.
         """
-        _ = self.ptr  # raises ClosedError before a C sampler is made
+        self.check_open()  # raises ClosedError before a C sampler is made
+        self._check_mutable()
         return self._add(_custom_sampler(sampler), "custom")
 
     # --- use -----------------------------------------------------------------
@@ -128,42 +269,156 @@ class SamplerChain(Handle):
         return int(llama.llama_sampler_chain_n(self.ptr))
 
     def names(self) -> list[str]:
-        chain = self.ptr
-        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(chain, i))).decode()
+        ptr = self.ptr
+        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(ptr, i))).decode()
                 for i in range(len(self))]
 
     def remove(self, i: int) -> None:
         """Mirrors llama_sampler_chain_remove; the removed sampler is freed."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"sampler index {i} out of range 0..{len(self) - 1}")
-        llama.llama_sampler_free(llama.llama_sampler_chain_remove(self.ptr, i))
+        self._check_mutable()
+        n = len(self)
+        if not 0 <= i < n:
+            raise IndexError(f"sampler index {i} out of range 0..{n - 1}")
+        with self._in_use() as ptr:
+            llama.llama_sampler_free(llama.llama_sampler_chain_remove(ptr, i))
+        self._grammars = [g - (g > i) for g in self._grammars if g != i]
+
+    def _check_token(self, token: int) -> int:
+        t = _int("token", token)
+        if self._n_vocab and not 0 <= t < self._n_vocab:
+            raise ValueError(f"token {t} is outside the vocabulary (0..{self._n_vocab - 1})")
+        return t
 
     def sample(self, ctx: Context, idx: int = -1) -> int:
-        """Mirrors llama_sampler_sample (llama.h)."""
-        token = int(llama.llama_sampler_sample(self.ptr, ctx.ptr, idx))
-        raise_sampler_errors()
+        """Mirrors llama_sampler_sample (llama.h): sample from ctx's output of batch index idx, then accept.
+
+        The same steps as the C function, with its GGML_ASSERTs (an output row, a selected
+        token) and its grammar accept checked instead of aborting.
+        """
+        from pyspec.core.context import Context
+
+        if not isinstance(ctx, Context):
+            raise TypeError(f"ctx must be a pyspec Context, got {type(ctx).__name__}")
+        if self._n_vocab and self._n_vocab != ctx.n_vocab:
+            raise ValueError(
+                f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, the context {ctx.n_vocab}")
+        with self._in_use() as ptr:
+            return self._sample(ptr, ctx, idx)
+
+    def _sample(self, ptr: Any, ctx: Context, idx: int) -> int:
+        with ctx.held() as cptr:
+            ctx._row(idx, "sample")
+            tok = int(llama.llama_get_sampled_token_ith(cptr, idx))
+            if tok != -1:  # a backend sampler of ctx selected it already
+                return tok
+            cand = self._candidates(ctx.n_vocab)
+            probs = llama.llama_get_sampled_probs_ith(cptr, idx)
+            logits = llama.llama_get_sampled_logits_ith(cptr, idx)
+            if probs != ffi.NULL or logits != ffi.NULL:
+                count = (llama.llama_get_sampled_probs_count_ith if probs != ffi.NULL
+                         else llama.llama_get_sampled_logits_count_ith)(cptr, idx)
+                n = min(int(count), ctx.n_vocab)
+                ids = llama.llama_get_sampled_candidates_ith(cptr, idx)
+                cand = cand[:n]
+                cand["id"] = np.frombuffer(ffi.buffer(ids, 4 * n), np.int32)
+                cand["logit"] = np.frombuffer(ffi.buffer(logits, 4 * n), np.float32) if logits != ffi.NULL else 0.0
+                cand["p"] = np.frombuffer(ffi.buffer(probs, 4 * n), np.float32) if probs != ffi.NULL else 0.0
+            else:
+                row = llama.llama_get_logits_ith(cptr, idx)
+                if row == ffi.NULL:
+                    raise IndexError(f"sample: no logits for batch index {idx}")
+                n = ctx.n_vocab
+                ext.pyspec_fill_candidates(ffi.cast("llama_token_data *", ffi.from_buffer(cand)), row, n)
+        if n == 0:
+            raise ValueError(f"sample: batch index {idx} has no candidates")
+        cur_p = ffi.new("llama_token_data_array *")
+        cur_p.data = ffi.cast("llama_token_data *", ffi.from_buffer(cand))
+        cur_p.size = n
+        cur_p.selected = -1
+        cur_p.sorted = False
+        llama.llama_sampler_apply(ptr, cur_p)
+        raise_sampler_errors()  # a custom sampler that raised left a placeholder selection
+        sel = int(cur_p.selected)
+        if not 0 <= sel < int(cur_p.size):
+            raise ValueError("this chain selected no token: end it with greedy, dist, mirostat or adaptive-p")
+        token = int(cur_p.data[sel].id)
+        self._accept(ptr, token)
         return token
 
+    def _candidates(self, n_vocab: int) -> np.ndarray:
+        if self._cand is None or self._cand.size != n_vocab:
+            self._cand = np.empty(n_vocab, TOKEN_DATA)
+        return self._cand
+
     def accept(self, token: int) -> None:
-        llama.llama_sampler_accept(self.ptr, token)
+        """Mirrors llama_sampler_accept; a token the chain's grammar does not allow raises ValueError."""
+        t = self._check_token(token)
+        with self._in_use() as ptr:
+            self._accept(ptr, t)
+
+    def _accept(self, ptr: Any, t: int) -> None:
+        if self._grammars:
+            if not self._n_vocab:
+                raise ValueError("grammar chain without a vocabulary")
+            err = ffi.new("char[]", 512)
+            vptr = self._vocab.ptr
+            for g in self._grammars:
+                if ext.pyspec_grammar_accept_check(llama.llama_sampler_chain_get(ptr, g), vptr, t, err, 512) != 0:
+                    raise ValueError(ffi.string(err).decode(errors="replace"))
+        llama.llama_sampler_accept(ptr, t)
         raise_sampler_errors()
 
-    def apply(self, cur_p) -> None:
-        llama.llama_sampler_apply(self.ptr, cur_p)
+    def apply(self, candidates: np.ndarray) -> tuple[np.ndarray, int]:
+        """Mirrors llama_sampler_apply on a copy of ``candidates`` (a TOKEN_DATA array, or logits).
+
+        Returns (the candidates after the chain, the selected index or -1).
+        """
+        cand = np.asarray(candidates)
+        if cand.dtype != TOKEN_DATA:
+            logits = np.asarray(cand, dtype=np.float32).reshape(-1)
+            cand = np.empty(logits.size, TOKEN_DATA)
+            cand["id"] = np.arange(logits.size, dtype=np.int32)
+            cand["logit"] = logits
+            cand["p"] = 0.0
+        else:
+            cand = np.ascontiguousarray(cand.reshape(-1)).copy()
+        if cand.size == 0:
+            raise ValueError("no candidates: llama_sampler_apply needs at least one")
+        lo, hi = int(cand["id"].min()), int(cand["id"].max())
+        n_vocab = self._n_vocab or _INT32_MAX
+        if lo < 0 or hi >= n_vocab:
+            raise ValueError(f"candidate token {lo if lo < 0 else hi} is outside the vocabulary (0..{n_vocab - 1})")
+        cur_p = ffi.new("llama_token_data_array *")
+        buf = ffi.from_buffer(cand)
+        cur_p.data = ffi.cast("llama_token_data *", buf)
+        cur_p.size = cand.size
+        cur_p.selected = -1
+        cur_p.sorted = False
+        with self._in_use() as ptr:
+            llama.llama_sampler_apply(ptr, cur_p)
         raise_sampler_errors()
+        n = int(cur_p.size)
+        sel = int(cur_p.selected)
+        return cand[:n].copy(), (sel if 0 <= sel < n else -1)
 
     def reset(self) -> None:
-        llama.llama_sampler_reset(self.ptr)
+        with self._in_use() as ptr:
+            llama.llama_sampler_reset(ptr)
         raise_sampler_errors()
 
     def clone(self) -> SamplerChain:
-        clone = SamplerChain(_ptr=llama.llama_sampler_clone(self.ptr))
+        """Mirrors llama_sampler_clone: an independent chain (never attached, so attachable)."""
+        with self._in_use() as ptr:
+            twin = llama.llama_sampler_clone(ptr)
+        out = SamplerChain(_ptr=twin)
         try:
             raise_sampler_errors()
         except BaseException:
-            clone.close()
+            out.close()
             raise
-        return clone
+        out._n_vocab, out._vocab = self._n_vocab, self._vocab
+        out._grammars = list(self._grammars)
+        return out
 
     @property
     def seed(self) -> int:
@@ -175,11 +430,6 @@ class SamplerChain(Handle):
 
 
 # --- samplers written in Python (struct llama_sampler_i through cffi callbacks) ---
-
-# the layout of llama_token_data: {llama_token id; float logit; float p}
-TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-assert TOKEN_DATA_DTYPE.itemsize == ffi.sizeof("llama_token_data")
-
 
 class TokenDataArray:
     """The candidates a custom sampler's apply() sees: a copy of llama.cpp's llama_token_data_array.

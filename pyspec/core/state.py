@@ -8,17 +8,36 @@ after a load, decode before reading logits.
 
 Files are saved by llama.cpp (llama_state[_seq]_save_file) and loaded here:
 read and checked in Python (magic, version, token count, size, the architecture
-name, the first cell counts), then handed to llama_state[_seq]_set_data, whose
-reader stops at the end of the buffer. (At this revision llama.cpp's file
-reader reads past the end of a truncated file without noticing, and sizes some
-allocations by counts from the file before reading what they count: a few bytes
-of hostile file could make it allocate gigabytes.) A failed load leaves the
+name, the first cell counts, then the walk of check_state / check_seq_state), then
+handed to llama_state[_seq]_set_data, whose reader stops at the end of the buffer.
+(At this revision llama.cpp's file reader reads past the end of a truncated file
+without noticing, and sizes some allocations by counts from the file before reading
+what they count: a few bytes of hostile file could make it allocate gigabytes.) A failed load leaves the
 memory (or the sequence) empty; llama.cpp's refusals become
 :class:`~pyspec.errors.StateFileError` with its reason.
 
 Used through the Context methods ``state_get`` / ``state_set``,
 ``state_save_file`` / ``state_load_file`` and ``state_seq_save_file`` /
 ``state_seq_load_file``.
+
+Sequence-state blobs handed to Context.state_seq_set (and the payload of
+sequence state files) are walked first by ``check_seq_state``.
+llama_state_seq_set_data trusts the counts inside the blob: a KV or recurrent
+section's ``cell_count`` sizes an allocation before anything is compared with
+the context (four bytes of 0xff ask for tens of gigabytes), and a recurrent
+section with more than one cell, or cells at positions the cache cannot hold,
+ends in a GGML_ASSERT of its restore checks. ``check_seq_state`` walks the blob
+the way llama.cpp will (src/llama-context.cpp ``state_seq_set_data``,
+src/llama-kv-cache.cpp and src/llama-memory-recurrent.cpp ``state_read``) and
+refuses it, with a ValueError saying why, unless every count fits this context
+and the blob ends exactly where the last section does.
+
+The section layout of a context follows its memory: a KV cache (one section, two
+for sliding-window models, whose window cache comes alone under
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY), a recurrent state (last), both for hybrid
+models, none for a context that shares another context's memory. The layout is
+confirmed once per context on a blob the context writes itself; a context whose
+own blob does not follow it refuses restores instead of guessing.
 """
 
 from __future__ import annotations
@@ -38,7 +57,254 @@ from pyspec.ffi import c_const, ffi, llama
 if TYPE_CHECKING:
     from pyspec.core.context import Context
 
-__all__ = ["load_file", "save_file", "seq_load_file", "seq_save_file", "state_get", "state_set"]
+__all__ = ["check_seq_state", "check_state", "load_file", "save_file", "seq_load_file", "seq_save_file", "state_get",
+           "state_set"]
+
+# --- sequence-state blobs: walked before llama.cpp reads them -----------------------
+
+_MAGIC = 0xAF143CD8  # io_magic of llama-context.cpp
+_PARTIAL_ONLY = 1
+_N_GGML_TYPES = 64  # ggml type ids are small; anything larger is not a type
+_MAX_ROW = 1 << 31  # bytes of one cache row; real rows are kilobytes
+
+
+class _Bad(ValueError):
+    pass
+
+
+class _Reader:
+    def __init__(self, data: bytes, start: int = 0) -> None:
+        self.data = data
+        self.pos = start
+
+    def left(self) -> int:
+        return len(self.data) - self.pos
+
+    def u32(self, what: str) -> int:
+        return self._unpack("<I", what)
+
+    def i32(self, what: str) -> int:
+        return self._unpack("<i", what)
+
+    def u64(self, what: str) -> int:
+        return self._unpack("<Q", what)
+
+    def _unpack(self, fmt: str, what: str) -> int:
+        n = struct.calcsize(fmt)
+        if self.left() < n:
+            raise _Bad(f"state ends inside {what}")
+        (v,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += n
+        return int(v)
+
+    def skip(self, n: int, what: str) -> None:
+        if n < 0 or self.left() < n:
+            raise _Bad(f"state ends inside {what} ({n} bytes announced, {self.left()} left)")
+        self.pos += n
+
+
+def _kv_section(r: _Reader, n_stream: int, cells_max: int, ext: int, v_entries: str, n_seq: int = 0) -> None:
+    """One llama_kv_cache::state_write: of a single sequence, or of the whole cache (n_seq = n_seq_max)."""
+    got = r.u32("KV stream count")
+    if got != n_stream:
+        raise _Bad(f"state has {got} KV streams, this context {n_stream}")
+    for _ in range(n_stream):
+        cell_count = r.u32("KV cell count")
+        if cell_count == 0:
+            continue
+        if cell_count > cells_max:
+            raise _Bad(f"state holds {cell_count} KV cells, this context has {cells_max}")
+        meta = 4 + 4 + ext + 4  # pos, n_seq_id (1 for one sequence), [M-RoPE ext], seq_id
+        if cell_count * meta > r.left():
+            raise _Bad(f"state announces {cell_count} KV cells but ends before their positions")
+        seen: set[tuple[int, int]] = set()
+        for _ in range(cell_count):
+            pos = r.i32("KV cell position")
+            n_seq_id = r.u32("KV cell sequence count")
+            if n_seq == 0 and n_seq_id != 1:
+                raise _Bad(f"a sequence state cell must belong to 1 sequence, not {n_seq_id}")
+            if not 1 <= n_seq_id <= max(n_seq, 1):
+                raise _Bad(f"a KV cell belongs to {n_seq_id} sequences; this context has {n_seq}")
+            r.skip(ext, "KV cell extension")
+            for _ in range(n_seq_id):
+                seq = r.i32("KV cell sequence id")
+                if n_seq == 0:
+                    seq = 0  # llama.cpp discards it and restores into the destination sequence
+                elif not 0 <= seq < n_seq:
+                    raise _Bad(f"KV cell sequence id {seq} is outside 0..{n_seq - 1}")
+                # llama.cpp's cell bookkeeping assumes one cell per (sequence, position)
+                if pos < 0 or (seq, pos) in seen:
+                    raise _Bad(f"KV cell position {pos} is negative or repeated")
+                seen.add((seq, pos))
+        r.u32("V transposition flag")
+        n_layer = r.u32("KV layer count")
+        if n_layer > 4096:
+            raise _Bad(f"state has {n_layer} KV layers")
+        v_trans = r.data[r.pos - 8 : r.pos - 4] != b"\0\0\0\0"
+        for _ in range(n_layer):  # keys: type, row size, rows
+            _row_entry(r, cell_count, "K")
+        n_v = n_layer if v_entries == "all" else 0
+        for _ in range(n_v):
+            if v_trans:
+                t = r.i32("V type")
+                el = r.u32("V element size")
+                width = r.u32("V width")
+                if not 0 <= t < _N_GGML_TYPES or not 0 < el <= 16 or width > 1 << 20:
+                    raise _Bad("implausible V layout in state")
+                r.skip(el * width * cell_count, "V data")
+            else:
+                _row_entry(r, cell_count, "V")
+
+
+def _row_entry(r: _Reader, cell_count: int, what: str) -> None:
+    t = r.i32(f"{what} type")
+    row = r.u64(f"{what} row size")
+    if not 0 <= t < _N_GGML_TYPES or not 0 < row <= _MAX_ROW:
+        raise _Bad(f"implausible {what} layout in state (type {t}, row {row} bytes)")
+    r.skip(row * cell_count, f"{what} data")
+
+
+def _rec_section(r: _Reader, n_seq: int = 0) -> None:
+    """llama_memory_recurrent::state_write (always the last section): of a single sequence, or of
+    the whole memory (n_seq = n_seq_max)."""
+    cell_count = r.u32("recurrent cell count")
+    # a sequence owns one recurrent cell; llama.cpp asserts that the restored cells are the slot it finds
+    if cell_count > max(n_seq, 1):
+        raise _Bad(f"state has {cell_count} recurrent cells, at most {max(n_seq, 1)} fit")
+    tails: set[int] = set()
+    for _ in range(cell_count):
+        r.i32("recurrent cell position")
+        n_seq_id = r.u32("recurrent cell sequence count")
+        if n_seq == 0:
+            if n_seq_id != 0:
+                raise _Bad("a sequence state's recurrent cell must not list sequences")
+            continue
+        if n_seq_id > n_seq:
+            raise _Bad(f"a recurrent cell belongs to {n_seq_id} sequences; this context has {n_seq}")
+        for _ in range(n_seq_id):
+            seq = r.i32("recurrent cell sequence id")
+            if not 0 <= seq < n_seq or seq in tails:
+                raise _Bad(f"recurrent cell sequence id {seq} is outside 0..{n_seq - 1} or repeated")
+            tails.add(seq)
+    if r.u32("S transposition flag") != 0:
+        raise _Bad("transposed recurrent state is not what llama.cpp writes")
+    n_layer = r.u32("recurrent layer count")
+    entries = 0
+    while r.left() > 0:
+        _row_entry(r, cell_count, "recurrent")
+        entries += 1
+    if entries > 2 * n_layer:
+        raise _Bad(f"state has {entries} recurrent tensors for {n_layer} layers")
+
+
+def _layouts(ctx: Context, flags: int) -> list[tuple[str, ...]]:
+    """The section lists this context's memory may write, most likely first."""
+    m = ctx.model
+    partial = bool(flags & _PARTIAL_ONLY)
+    swa = int(llama.llama_model_n_swa(m.ptr)) > 0
+    if m.is_recurrent:
+        return [("rec",)]
+    plain = [("kv",), ("kv", "kv"), ()]  # an MTP context keeps its own plain KV cache, or shares one
+    if m.is_hybrid:
+        attn: tuple[str, ...] = (("kv",) if swa else ()) if partial else (("kv", "kv") if swa else ("kv",))
+        return list(dict.fromkeys([(*attn, "rec"), ("kv", "rec"), ("rec",), *plain]))
+    if swa:
+        return list(dict.fromkeys([("kv",) if partial else ("kv", "kv"), *plain]))
+    return plain
+
+
+def _walk(data: bytes, layout: tuple[str, ...], ctx: Context, ext: int, v_entries: str, whole: bool = False) -> None:
+    r = _Reader(data)
+    if whole:  # llama_context::state_write_data: the architecture name, then the memory of every sequence
+        n = r.u32("architecture name length")
+        if n > 256:
+            raise _Bad(f"an architecture name of {n} bytes")
+        r.skip(n, "architecture name")
+        arch = ctx.model.meta("general.architecture") or ""
+        if data[4 : 4 + n] != arch.encode():
+            shown = data[4 : 4 + n].decode("utf-8", "replace")
+            raise _Bad(f"it holds the state of a {shown!r} model; this context runs a {arch!r} model")
+        n_seq = ctx.n_seq_max
+    else:
+        if r.u32("magic") != _MAGIC:
+            raise _Bad("not a sequence state (wrong magic)")
+        r.i32("source sequence id")
+        n_seq = 0
+    n_stream = 1 if ctx.params.kv_unified else ctx.n_seq_max
+    for kind in layout:
+        if kind == "kv":
+            _kv_section(r, n_stream, ctx.n_ctx, ext, v_entries, n_seq)
+        else:
+            _rec_section(r, n_seq)
+    if r.left():
+        raise _Bad(f"{r.left()} bytes after the last section")
+
+
+def _ext(ctx: Context) -> int:
+    # M-RoPE models store a llama_kv_cell_ext (two positions) with each KV cell
+    rope = int(llama.llama_model_rope_type(ctx.model.ptr))
+    return 8 if rope in (c_const("LLAMA_ROPE_TYPE_MROPE"), c_const("LLAMA_ROPE_TYPE_IMROPE")) else 0
+
+
+def _parses(data: bytes, layout: tuple[str, ...], ctx: Context) -> str | None:
+    """The V-entry reading under which data walks exactly, or None (the first error is kept)."""
+    for v_entries in ("all", "none"):  # MLA caches have no V tensors
+        try:
+            _walk(data, layout, ctx, _ext(ctx), v_entries)
+            return v_entries
+        except _Bad:
+            continue
+    return None
+
+
+def _confirmed_layout(ctx: Context, flags: int) -> tuple[str, ...]:
+    cache = ctx.__dict__.setdefault("_state_layouts", {})
+    if flags in cache:
+        return cache[flags]
+    # a blob this context writes itself (of its first sequence) says which layout is real
+    ptr = ctx._ptr
+    size = llama.llama_state_seq_get_size_ext(ptr, 0, flags)
+    buf = ffi.new("uint8_t[]", size)
+    n = llama.llama_state_seq_get_data_ext(ptr, buf, size, 0, flags)
+    own = ffi.buffer(buf, n)[:]
+    for layout in _layouts(ctx, flags):
+        if _parses(own, layout, ctx) is not None:
+            cache[flags] = layout
+            return layout
+    raise ValueError("pyspec cannot verify sequence states for this context's memory layout; restoring is refused")
+
+
+def check_seq_state(ctx: Context, data: bytes, flags: int) -> None:
+    """Raise ValueError unless ``data`` is a sequence state this context can restore safely.
+
+    Call with the context's guard held (Context.state_seq_set does).
+    """
+    _check(ctx, data, flags, whole=False)
+
+
+def check_state(ctx: Context, data: bytes) -> None:
+    """Raise ValueError unless ``data`` is a whole-context state (state_get) this context can restore safely.
+
+    The same walk as check_seq_state over the memory of every sequence: cells within
+    the cache, sequence ids below n_seq_max, one cell per (sequence, position), sizes
+    that match what follows. Call with the context's guard held.
+    """
+    _check(ctx, data, 0, whole=True)
+
+
+def _check(ctx: Context, data: bytes, flags: int, whole: bool) -> None:
+    layout = _confirmed_layout(ctx, flags)  # a whole state has the sections of a flags=0 sequence state
+    errors = []
+    for v_entries in ("all", "none"):
+        try:
+            _walk(data, layout, ctx, _ext(ctx), v_entries, whole)
+            return
+        except _Bad as e:
+            errors.append(str(e))
+    raise ValueError(f"state does not fit this context: {errors[0]}")
+
+
+# --- whole states and state files ------------------------------------------------------
 
 _HEADER = struct.Struct("<III")  # magic, version, token count (llama_context::state_*_file)
 
@@ -98,13 +364,13 @@ def _check_counts(payload: bytes, offsets: Sequence[int], where: str) -> None:
 
 def state_get(ctx: Context) -> bytes:
     """Mirrors llama_state_get_size / llama_state_get_data: a copy of the whole context state."""
-    ctx._enter()
+    ptr = ctx._enter()
     try:
-        size = llama.llama_state_get_size(ctx.ptr)
+        size = llama.llama_state_get_size(ptr)
         buf = ffi.new("uint8_t[]", size)
-        n = llama.llama_state_get_data(ctx.ptr, buf, size)
+        n = llama.llama_state_get_data(ptr, buf, size)
     finally:
-        ctx._busy.release()
+        ctx._leave()
     return ffi.buffer(buf, n)[:]
 
 
@@ -112,17 +378,23 @@ def state_set(ctx: Context, data: bytes, what: str = "the state") -> None:
     """Mirrors llama_state_set_data: restore a whole-context state from state_get."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise ValueError("state must be non-empty bytes from state_get")
-    ctx._enter()
+    data = bytes(data)
+    ptr = ctx._enter()
     try:
+        try:
+            check_state(ctx, data)  # what llama.cpp's reader does not check (see check_state)
+        except ValueError as e:
+            llama.llama_memory_clear(llama.llama_get_memory(ptr), True)  # as after any failed restore
+            raise StateFileError(f"{what} does not fit this context: {str(e).split(': ', 1)[-1]}") from None
         with capture_errors() as errors:
-            n = llama.llama_state_set_data(ctx.ptr, ffi.from_buffer(data), len(data))
-        _forget_outputs(ctx)
+            n = llama.llama_state_set_data(ptr, ffi.from_buffer(data), len(data))
+        ctx._forget_outputs()
         if n == 0:
             # a read that failed part way may leave cells behind (llama.cpp clears only
             # on some failures): leave the memory empty, as a failed restore means
-            llama.llama_memory_clear(llama.llama_get_memory(ctx.ptr), True)
+            llama.llama_memory_clear(llama.llama_get_memory(ptr), True)
     finally:
-        ctx._busy.release()
+        ctx._leave()
     if n == 0:
         raise StateFileError(f"llama.cpp rejected {what}: {errors.reason() or 'see the pyspec.llama log'}")
 
@@ -131,12 +403,12 @@ def save_file(ctx: Context, path: str | os.PathLike[str], tokens: Sequence[int] 
     """Mirrors llama_state_save_file: the whole context state and ``tokens`` to a file."""
     name = _save_target(path)
     toks = _tokens(tokens, ctx.n_vocab)
-    ctx._enter()
+    ptr = ctx._enter()
     try:
         with capture_errors() as errors:
-            ok = llama.llama_state_save_file(ctx.ptr, name, ffi.from_buffer("llama_token[]", toks), toks.size)
+            ok = llama.llama_state_save_file(ptr, name, ffi.from_buffer("llama_token[]", toks), toks.size)
     finally:
-        ctx._busy.release()
+        ctx._leave()
     if not ok:
         raise StateFileError(f"cannot save the state to {os.fsdecode(name)}: {errors.reason() or 'see the log'}")
 
@@ -167,12 +439,12 @@ def seq_save_file(ctx: Context, path: str | os.PathLike[str], seq_id: int,
     seq = ctx.memory.check_seq(seq_id)
     name = _save_target(path)
     toks = _tokens(tokens, ctx.n_vocab)
-    ctx._enter()
+    ptr = ctx._enter()
     try:
         with capture_errors() as errors:
-            n = llama.llama_state_seq_save_file(ctx.ptr, name, seq, ffi.from_buffer("llama_token[]", toks), toks.size)
+            n = llama.llama_state_seq_save_file(ptr, name, seq, ffi.from_buffer("llama_token[]", toks), toks.size)
     finally:
-        ctx._busy.release()
+        ctx._leave()
     if n == 0:
         raise StateFileError(f"cannot save seq {seq} to {os.fsdecode(name)}: {errors.reason() or 'see the log'}")
     return int(n)
@@ -190,41 +462,28 @@ def seq_load_file(ctx: Context, path: str | os.PathLike[str], seq_id: int) -> li
     # llama_state_seq_get_data's buffers start with llama.cpp's magic and the source seq_id,
     # which the files leave out: take the magic from a state llama.cpp writes itself
     data = _seq_buffer_prefix(ctx) + struct.pack("<i", seq) + payload
-    ctx._enter()
+    ptr = ctx._enter()
     try:
+        try:
+            check_seq_state(ctx, data, 0)
+        except ValueError as e:
+            llama.llama_memory_seq_rm(llama.llama_get_memory(ptr), seq, -1, -1)  # as after any failed restore
+            raise StateFileError(f"{path} does not fit this context: {str(e).split(': ', 1)[-1]}") from None
         with capture_errors() as errors:
-            n = llama.llama_state_seq_set_data(ctx.ptr, ffi.from_buffer(data), len(data), seq)
+            n = llama.llama_state_seq_set_data(ptr, ffi.from_buffer(data), len(data), seq)
         if n == 0:
             # as above: no half-restored sequence stays behind
-            llama.llama_memory_seq_rm(llama.llama_get_memory(ctx.ptr), seq, -1, -1)
+            llama.llama_memory_seq_rm(llama.llama_get_memory(ptr), seq, -1, -1)
     finally:
-        ctx._busy.release()
+        ctx._leave()
     if n == 0:
         raise StateFileError(f"cannot load a sequence state from {path} into seq {seq}: "
                              f"{errors.reason() or 'see the log'}")
     return tokens
 
 
-_SEQ_MAGIC: list[bytes] = []
-
-
 def _seq_buffer_prefix(ctx: Context) -> bytes:
-    if not _SEQ_MAGIC:
-        ctx._enter()
-        try:
-            size = llama.llama_state_seq_get_size(ctx.ptr, 0)
-            buf = ffi.new("uint8_t[]", size)
-            n = llama.llama_state_seq_get_data(ctx.ptr, buf, size, 0)
-        finally:
-            ctx._busy.release()
-        if n < 8:
-            raise StateFileError("llama.cpp wrote no sequence state to take its format from")
-        _SEQ_MAGIC.append(ffi.buffer(buf, 4)[:])
-    return _SEQ_MAGIC[0]
+    # the magic of llama.cpp's sequence buffers (io_magic of llama-context.cpp); the check
+    # below keeps the two in step
+    return struct.pack("<I", _MAGIC)
 
-
-def _forget_outputs(ctx: Context) -> None:
-    # the outputs of the last decode no longer belong to the memory: bound the numpy
-    # views to what llama.cpp always keeps (n_seq_max rows) until the next decode
-    ctx._n_outputs = 0
-    ctx._layer_inp_ready = set()

@@ -26,3 +26,26 @@ typedef struct pyspec_layout_entry {
 
 size_t                      pyspec_layout_count(void);
 const pyspec_layout_entry * pyspec_layout_table(void);
+
+/* csrc/pyspec_grammar.cpp: bounds on GBNF grammars before llama.cpp builds a grammar
+   sampler, and a checked accept (see the comment at the top of that file) */
+enum pyspec_grammar_limit {
+    PYSPEC_GRAMMAR_MAX_BYTES    = 4194304, /* grammar text */
+    PYSPEC_GRAMMAR_MAX_NESTING  = 128,     /* ( ... ) inside ( ... ): the parser recurses per level */
+    PYSPEC_GRAMMAR_MAX_ELEMENTS = 2000000, /* rule elements after repetitions are expanded */
+    PYSPEC_GRAMMAR_MAX_DEPTH    = 1000,    /* rules chained at the start of a rule: the left-recursion check recurses */
+    PYSPEC_GRAMMAR_MAX_STEPS    = 2000000, /* calls of the left-recursion check, which revisits rules */
+    PYSPEC_GRAMMAR_MAX_STACKS   = 4096     /* parse stacks one step may create or the grammar may hold */
+};
+/* the longest token history a sampler may keep: llama.cpp allocates its ring buffers
+   (penalties, DRY, common_sampler's prev) at full size up front */
+enum pyspec_sampler_limit { PYSPEC_MAX_HISTORY = 16777216 };
+
+int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root,
+                             char * err, size_t err_len);
+int     pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token,
+                                    char * err, size_t err_len);
+int64_t pyspec_grammar_n_stacks(struct llama_sampler * smpl);
+
+/* csrc/pyspec_gguf.cpp: the tokenizer metadata llama.cpp reads unchecked; 0 or -1 with err */
+int     pyspec_gguf_check(const char * path, char * err, size_t err_len);

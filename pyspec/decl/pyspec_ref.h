@@ -211,6 +211,9 @@ struct llama_sampler * pyspec_ref_sampler_get_chain(pyspec_ref_sampler * smpl);
 pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl);
 /* backend_sampling after init (common_sampler_init may turn it off) */
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl);
+int32_t pyspec_ref_sampler_n_vocab(const pyspec_ref_sampler * smpl);
+/* 0 when accepting token into the grammar would succeed, else -1 with the reason in err */
+int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token, char * err, size_t err_len);
 
 int pyspec_ref_sampler_sample(pyspec_ref_sampler * smpl, struct llama_context * ctx, int32_t idx,
                               bool grammar_first, llama_token * out);

@@ -362,9 +362,17 @@ class Engine:
             raise ClosedError("engine is closed")
         if self._thread is not None:
             return self
-        self._claims = self._claim()
-        self._thread = threading.Thread(target=self._loop, name="pyspec-engine", daemon=True)
-        self._thread.start()
+        # the loop thread claims the contexts itself (a claim serves the thread that holds it);
+        # start() waits for that, so a context claimed elsewhere raises here
+        claimed: Future = Future()
+        thread = threading.Thread(target=self._loop, args=(claimed,), name="pyspec-engine", daemon=True)
+        thread.start()
+        try:
+            claimed.result()
+        except BaseException:
+            thread.join()
+            raise
+        self._thread = thread
         return self
 
     def _claim(self) -> contextlib.ExitStack:
@@ -391,7 +399,13 @@ class Engine:
         # under self._lock
         return bool(self._waiting) or bool(self._commands) or any(s.job is not None for s in self.slots)
 
-    def _loop(self) -> None:
+    def _loop(self, claimed: Future) -> None:
+        try:
+            self._claims = self._claim()
+        except BaseException as e:
+            claimed.set_exception(e)
+            return
+        claimed.set_result(None)
         while True:
             with self._lock:
                 while not self._stopping and not self._has_work():

@@ -8,7 +8,8 @@ pyspec.errors maps it to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,16 +18,20 @@ from pyspec.core.handle import Handle
 from pyspec.errors import ref_error
 from pyspec.ffi import ffi, ref
 
-__all__ = ["ERR_LEN", "batch_ptr", "cdata_ptr", "check", "handles", "token_array", "token_ptr"]
+__all__ = ["ERR_LEN", "batch_ptr", "cdata_ptr", "check", "handles", "held", "held_all", "token_array", "token_ptr"]
 
 ERR_LEN = 1024  # bytes of the error message buffers handed to the C++
 
 
 def check(rc: int, what: str) -> int:
-    """Raise the RefError for a negative status of libpyspec_ref (with its last message), else return rc."""
+    """Raise the RefError for a negative status of libpyspec_ref (with its last message), else return rc.
+
+    The message is the C++ one as it is (the port raises the same text for the same failure);
+    ``what`` names the call only when the C++ left no message.
+    """
     if rc < 0:
         msg = ffi.string(ref.pyspec_ref_last_error()).decode(errors="replace")
-        raise ref_error(rc, msg, what=what)
+        raise ref_error(rc, msg) if msg else ref_error(rc, what=what)
     return rc
 
 
@@ -37,6 +42,38 @@ def cdata_ptr(obj: Any, ctype: str) -> Any:
     if isinstance(obj, ffi.CData):
         return obj
     return ffi.cast(ctype, obj.ptr)
+
+
+@contextlib.contextmanager
+def held(ctx: Any) -> Iterator[Any]:
+    """The ``llama_context *`` of ctx, with a pyspec Context's guard held (raw cdata passes through)."""
+    from pyspec.core.context import Context
+
+    if isinstance(ctx, Context):
+        with ctx.held() as cptr:
+            yield cptr
+    else:
+        yield cdata_ptr(ctx, "struct llama_context *")
+
+
+@contextlib.contextmanager
+def held_all(handles: Sequence[Any]) -> Iterator[None]:
+    """Hold the guards of the pyspec Contexts among ``handles`` and of the contexts they read
+    (ctx_other): C++ code runs on all of them meanwhile."""
+    from pyspec.core import fork
+    from pyspec.core.context import Context
+
+    contexts: list[Context] = []
+    for h in handles:
+        while isinstance(h, Context) and all(h is not c for c in contexts):
+            contexts.append(h)
+            h = h.other
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            c._acquire()
+            stack.callback(c._busy.release)
+            fork.note_compute(c._threads)
+        yield
 
 
 def batch_ptr(batch: Any) -> Any:

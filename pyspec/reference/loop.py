@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common.checks import check_sampling_params, check_speculative_params
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.core.context import Context
 from pyspec.core.rpc import RpcLink
@@ -78,6 +79,13 @@ def cpp_generate(
     cap = min(n_predict, ctx_tgt.n_ctx)  # a sequence stops at the end of its context
     out_tokens = np.zeros(max(n_seq * cap, 1), dtype=np.int32)
     per_seq = np.zeros((4, max(n_seq, 1)), dtype=np.int32)  # n_tokens, n_drafted, n_accepted, stop_reason
+
+    # the checks each engine runs first (pyspec.common.checks), with their exceptions and messages
+    if spec is not None:
+        check_speculative_params(spec, max(n_seq, 1))
+    if sampling is not None:
+        m = ctx_tgt.model
+        check_sampling_params(sampling, m.vocab.n_tokens, m.n_ctx_train, m.vocab.ptr)
 
     p = ffi.new("pyspec_loop_params *")
     keep: list[Any] = []

@@ -11,11 +11,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pyspec.common.checks import check_output_row, check_sampling_params, check_token
 from pyspec.common.params import CommonParamsSampling
-from pyspec.core.handle import Handle
-from pyspec.errors import RefError
+from pyspec.core.context import Context
+from pyspec.core.handle import Handle, serialized
+from pyspec.core.model import Model
+from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import c_const, ffi, ref
-from pyspec.reference.library import ERR_LEN, cdata_ptr, check, handles, token_array, token_ptr
+from pyspec.reference.library import ERR_LEN, cdata_ptr, check, handles, held, token_array, token_ptr
 
 __all__ = ["Candidates", "RefSampler", "sampling_params_struct"]
 
@@ -43,6 +46,7 @@ def sampling_params_struct(params: CommonParamsSampling) -> tuple[Any, list[Any]
         "backend_sampling",
     ):  # fmt: skip
         setattr(p, name, getattr(params, name))
+    p.seed = params.seed & 0xFFFFFFFF  # -1 is LLAMA_DEFAULT_SEED, as the port masks it
 
     breakers = [ffi.new("char[]", s.encode()) for s in params.dry_sequence_breakers]
     breakers_arr = ffi.new("const char *[]", breakers) if breakers else ffi.NULL
@@ -62,6 +66,17 @@ def sampling_params_struct(params: CommonParamsSampling) -> tuple[Any, list[Any]
     return p, [breakers, breakers_arr, samplers, grammar, bias_tok, bias_val]
 
 
+def _as_ref_error(fn: Any, *args: Any) -> Any:
+    """Run a check the port runs too; its SpeculativeError comes out as the reference's RefError
+    (a SpeculativeError subclass: same message, and code that catches the port's error catches it)."""
+    try:
+        return fn(*args)
+    except RefError:
+        raise
+    except SpeculativeError as e:
+        raise RefError(str(e), c_const("PYSPEC_REF_E_RANGE")) from None
+
+
 class RefSampler(Handle):
     """Mirrors struct common_sampler and its functions (sampling.h), run by the C++.
 
@@ -74,6 +89,8 @@ class RefSampler(Handle):
     def __init__(self, model: Any, params: CommonParamsSampling) -> None:
         """Mirrors common_sampler_init; raises RefError with the reason on failure."""
         super().__init__()
+        if isinstance(model, Model):  # the checks the port's common_sampler_init runs (raw cdata: the C++ checks)
+            check_sampling_params(params, model.vocab.n_tokens, model.n_ctx_train, model.vocab.ptr)
         p, _keep = sampling_params_struct(params)
 
         err = ffi.new("char[]", ERR_LEN)
@@ -81,6 +98,7 @@ class RefSampler(Handle):
         if ptr == ffi.NULL:
             raise RefError(ffi.string(err).decode(errors="replace") or "common_sampler_init failed")
         self._own(ptr, ref.pyspec_ref_sampler_free, handles(model))
+        self.n_vocab = int(ref.pyspec_ref_sampler_n_vocab(ptr))
         # common_sampler_init turns backend sampling off when a grammar is set
         self.backend_sampling = bool(ref.pyspec_ref_sampler_backend_sampling(ptr))
 
@@ -89,6 +107,7 @@ class RefSampler(Handle):
         """Mirrors common_sampler_get: the llama_sampler chain, e.g. for llama_set_sampler."""
         return ref.pyspec_ref_sampler_get_chain(self.ptr)
 
+    @serialized
     def clone(self) -> RefSampler:
         """Mirrors common_sampler_clone."""
         ptr = ref.pyspec_ref_sampler_clone(self.ptr)
@@ -98,17 +117,21 @@ class RefSampler(Handle):
         Handle.__init__(out)
         out._own(ptr, ref.pyspec_ref_sampler_free, tuple(self._deps))
         out.backend_sampling = self.backend_sampling
+        out.n_vocab = self.n_vocab
         return out
 
+    @serialized
     def sample(self, ctx: Any, idx: int, grammar_first: bool = False) -> int:
         """Mirrors common_sampler_sample."""
         out = ffi.new("llama_token *")
-        check(
-            ref.pyspec_ref_sampler_sample(self.ptr, cdata_ptr(ctx, "struct llama_context *"), idx, grammar_first, out),
-            "sample",
-        )
+        ptr = self.ptr
+        with held(ctx) as cptr:
+            if isinstance(ctx, Context):
+                _as_ref_error(check_output_row, ctx, idx)
+            check(ref.pyspec_ref_sampler_sample(ptr, cptr, idx, grammar_first, out), "sample")
         return int(out[0])
 
+    @serialized
     def sample_and_accept_n(
         self,
         ctx: Any,
@@ -127,35 +150,53 @@ class RefSampler(Handle):
         else:
             ix_ptr = ffi.NULL
         out = np.zeros(d.size + 1, dtype=np.int32)
-        n = check(
-            ref.pyspec_ref_sampler_sample_and_accept_n(
-                ptr, cdata_ptr(ctx, "struct llama_context *"), ix_ptr, token_ptr(d), d.size,
-                grammar_first, token_ptr(out), out.size,
-            ),
-            "sample_and_accept_n",
-        )  # fmt: skip
+        with held(ctx) as cptr:
+            if isinstance(ctx, Context):
+                for i in (ix if idxs is not None else range(d.size + 1)):
+                    _as_ref_error(check_output_row, ctx, int(i))
+            n = check(
+                ref.pyspec_ref_sampler_sample_and_accept_n(
+                    ptr, cptr, ix_ptr, token_ptr(d), d.size, grammar_first, token_ptr(out), out.size,
+                ),
+                "sample_and_accept_n",
+            )  # fmt: skip
         return out[:n].tolist()
 
+    @serialized
     def accept(self, token: int, accept_grammar: bool) -> None:
-        """Mirrors common_sampler_accept (``accept_grammar`` is the C++ ``is_generated``)."""
-        check(ref.pyspec_ref_sampler_accept(self.ptr, int(token), accept_grammar), "accept")
+        """Mirrors common_sampler_accept (``accept_grammar`` is the C++ ``is_generated``).
 
+        A token outside the vocabulary, or one the grammar does not allow, raises the
+        SpeculativeError the port raises (the C++ checks the same for its C callers).
+        """
+        ptr = self.ptr
+        token = _as_ref_error(check_token, int(token), self.n_vocab)
+        if accept_grammar:
+            err = ffi.new("char[]", ERR_LEN)
+            if ref.pyspec_ref_sampler_accept_check(ptr, token, err, ERR_LEN) != 0:
+                raise RefError(ffi.string(err).decode(errors="replace"), c_const("PYSPEC_REF_E_EXCEPTION"))
+        check(ref.pyspec_ref_sampler_accept(ptr, token, accept_grammar), "accept")
+
+    @serialized
     def reset(self) -> None:
         """Mirrors common_sampler_reset."""
         check(ref.pyspec_ref_sampler_reset(self.ptr), "reset")
 
+    @serialized
     def last(self) -> int:
         """Mirrors common_sampler_last; RefError when nothing was accepted yet."""
         out = ffi.new("llama_token *")
         check(ref.pyspec_ref_sampler_last(self.ptr, out), "last")
         return int(out[0])
 
+    @serialized
     def get_seed(self) -> int:
         """Mirrors common_sampler_get_seed."""
         out = ffi.new("uint32_t *")
         check(ref.pyspec_ref_sampler_get_seed(self.ptr, out), "get_seed")
         return int(out[0])
 
+    @serialized
     def candidates(self, do_sort: bool = False) -> Candidates:
         """Mirrors common_sampler_get_candidates (copied out); RefError before any sample."""
         cur_p = ref.pyspec_ref_sampler_get_candidates(self.ptr, do_sort)

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common.checks import check_speculative_params
 from pyspec.common.params import CommonParamsSpeculative, CommonParamsSpeculativeNgramMap
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
-from pyspec.core.handle import Handle
+from pyspec.core.handle import Handle, serialized
 from pyspec.errors import RefError
 from pyspec.ffi import c_const, ffi, ref
-from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, token_array, token_ptr
+from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, held_all, token_array, token_ptr
 
 __all__ = ["RefSpeculative", "spec_all_types_str", "spec_params_struct", "spec_type_from_name", "spec_type_name_str",
            "spec_type_str", "spec_types_from_names"]
@@ -139,8 +140,7 @@ class RefSpeculative(Handle):
         for speculative decoding".
         """
         super().__init__()
-        if n_seq <= 0:
-            raise ValueError(f"n_seq must be positive, got {n_seq}")
+        check_speculative_params(params, n_seq)  # the port's checks, first (pyspec.common.checks)
         p, _keep = spec_params_struct(params)
         d = params.draft
 
@@ -170,23 +170,32 @@ class RefSpeculative(Handle):
             raise ValueError(f"seq_id {seq_id} out of range 0..{self.n_seq - 1}")
         return seq_id
 
+    @serialized
     def begin(self, seq_id: int, prompt: Sequence[int] | np.ndarray) -> None:
         """Mirrors common_speculative_begin."""
         toks = token_array(prompt)
-        check(ref.pyspec_ref_spec_begin(self.ptr, self._seq(seq_id), token_ptr(toks), toks.size), "begin")
+        ptr = self.ptr
+        with held_all(self._deps):
+            check(ref.pyspec_ref_spec_begin(ptr, self._seq(seq_id), token_ptr(toks), toks.size), "begin")
 
+    @serialized
     def process(self, batch: Any) -> bool:
         """Mirrors common_speculative_process: False when an implementation failed."""
-        return check(ref.pyspec_ref_spec_process(self.ptr, batch_ptr(batch)), "process") == 1
+        ptr = self.ptr
+        with held_all(self._deps):
+            return check(ref.pyspec_ref_spec_process(ptr, batch_ptr(batch)), "process") == 1
 
+    @serialized
     def need_embd(self) -> bool:
         """Mirrors common_speculative_need_embd."""
         return check(ref.pyspec_ref_spec_need_embd(self.ptr), "need_embd") == 1
 
+    @serialized
     def need_embd_nextn(self) -> bool:
         """Mirrors common_speculative_need_embd_nextn."""
         return check(ref.pyspec_ref_spec_need_embd_nextn(self.ptr), "need_embd_nextn") == 1
 
+    @serialized
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         """Mirrors common_speculative_draft for the requested sequences (marked ``drafting``).
 
@@ -211,12 +220,14 @@ class RefSpeculative(Handle):
             r.out = token_ptr(out)
             r.out_cap = out.size
             outs.append((int(req.seq_id), out))
-        rc = ref.pyspec_ref_spec_draft(ptr, reqs, n)
+        with held_all(self._deps):  # the draft implementations decode on the draft context
+            rc = ref.pyspec_ref_spec_draft(ptr, reqs, n)
         if rc == c_const("PYSPEC_REF_E_CAPACITY"):  # read the whole results back
             return {seq_id: self.result(seq_id) for seq_id, _ in outs}
         check(rc, "draft")
         return {seq_id: out[: reqs[k].n_out].tolist() for k, (seq_id, out) in enumerate(outs)}
 
+    @serialized
     def result(self, seq_id: int) -> list[int]:
         """The draft that common_speculative_draft last left in the draft params of seq_id."""
         ptr = self.ptr
@@ -225,18 +236,24 @@ class RefSpeculative(Handle):
         check(ref.pyspec_ref_spec_get_result(ptr, seq_id, token_ptr(out), out.size), "result")
         return out[:n].tolist()
 
+    @serialized
     def accept(self, seq_id: int, n_accepted: int) -> None:
         """Mirrors common_speculative_accept; RefError when seq_id has no draft yet."""
-        check(ref.pyspec_ref_spec_accept(self.ptr, self._seq(seq_id), int(n_accepted)), "accept")
+        ptr = self.ptr
+        with held_all(self._deps):
+            check(ref.pyspec_ref_spec_accept(ptr, self._seq(seq_id), int(n_accepted)), "accept")
 
+    @serialized
     def print_stats(self) -> None:
         """Mirrors common_speculative_print_stats (logs through llama.cpp's common log)."""
         check(ref.pyspec_ref_spec_print_stats(self.ptr), "print_stats")
 
+    @serialized
     def n_impls(self) -> int:
         """Number of implementations common_speculative_init selected."""
         return check(ref.pyspec_ref_spec_n_impls(self.ptr), "n_impls")
 
+    @serialized
     def impl_stats(self) -> list[dict[str, Any]]:
         """The counters of each common_speculative_impl, in priority order."""
         ptr = self.ptr
@@ -262,6 +279,7 @@ class RefSpeculative(Handle):
             )
         return out
 
+    @serialized
     def last_impl_type(self, seq_id: int) -> int | None:
         """Type of the implementation whose draft seq_id last used (impl_last); None before any."""
         t = check(ref.pyspec_ref_spec_last_impl_type(self.ptr, self._seq(seq_id)), "last_impl_type")

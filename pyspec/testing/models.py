@@ -60,6 +60,7 @@ __all__ = [
     "make_target",
     "vocab_source",
     "write_empty",
+    "write_llama",
     "write_random_bytes",
     "write_truncated",
 ]
@@ -732,6 +733,33 @@ def make_all() -> dict[str, Path]:
 # ---------------------------------------------------------------------------
 # broken files for error tests
 # ---------------------------------------------------------------------------
+
+
+def write_llama(path: Path, arch: str = "llama", vocab_kv: Any = None, n_layer: int = 2) -> Path:
+    """The tiny draft's tensors under another architecture name and/or vocabulary (hostile-file tests)."""
+    gguf = _gguf()
+    kv = _vocab_kv() if vocab_kv is None else vocab_kv
+
+    def fill(w: Any) -> None:
+        w.add_name("pyspec-hostile")
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        w.add_context_length(N_CTX_TRAIN)
+        w.add_embedding_length(N_EMBD)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(N_FF)
+        w.add_head_count(N_HEAD)
+        w.add_head_count_kv(N_HEAD_KV)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_rope_freq_base(ROPE_BASE)
+        w.add_rope_dimension_count(HEAD_DIM)
+        for key, value, vtype, sub_type in kv:
+            w.add_key_value(key, value, vtype, sub_type)
+        for name, data in _llama_tensors():
+            if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer:
+                w.add_tensor(name, data)
+
+    _write_atomic(path, fill, arch)
+    return path
 
 
 def write_empty(path: str | os.PathLike[str]) -> Path:

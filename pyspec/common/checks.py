@@ -1,0 +1,159 @@
+"""Checks of common_params_speculative / common_params_sampling shared by both engines.
+
+The Python port and the C++ reference run these same checks first, so a value one of
+them refuses is refused by the other with the same exception and message
+(csrc/pyspec_ref.cpp repeats them, with these messages, for callers of its C ABI).
+What they keep out: values the C++ structs cannot hold (uint16 n-gram sizes, uint32
+seeds), values on which the C++ reads out of bounds or allocates without limit
+(ngram_mod n_match 0 or n_max < 0, history windows of billions of tokens), and
+n-gram cache files that common_ngram_cache_load would GGML_ASSERT on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.core.grammar import check_grammar
+from pyspec.core.sampler import MAX_HISTORY, check_dry_window
+from pyspec.errors import SpeculativeError
+
+__all__ = ["check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
+           "check_token"]
+
+_INT32 = (-(2**31), 2**31 - 1)
+_UINT16_MAX = 65535
+
+
+def _int(name: str, v: Any, lo: int = _INT32[0], hi: int = _INT32[1]) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _num(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    return float(v)
+
+
+def check_output_row(ctx: Any, idx: int) -> None:
+    """SpeculativeError unless the last decode on ctx produced output for batch index idx.
+
+    common_sampler_sample GGML_ASSERTs on a missing row (a debug build aborts already in
+    llama_get_logits_ith).
+    """
+    try:
+        ctx._row(idx, "sample")
+    except IndexError:
+        raise SpeculativeError(f"no output (logits) for batch index {idx}") from None
+
+
+def check_token(token: Any, n_vocab: int) -> int:
+    """SpeculativeError unless token is in the vocabulary (the C++ indexes its tables with it)."""
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+        raise SpeculativeError(f"token {token} out of range [0, {n_vocab})")
+    return token
+
+
+def check_ngram_cache_file(path: str, what: str) -> None:
+    """Mirror of common_ngram_cache_load's reading: raise SpeculativeError("Couldn't read <what> lookup cache: path")
+    unless the file is a regular file of whole records (the C++ GGML_ASSERTs or aborts otherwise)."""
+    msg = f"Couldn't read {what} lookup cache: {path}"
+    if "\0" in path:
+        raise SpeculativeError(msg)
+    try:
+        with open(path, "rb") as f:
+            if not os.path.isfile(path):
+                raise SpeculativeError(msg)
+            raw = f.read()
+    except OSError as e:
+        raise SpeculativeError(msg) from e
+    from pyspec.common.ngram_cache import LLAMA_NGRAM_MAX
+
+    words = memoryview(raw)[: len(raw) // 4 * 4].cast("i")
+    n, p = len(words), 0
+    while n - p >= LLAMA_NGRAM_MAX:  # one n-gram, then its token count and (token, count) pairs
+        p += LLAMA_NGRAM_MAX
+        if p >= n or words[p] <= 0 or n - (p + 1) < 2 * words[p]:
+            raise SpeculativeError(msg)
+        k = words[p]
+        counts = words[p + 2 : p + 1 + 2 * k : 2]
+        if min(counts) <= 0:
+            raise SpeculativeError(msg)
+        p += 1 + 2 * k
+
+
+def check_speculative_params(params: CommonParamsSpeculative, n_seq: int) -> None:
+    """Raise ValueError / SpeculativeError for parameters neither engine can run (see the module docstring)."""
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq <= 0:
+        raise ValueError(f"n_seq must be positive, got {n_seq}")
+    for t in params.types:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= int(t) < T.COUNT:
+            raise ValueError(f"unknown speculative type: {t}")
+    d = params.draft
+    _int("draft.n_max", d.n_max)
+    _int("draft.n_min", d.n_min)
+    _int("draft.n_gpu_layers", d.n_gpu_layers)
+    _num("draft.p_split", d.p_split)
+    _num("draft.p_min", d.p_min)
+    for name in ("ngram_simple", "ngram_map_k", "ngram_map_k4v"):
+        m = getattr(params, name)
+        # uint16_t in common_params_speculative_ngram_map; a size of 0 makes common_ngram_map_draft's
+        # size_t arithmetic wrap (the port refused it only once drafting, the C++ read out of bounds)
+        _int(f"{name}.size_n", m.size_n, 1, _UINT16_MAX)
+        _int(f"{name}.size_m", m.size_m, 1, _UINT16_MAX)
+        _int(f"{name}.min_hits", m.min_hits, 0, _UINT16_MAX)
+    mod = params.ngram_mod
+    if T.NGRAM_MOD in params.types:
+        if _int("ngram_mod.n_match", mod.n_match) <= 0:
+            raise SpeculativeError(f"ngram_mod n_match must be positive, got {mod.n_match}")
+        # the C++ sizes its draft as n_match + n_max and writes n_match entries first
+        _int("ngram_mod.n_max", mod.n_max, 0)
+        _int("ngram_mod.n_min", mod.n_min)
+    if T.NGRAM_CACHE in params.types:
+        c = params.ngram_cache
+        if c.lookup_cache_static:
+            check_ngram_cache_file(c.lookup_cache_static, "static")
+        if c.lookup_cache_dynamic:
+            check_ngram_cache_file(c.lookup_cache_dynamic, "dynamic")
+
+
+def check_sampling_params(params: CommonParamsSampling, n_vocab: int, n_ctx_train: int, vocab_ptr: Any = None) -> None:
+    """Raise ValueError / SpeculativeError for sampling parameters common_sampler_init cannot take."""
+    _int("seed", params.seed, -1, 2**32 - 1)
+    _int("n_prev", params.n_prev, *_INT32)
+    if params.n_prev > MAX_HISTORY:
+        raise ValueError(f"n_prev {params.n_prev} exceeds the history limit of {MAX_HISTORY} tokens")
+    _int("n_probs", params.n_probs)
+    _int("min_keep", params.min_keep, 0)
+    _int("top_k", params.top_k)
+    _int("penalty_last_n", params.penalty_last_n, -1, MAX_HISTORY)
+    _int("dry_allowed_length", params.dry_allowed_length)
+    _int("dry_penalty_last_n", params.dry_penalty_last_n, -1)
+    for name in ("top_p", "min_p", "xtc_probability", "xtc_threshold", "typ_p", "temp", "dynatemp_range",
+                 "dynatemp_exponent", "penalty_repeat", "penalty_freq", "penalty_present", "dry_multiplier",
+                 "dry_base", "adaptive_target", "adaptive_decay", "top_n_sigma", "mirostat_tau", "mirostat_eta"):
+        _num(name, getattr(params, name))
+    if params.mirostat not in (0, 1, 2):
+        raise SpeculativeError("unknown mirostat version")
+    if params.mirostat == 0:
+        valid = {int(s) for s in CommonSamplerType}
+        for s in params.samplers:
+            if isinstance(s, bool) or not isinstance(s, int) or int(s) not in valid:
+                raise SpeculativeError(f"unknown sampler type: {s}")
+        if CommonSamplerType.DRY in params.samplers:
+            check_dry_window(n_ctx_train, params.dry_multiplier, params.dry_base, params.dry_penalty_last_n)
+    for breaker in params.dry_sequence_breakers:
+        if not isinstance(breaker, str) or "\0" in breaker:
+            raise ValueError(f"dry sequence breakers must be str without NUL, got {breaker!r}")
+    for tok, bias in params.logit_bias:
+        _num("logit bias", bias)
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < n_vocab:
+            raise ValueError(f"logit bias token {tok} is outside the vocabulary (0..{n_vocab - 1})")
+    if params.grammar:
+        if params.grammar.startswith("%llguidance"):
+            raise SpeculativeError("llguidance (cmake -DLLAMA_LLGUIDANCE=ON) is not enabled")
+        check_grammar(params.grammar, "root", vocab_ptr)
