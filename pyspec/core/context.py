@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -18,7 +19,9 @@ from pyspec.core.model import Model
 from pyspec.errors import ConcurrentUseError, ContextError, decode_error
 from pyspec.ffi import c_enum, ext, ffi, llama
 
-__all__ = ["AnyBatch", "Context"]
+__all__ = ["AnyBatch", "Context", "batch_invariant_params"]
+
+logger = logging.getLogger("pyspec")
 
 AnyBatch = Union[Batch, BatchView]
 
@@ -33,6 +36,37 @@ _POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_call
 # architectures whose graph (src/models/<arch>.cpp) records each layer's input: on any
 # other, a decode with set_embeddings_layer_inp enabled hits a GGML_ASSERT and aborts
 _LAYER_INP_ARCHS = {"llama", "qwen3", "qwen3moe", "gpt-oss", "gemma4"}
+
+
+def batch_invariant_params(model: Model, params: dict[str, Any]) -> dict[str, Any]:
+    """The context parameters of batch-invariant mode, checked against what the caller asked for.
+
+    Where a row's result may depend on its batch on the CPU backend, and what the mode does:
+
+    - repacked weights (llama.cpp's extra buffer types; their kernels change with the
+      batch size): the model must be loaded with ``Model(..., batch_invariant=True)``;
+    - flash attention tiles the queries from 64 rows on, and splits the KV cache across
+      threads for a single query from 512 cells on: ggml-cpu's reference switch
+      (``ggml_backend_cpu_set_use_ref``, set after creation) keeps one kernel for all;
+    - the KV cells a token lands in set the order attention sums in: with a unified
+      cache several sequences share (and reorder) cells, and a sliding-window cache
+      reuses cells; the mode keeps one stream per sequence (``kv_unified=False``) and
+      full-size sliding-window caches (``swa_full=True``).
+
+    Matrix products on file-layout weights compute each output element with one dot
+    product whatever the batch or thread count, and llama.cpp's tinyBLAS path (from
+    two rows on) gives the same bits as the one-row path for these types: nothing to
+    fix there (checked by the tests on the tiny models and scripts/lossless.py on Gemma).
+    """
+    if not model.batch_invariant:
+        raise ValueError("batch-invariant mode needs the model loaded with Model(path, batch_invariant=True): "
+                         "repacked CPU weights are multiplied by kernels that change with the batch size")
+    if params.get("swa_full") is False:
+        raise ValueError("batch-invariant mode needs swa_full=True (a sliding-window cache reuses its cells)")
+    if params.get("kv_unified") and params.get("n_seq_max", 1) > 1:
+        raise ValueError("batch-invariant mode needs kv_unified=False with several sequences "
+                         "(sequences sharing a cache reorder each other's cells)")
+    return {**params, "swa_full": True, "kv_unified": bool(params.get("kv_unified", False))}
 
 
 def _convert(table: dict[Any, int], name: str, value: Any) -> int:
@@ -51,11 +85,15 @@ class Context(Handle):
     ``ctx_type`` takes "default" or "mtp", ``flash_attn_type`` "auto" /
     "enabled" / "disabled", ``type_k``/``type_v`` a cache type name, and
     ``ctx_other`` another Context, which this one keeps alive.
+
+    ``batch_invariant`` (default: the model's) makes every output row independent of
+    the batch it is computed in on the CPU backend, so speculative decoding gives
+    exactly the tokens of plain decoding: see :func:`batch_invariant_params`.
     """
 
     _kind = "context"
 
-    def __init__(self, model: Model, **params: Any) -> None:
+    def __init__(self, model: Model, *, batch_invariant: bool | None = None, **params: Any) -> None:
         super().__init__()
         self._busy = threading.Lock()  # held while llama.cpp runs on this context
         self._claimed = threading.Lock()  # held for a whole generation (see claim)
@@ -66,6 +104,9 @@ class Context(Handle):
         bad_ptr = set(params) & _POINTER_FIELDS
         if bad_ptr:
             raise TypeError(f"field(s) {', '.join(sorted(bad_ptr))} are not settable from Python")
+        self.batch_invariant = model.batch_invariant if batch_invariant is None else bool(batch_invariant)
+        if self.batch_invariant:
+            params = batch_invariant_params(model, params)
         cparams = llama.llama_context_default_params()
         n_cpu = os.cpu_count() or 1
         cparams.n_threads = n_cpu
@@ -123,6 +164,12 @@ class Context(Handle):
         if ptr == ffi.NULL:
             raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
         self._own(ptr, llama.llama_free, deps)
+        if self.batch_invariant:
+            n_other = ffi.new("int32_t *")
+            ext.pyspec_context_set_cpu_use_ref(ptr, True, n_other)
+            if n_other[0]:
+                logger.warning("batch-invariant mode covers the CPU backend; %d other backend(s) of this context "
+                               "(GPU, accelerators) may still compute a row differently in another batch", n_other[0])
         self._samplers.update(samplers)
         self.params = cparams
         self.n_vocab = model.vocab.n_tokens

@@ -69,7 +69,10 @@ class Model(Handle):
         use_mlock: bool = False,
         vocab_only: bool = False,
         check_tensors: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
+        """``batch_invariant`` keeps the weights in their file layout (no CPU repacking), the
+        model-level half of batch-invariant mode (see :class:`pyspec.core.context.Context`)."""
         super().__init__()
         self.path = Path(path)
         if not self.path.is_file():
@@ -89,6 +92,10 @@ class Model(Handle):
         params.use_mlock = use_mlock
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
+        # repacked CPU weights (llama.cpp's "extra buffer types") are multiplied by kernels that
+        # change with the batch size, so a row's result would depend on its batch
+        params.use_extra_bufts = not batch_invariant
+        self.batch_invariant = bool(batch_invariant)
         self._devices_arr = None
         if devices is not None:
             n_dev = ggml.ggml_backend_dev_count()

@@ -27,10 +27,11 @@ from pyspec.common.common import (
     common_context_seq_rm,
 )
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType, CommonSpeculativeType
-from pyspec.common.speculative import DraftRequest
+from pyspec.common.speculative import DraftRequest, common_speculative_n_max
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
+from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
 from pyspec.generation.engines import Engine, make_engine
 from pyspec.generation.statistics import GenerationStats, SequenceResult
 
@@ -85,6 +86,8 @@ class SpeculativeGenerator:
         n_seq: int | None = None,
         engine: str = "python",
         on_event: EventCallback | None = None,
+        adaptive_draft: bool = True,
+        draft_controller: DraftLengthController | None = None,
     ) -> None:
         self.ctx_tgt = ctx_tgt
         self.n_seq = ctx_tgt.n_seq_max if n_seq is None else n_seq
@@ -92,6 +95,7 @@ class SpeculativeGenerator:
             raise ValueError(f"n_seq must be 1..{ctx_tgt.n_seq_max} (the target's n_seq_max), got {self.n_seq}")
         self.sampling = sampling if sampling is not None else greedy_sampling()
         self.spec_params = spec
+        self.engine_types = list(spec.types) if spec is not None else []
         self.ctx_dft: Context | None = None
         if spec is not None:
             spec.draft.ctx_tgt = ctx_tgt
@@ -116,6 +120,35 @@ class SpeculativeGenerator:
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
         self.stats = GenerationStats()
         self.on_event = on_event
+        # the draft length of each step: llama.cpp's fixed n_max, or the cost-aware choice
+        self.draft_ctl: DraftLengthController | None = None
+        if self.engine.has_spec and spec is not None:
+            self.draft_ctl = draft_controller or self._make_draft_controller(spec, fixed=not adaptive_draft)
+        self._multi_impl = spec is not None and len(spec.types) > 1
+        self._spec_n_max = common_speculative_n_max(spec) if spec is not None else 0
+
+    def _make_draft_controller(self, spec: CommonParamsSpeculative, fixed: bool) -> DraftLengthController:
+        from pyspec.common.speculative import common_speculative_type_name_str
+
+        has_draft_model = CommonSpeculativeType.DRAFT_SIMPLE in spec.types
+        return DraftLengthController(
+            fixed=fixed, curve=shared_cost_curve(self.ctx_tgt),
+            n_min=spec.draft.n_min if has_draft_model else 0,
+            impl=common_speculative_type_name_str(spec.types))
+
+    def _calibrate(self) -> None:
+        """Measure what the draft-length choice needs and is not known yet (once per model and settings)."""
+        ctl = self.draft_ctl
+        if ctl is None or ctl.fixed:
+            return
+        if not ctl.curve.ready:
+            ctl.curve.calibrate(self.ctx_tgt)
+        if self.ctx_dft is not None and CommonSpeculativeType.DRAFT_SIMPLE in self.engine_types:
+            # a draft model decodes one token per drafted token: its one-token cost is the first guess
+            dcurve = shared_cost_curve(self.ctx_dft)
+            if 1 not in dcurve.sizes():
+                dcurve.calibrate(self.ctx_dft, sizes=(1,))
+            ctl.draft_cost.prior_d1 = dcurve.cost(1)
 
     def _event(self, name: str, slots: list[_Slot], **data: Any) -> None:
         """Report one call with the state the parity harness compares."""
@@ -209,6 +242,7 @@ class SpeculativeGenerator:
     def _run_claimed(self, slots: list[_Slot], ctx_tgt: Context, ctx_dft: Context | None, eng: Engine,
                      on_piece: PieceCallback | None, stop: Sequence[str], step_hook: bool) -> Iterator[Any]:
         self.stats = st = GenerationStats()
+        self._calibrate()
         t_dec_start = self._decode_ns()
         # a fresh start for every sequence: memory, samplers (the prompt is accepted, not generated)
         for s in slots:
@@ -216,6 +250,8 @@ class SpeculativeGenerator:
             if ctx_dft is not None:
                 common_context_seq_rm(ctx_dft, s.id, -1, -1)
             eng.reset_sampler(s.id)
+            if self.draft_ctl is not None:
+                self.draft_ctl.reset_seq(s.id)
             for t in s.tokens:
                 eng.accept_token(s.id, t, False)
 
@@ -278,10 +314,19 @@ class SpeculativeGenerator:
         n = self.ctx_tgt.n_ctx_seq - len(s.tokens) - 2
         if s.n_remaining > 0:
             n = min(n, s.n_remaining - 1)
-        return min(n, self.ctx_tgt.n_batch // n_active - 1)
+        n = min(n, self.ctx_tgt.n_batch // n_active - 1)
+        # within that, what the verify cost and the acceptance so far make worth it (possibly 0);
+        # with a fixed controller (llama.cpp's behaviour) all of it
+        ctl = self.draft_ctl
+        if ctl is None or ctl.fixed or n <= 0:
+            return n
+        return ctl.choose(s.id, min(n, self._spec_n_max), n_active)
 
     def _step(self, slots: list[_Slot], on_piece: PieceCallback | None, stop: Sequence[str]) -> None:
         ctx_tgt, ctx_dft, eng, batch = self.ctx_tgt, self.ctx_dft, self.engine, self.batch
+        ctl = self.draft_ctl
+        t_step = time.perf_counter()
+        t_draft = 0.0
         active = [s for s in slots if s.active]
         use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
         use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
@@ -300,9 +345,13 @@ class SpeculativeGenerator:
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
                 drafting.append(s)
             if requests:
+                t0 = time.perf_counter()
                 drafts = eng.draft(requests)
+                t_draft = time.perf_counter() - t0
                 for s in drafting:
                     s.spec_draft = drafts.get(s.id, [])
+                if ctl is not None:
+                    ctl.record_draft_call(len(requests), sum(len(s.spec_draft) for s in drafting), t_draft)
                 self._event("draft", slots, drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part
@@ -338,7 +387,9 @@ class SpeculativeGenerator:
             s.tokens.append(s.sampled)
             s.tokens.extend(s.spec_draft)
 
+        t_dec = ctx_tgt.t_decode_ns
         ctx_tgt.decode(batch)
+        t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         if not eng.process(batch):
             raise PyspecError("failed to process speculative batch")
         self._event("process", slots, n_tokens=batch.n_tokens)
@@ -382,6 +433,9 @@ class SpeculativeGenerator:
 
             eng.accept(s.id, len(accepted) - 1)
             s.result.n_accepted += len(accepted) - 1
+            if ctl is not None:
+                ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
+                                      n_draft, len(accepted) - 1)
             self._event("accept", slots, seq_id=s.id, accepted=list(accepted))
 
             # the memory keeps the prompt, the sampled token and the accepted draft tokens
@@ -392,6 +446,10 @@ class SpeculativeGenerator:
             if ctx_dft is not None:
                 common_context_seq_rm(ctx_dft, s.id, len(s.tokens), -1)
             self._emit(s, accepted, on_piece, stop)
+
+        if ctl is not None:
+            ctl.record_verify(batch.n_tokens, t_verify)
+            ctl.record_overhead(time.perf_counter() - t_step - t_verify - t_draft)
 
     def _emit(self, s: _Slot, toks: list[int], on_piece: PieceCallback | None, stop: Sequence[str]) -> None:
         """The server's process_token for each token: text, stop strings, end of generation, budget."""

@@ -1,0 +1,407 @@
+"""Cost-aware draft length: before each step, the draft length (possibly 0) that maximises tokens per second.
+
+llama.cpp drafts up to a fixed ``n_max`` and verifies whatever the implementation
+returns. That pays where a verify batch costs about as much as one token (a GPU);
+on a CPU a batch of b tokens costs c(b), several times a one-token decode
+(Gemma 3 270M, 2 threads: c(2) ~ 1.8 c(1), c(9) ~ 4.6 c(1)), so a draft that is
+not accepted far enough loses to plain decoding, and a draft made by a model as
+large as the target never pays.
+
+The controller decides, for each sequence and step, the most draft tokens to ask
+for, from three things it measures on the machine it runs on:
+
+- the **verify cost curve** c(b): seconds of one target decode of b tokens,
+  probed at start-up (:meth:`CostCurve.calibrate`) and updated from every step
+  (:meth:`DraftLengthController.record_verify`);
+- the **acceptance** of each implementation and each sequence: how often the
+  first draft token is accepted (q1) and how often a further one is, given the
+  ones before it were (qn); so P(the first k draft tokens are accepted) =
+  q1 * qn ** (k - 1) (:class:`Acceptance`);
+- the **draft cost** d(n) = d0 + d1 * n of each implementation (n-gram lookups
+  cost next to nothing, a draft model a decode per token) and the loop's own
+  time per step o.
+
+For a sequence that shares the step with ``n_active - 1`` others (one token
+each), a draft of n tokens is worth
+
+    rate(n) = (n_active + sum_{k=1..n} P(k accepted)) / (c(n_active + n) + d(n) + o)
+
+and the controller picks the n in {0} U [n_lo, cap] with the highest rate; n = 0
+is plain decoding. A sequence held at 0 is probed now and then with a short
+draft (after 32 steps, then 64, 128, ... at most every 512), so a change in the
+text (code after prose) is noticed.
+
+``DraftLengthController(fixed=True)`` (``pyspec ... --fixed-draft``) passes the
+caller's cap through unchanged: llama.cpp's behaviour, which the parity harness
+and the C++ loop comparison use.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Acceptance",
+    "CostCurve",
+    "DraftCost",
+    "DraftLengthController",
+    "expected_tokens",
+    "shared_cost_curve",
+]
+
+# batch sizes probed at start-up: enough to interpolate the rest
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
+
+
+class CostCurve:
+    """The target's verify cost per batch size: median of the last ``window`` decodes of each size, in seconds.
+
+    Sizes never measured are interpolated linearly between the nearest measured
+    ones, and extrapolated beyond the largest with the slope of the last two.
+    """
+
+    def __init__(self, window: int = 9) -> None:
+        self.window = window
+        self._obs: dict[int, deque[float]] = {}
+        self._median: dict[int, float] = {}
+        self._sizes: list[int] = []
+
+    def record(self, n_tokens: int, seconds: float) -> None:
+        """One decode of ``n_tokens`` tokens took ``seconds``."""
+        if n_tokens <= 0 or not seconds > 0:
+            return
+        obs = self._obs.get(n_tokens)
+        if obs is None:
+            obs = self._obs[n_tokens] = deque(maxlen=self.window)
+            self._sizes = sorted(self._obs)
+        obs.append(seconds)
+        self._median[n_tokens] = statistics.median(obs)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the curve knows a one-token decode and at least one larger batch."""
+        return 1 in self._median and len(self._median) >= 2
+
+    def sizes(self) -> list[int]:
+        """The batch sizes measured so far."""
+        return list(self._sizes)
+
+    def cost(self, n_tokens: int) -> float:
+        """Seconds for one decode of ``n_tokens`` tokens (interpolated where not measured)."""
+        med = self._median
+        c = med.get(n_tokens)
+        if c is not None:
+            return c
+        sizes = self._sizes
+        if not sizes:
+            raise ValueError("the cost curve has no measurements")
+        if n_tokens < sizes[0]:
+            return med[sizes[0]]
+        lo = max((s for s in sizes if s < n_tokens), default=sizes[0])
+        hi = min((s for s in sizes if s > n_tokens), default=None)
+        if hi is None:  # beyond the largest: the slope of the last two (never falling)
+            if len(sizes) < 2:
+                return med[lo] * n_tokens / lo
+            a, b = sizes[-2], sizes[-1]
+            slope = max(0.0, (med[b] - med[a]) / (b - a))
+            return med[b] + slope * (n_tokens - b)
+        w = (n_tokens - lo) / (hi - lo)
+        return med[lo] * (1 - w) + med[hi] * w
+
+    def relative(self) -> dict[int, float]:
+        """The measured points as multiples of a one-token decode."""
+        c1 = self.cost(1)
+        return {n: self._median[n] / c1 for n in self._sizes}
+
+    def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 3,
+                  seq_id: int = 0) -> CostCurve:
+        """Measure ``sizes`` on ``ctx`` (a pyspec Context): ``repeat`` decodes each after a warm-up.
+
+        Decodes token batches at positions 0.. of ``seq_id`` with every row's logits
+        requested, as a verify batch does, and removes them again: the sequence
+        must be empty (the generator calls this before a generation).
+        """
+        from pyspec.core.batch import Batch
+
+        sizes = sorted({int(s) for s in sizes if 0 < s <= ctx.n_batch})
+        if not sizes:
+            return self
+        batch = Batch(max(sizes), 0, 1)
+        tok = max(0, ctx.model.vocab.bos)
+        mem = ctx.memory
+        try:
+            for n in sizes:
+                batch.clear()
+                for i in range(n):
+                    batch.add(tok, i, seq_id, True)
+                for r in range(repeat + 1):
+                    mem.seq_rm(seq_id, -1, -1)
+                    t0 = time.perf_counter()
+                    ctx.decode(batch)
+                    dt = time.perf_counter() - t0
+                    if r > 0:  # the first decode of a new shape also allocates its graph
+                        self.record(n, dt)
+        finally:
+            mem.seq_rm(seq_id, -1, -1)
+        return self
+
+    def as_dict(self) -> dict[int, float]:
+        """{batch size: median seconds} of the measured sizes."""
+        return {n: self._median[n] for n in self._sizes}
+
+
+# one curve per (model, context settings that change the cost), shared by the generators of a process
+_CURVES: weakref.WeakKeyDictionary[Any, dict[tuple, CostCurve]] = weakref.WeakKeyDictionary()
+
+
+def shared_cost_curve(ctx: Any) -> CostCurve:
+    """The process-wide cost curve of contexts like ``ctx``: same model, threads, ubatch and numerics mode."""
+    p = ctx.params
+    key = (int(p.n_threads), int(p.n_threads_batch), int(ctx.n_ubatch), int(p.flash_attn_type),
+           bool(getattr(ctx, "batch_invariant", False)), int(ctx.n_seq_max))
+    per_model = _CURVES.setdefault(ctx.model, {})
+    curve = per_model.get(key)
+    if curve is None:
+        curve = per_model[key] = CostCurve()
+    return curve
+
+
+def expected_tokens(q1: float, qn: float, n: int) -> float:
+    """Tokens a step yields with a draft of n tokens: 1 + sum over k of P(the first k are accepted)."""
+    total, p = 1.0, q1
+    for _ in range(n):
+        total += p
+        p *= qn
+    return total
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of draft positions tested and accepted, as a two-rate model.
+
+    A draft of n tokens of which a were accepted tested its first position
+    (accepted if a >= 1) and, when the first was accepted, positions 2..min(n, a + 1)
+    (a - 1 of them accepted). ``decay`` multiplies the old counts at each record,
+    so recent drafts weigh more.
+    """
+
+    decay: float = 0.9
+    first_tested: float = 0.0
+    first_accepted: float = 0.0
+    next_tested: float = 0.0
+    next_accepted: float = 0.0
+    n_drafts: int = 0
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        a = max(0, min(n_accepted, n_drafted))
+        k = self.decay
+        self.first_tested = self.first_tested * k + 1.0
+        self.first_accepted = self.first_accepted * k + (1.0 if a >= 1 else 0.0)
+        self.next_tested *= k
+        self.next_accepted *= k
+        if a >= 1:
+            self.next_tested += min(n_drafted, a + 1) - 1
+            self.next_accepted += a - 1
+        self.n_drafts += 1
+
+    def rates(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
+        """(q1, qn) shrunk towards ``prior`` as if it were ``weight`` more observations."""
+        q1 = (self.first_accepted + weight * prior[0]) / (self.first_tested + weight)
+        qn = (self.next_accepted + weight * prior[1]) / (self.next_tested + weight)
+        return q1, qn
+
+
+@dataclass
+class DraftCost:
+    """Seconds one draft call costs: d0 per drafting sequence plus d1 per drafted token (decayed least squares)."""
+
+    decay: float = 0.9
+    prior_d0: float = 0.0
+    prior_d1: float = 0.0
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σcc, Σct, Σtt, Σc·s, Σt·s
+    n_calls: int = 0
+
+    def record(self, n_seqs: int, n_tokens: int, seconds: float) -> None:
+        if n_seqs <= 0 or seconds < 0:
+            return
+        s, k = self._s, self.decay
+        c, t = float(n_seqs), float(n_tokens)
+        for i, v in enumerate((c * c, c * t, t * t, c * seconds, t * seconds)):
+            s[i] = s[i] * k + v
+        self.n_calls += 1
+
+    def params(self) -> tuple[float, float]:
+        """(d0, d1): the prior until a call is measured, then the fit (never negative)."""
+        if self.n_calls == 0:
+            return self.prior_d0, self.prior_d1
+        cc, ct, tt, cs, ts = self._s
+        det = cc * tt - ct * ct
+        if det > 1e-9 * cc * tt:
+            d0 = (cs * tt - ct * ts) / det
+            d1 = (cc * ts - ct * cs) / det
+            if d0 >= 0 and d1 >= 0:
+                return d0, d1
+        # calls too alike to separate the two (or a negative fit): all of it per token,
+        # or per call when no call drafted anything
+        if tt > 0:
+            return 0.0, max(0.0, ts / tt)
+        return (max(0.0, cs / cc) if cc > 0 else 0.0), 0.0
+
+
+class _Seq:
+    """What the controller keeps per sequence."""
+
+    def __init__(self, decay: float) -> None:
+        self.acc = Acceptance(decay)
+        self.zero_streak = 0
+        self.probe_after = DraftLengthController.PROBE_FIRST
+
+
+class DraftLengthController:
+    """Chooses each sequence's draft length from the measured cost curve, acceptance and draft cost.
+
+    The generator calls :meth:`choose` where it decides a sequence's most draft
+    tokens, and reports what happened with the ``record_*`` methods. With
+    ``fixed=True`` :meth:`choose` returns the cap unchanged (llama.cpp's behaviour).
+    ``draft_d1`` is a first guess of the seconds a drafted token costs (a draft
+    model's one-token decode), until draft calls are measured.
+    """
+
+    # (q1, qn) before anything is known: optimistic, so that a new implementation gets tried;
+    # one rejected first token brings q1 from 0.7 to 0.47
+    PRIOR = (0.7, 0.9)
+    PRIOR_WEIGHT_IMPL = 2.0  # the prior counts as this many drafts of an implementation
+    PRIOR_WEIGHT_SEQ = 3.0  # an implementation's rates count as this many drafts of a sequence
+    MARGIN = 1.02  # a draft must promise 2% more tokens per second than plain decoding
+    PROBE_FIRST, PROBE_MAX = 32, 512  # steps at 0 before a probe; doubles after each probe
+
+    def __init__(self, *, fixed: bool = False, curve: CostCurve | None = None, n_min: int = 0,
+                 impl: str = "", draft_d1: float = 0.0) -> None:
+        self.fixed = fixed
+        self.curve = curve if curve is not None else CostCurve()
+        self.n_min = max(0, n_min)  # a draft shorter than this is discarded by the implementation
+        self.impl = impl  # the type set: its draft calls are timed together
+        self.draft_cost = DraftCost(prior_d1=draft_d1)
+        self._impl: dict[str, Acceptance] = {}
+        self._seqs: dict[int, _Seq] = {}
+        self._last_impl: dict[int, str] = {}
+        self.overhead_s = 0.0  # the loop's own time per step (running mean, then EWMA)
+        self._n_overhead = 0
+
+    # --- what the generator reports ------------------------------------------------
+
+    def reset_seq(self, seq_id: int) -> None:
+        """A new sequence starts in ``seq_id``: forget its own statistics (the implementation's stay)."""
+        self._seqs.pop(seq_id, None)
+        self._last_impl.pop(seq_id, None)
+
+    def record_verify(self, n_tokens: int, seconds: float) -> None:
+        """One target decode of ``n_tokens`` tokens took ``seconds``."""
+        self.curve.record(n_tokens, seconds)
+
+    def record_draft_call(self, n_seqs: int, n_tokens: int, seconds: float) -> None:
+        """One draft call for ``n_seqs`` sequences produced ``n_tokens`` tokens in ``seconds``."""
+        self.draft_cost.record(n_seqs, n_tokens, seconds)
+
+    def record_acceptance(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int) -> None:
+        """``impl``'s draft of ``n_drafted`` tokens for ``seq_id`` had ``n_accepted`` of them accepted."""
+        name = impl or self.impl
+        self._acc(name).record(n_drafted, n_accepted)
+        self._seq(seq_id).acc.record(n_drafted, n_accepted)
+        self._last_impl[seq_id] = name
+
+    def record_overhead(self, seconds: float) -> None:
+        """The loop's own time in one step (outside the target decode and the draft call)."""
+        if seconds < 0:
+            return
+        self._n_overhead += 1
+        a = max(0.1, 1.0 / self._n_overhead)
+        self.overhead_s += a * (seconds - self.overhead_s)
+
+    # --- the decision -------------------------------------------------------------------
+
+    def rates(self, seq_id: int) -> tuple[float, float]:
+        """(q1, qn) of a sequence: its own counts shrunk towards its implementation's."""
+        base = self._acc(self._last_impl.get(seq_id) or self.impl).rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)
+        s = self._seqs.get(seq_id)
+        return base if s is None else s.acc.rates(base, self.PRIOR_WEIGHT_SEQ)
+
+    def rate(self, n: int, n_active: int, q1: float, qn: float) -> float:
+        """Expected tokens per second of a step in which one sequence drafts n tokens (the others none)."""
+        cost = self.curve.cost(n_active + n) + self.overhead_s
+        if n > 0:
+            d0, d1 = self.draft_cost.params()
+            cost += d0 + d1 * n
+        return (n_active - 1 + expected_tokens(q1, qn, n)) / cost
+
+    def best(self, cap: int, n_active: int, q1: float, qn: float) -> tuple[int, float]:
+        """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap]."""
+        r0 = self.rate(0, n_active, q1, qn)
+        best_n, best_r = 0, r0 * self.MARGIN
+        for n in range(max(1, self.n_min), cap + 1):
+            r = self.rate(n, n_active, q1, qn)
+            if r > best_r:
+                best_n, best_r = n, r
+        return best_n, (best_r / r0 if best_n else 1.0)
+
+    def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:
+        """The most draft tokens ``seq_id`` should ask for this step (0: decode plainly); at most ``cap``."""
+        if self.fixed or cap <= 0:
+            return max(0, cap)
+        if not self.curve.ready:
+            return cap  # nothing measured yet: llama.cpp's choice
+        n, _ = self.best(cap, n_active, *self.rates(seq_id))
+        s = self._seq(seq_id)
+        if n > 0:
+            s.zero_streak = 0
+            s.probe_after = self.PROBE_FIRST
+            return n
+        s.zero_streak += 1
+        if s.zero_streak < s.probe_after:
+            return 0
+        # a probe now and then, so that a change in the text is noticed; not where even
+        # drafts that are always accepted could not pay (a draft model as slow as the target)
+        s.zero_streak = 0
+        s.probe_after = min(self.PROBE_MAX, s.probe_after * 2)
+        n_any, _ = self.best(cap, n_active, 1.0, 1.0)
+        return min(n_any, max(2, self.n_min)) if n_any else 0
+
+    def bound(self, seq_id: int, cap: int, n_active: int = 1) -> float:
+        """rate(best n) / rate(0) for ``seq_id`` now: the speed-up its current estimates promise."""
+        return self.best(cap, n_active, *self.rates(seq_id))[1] if self.curve.ready else 1.0
+
+    # --- reading it back ----------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The measured curve (relative to one token), acceptance and draft cost."""
+        out: dict[str, Any] = {"fixed": self.fixed, "overhead_ms": round(self.overhead_s * 1e3, 3),
+                               "draft_cost_ms": [round(x * 1e3, 3) for x in self.draft_cost.params()]}
+        if self.curve.ready:
+            out["cost_1_ms"] = round(self.curve.cost(1) * 1e3, 3)
+            out["cost_relative"] = {n: round(v, 2) for n, v in self.curve.relative().items()}
+        out["impls"] = {name: {"q1_qn": [round(x, 3) for x in acc.rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)],
+                               "drafts": acc.n_drafts}
+                        for name, acc in self._impl.items()}
+        return out
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _acc(self, impl: str) -> Acceptance:
+        a = self._impl.get(impl)
+        if a is None:
+            a = self._impl[impl] = Acceptance(decay=0.98)
+        return a
+
+    def _seq(self, seq_id: int) -> _Seq:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            s = self._seqs[seq_id] = _Seq(decay=0.9)
+        return s
