@@ -42,10 +42,6 @@ uint32_t pyspec_model_target_layer_ids_n(const llama_model * model) {
     return llama_model_target_layer_ids_n(model);
 }
 
-int32_t pyspec_model_n_expert(const llama_model * model) {
-    return llama_model_n_expert(model);
-}
-
 // The candidate array of common_sampler::set_logits (common/sampling.cpp) for a
 // full logits row: {id, logit, 0}. A C loop, because numpy's strided writes
 // into the interleaved llama_token_data array cost several times more for a

@@ -6,6 +6,7 @@ from typing import Any
 
 __all__ = [
     "BatchFullError",
+    "CliError",
     "ClosedError",
     "ConcurrentUseError",
     "ContextError",
@@ -83,6 +84,10 @@ class RefError(SpeculativeError):
 
 class LoopInputError(RefError, ValueError):
     """The C++ loop refused its input (PYSPEC_REF_E_NULL / _RANGE / _CAPACITY)."""
+
+
+class CliError(PyspecError):
+    """A command-line error reported as one line, without a traceback."""
 
 
 class ParityError(AssertionError):

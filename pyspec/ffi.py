@@ -27,7 +27,8 @@ import cffi
 
 from pyspec.errors import LibraryNotFoundError
 
-__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "lib_dir", "llama", "on_open", "open_library", "ref"]
+__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "lib_dir", "llama", "on_open",
+           "open_library", "ref"]
 
 _DECL_DIR = Path(__file__).with_name("decl")
 # order matters: later files use the types of earlier ones
@@ -75,7 +76,7 @@ def c_enum(ctype: str, prefix: str) -> dict[str, int]:
     members = ffi.typeof(ctype).relements
     return {name[len(prefix):].lower(): value for name, value in members.items() if name.startswith(prefix)}
 
-_open_lock = threading.Lock()
+_open_lock = threading.RLock()
 _opened: dict[str, Any] = {}
 _on_open: dict[str, list[Callable[[Any], None]]] = {}
 
@@ -128,8 +129,9 @@ def open_library(name: str) -> Any:
             )
         # RTLD_GLOBAL is not needed: each library finds its siblings by $ORIGIN rpath
         lib = ffi.dlopen(str(path))
-        if name == "ext":
-            _check_layouts(lib)
+        if name == "llama":
+            # before any struct crosses into libllama: the declarations must match its layouts
+            _check_layouts(open_library("ext"))
         for hook in _on_open.get(name, ()):
             hook(lib)
         _opened[name] = lib

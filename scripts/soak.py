@@ -66,7 +66,8 @@ class Setup:
             if t in needs:
                 maker = {"mtp": tm.make_mtp, "eagle3": tm.make_eagle3, "draft": tm.make_draft}[needs[t]]
                 self.models[needs[t]] = Model(maker())
-        self.ctx = self.ctxd = None
+        self.ctx: Context | None = None
+        self.ctxd: Context | None = None
 
     def contexts(self):
         self.close_contexts()
@@ -124,7 +125,8 @@ def soak(args: argparse.Namespace) -> int:
     gc.collect()
     rss0, fds0, thr0 = rss_kb(), n_fds(), n_threads()
     steps0, t0 = steps, time.perf_counter()
-    print(f"warm-up: {steps} steps, {gens} generations; RSS {rss0 / 1024:.1f} MB, fds {fds0}, threads {thr0}", flush=True)
+    print(f"warm-up: {steps} steps, {gens} generations; RSS {rss0 / 1024:.1f} MB, fds {fds0}, threads {thr0}",
+          flush=True)
     next_report = steps0 + args.steps // 10
     while steps - steps0 < args.steps:
         one_generation()
@@ -142,7 +144,8 @@ def soak(args: argparse.Namespace) -> int:
     growth_mb = (rss1 - rss0) / 1024
     print(f"end:     {n} steps in {dt:.1f} s = {n / dt:.0f} steps/s, {tokens} tokens in all, "
           f"acceptance {accepted / max(drafted, 1):.2f}")
-    print(f"RSS {rss0 / 1024:.1f} MB -> {rss1 / 1024:.1f} MB (growth {growth_mb:+.2f} MB, limit {args.max_growth_mb} MB); "
+    print(f"RSS {rss0 / 1024:.1f} MB -> {rss1 / 1024:.1f} MB "
+          f"(growth {growth_mb:+.2f} MB, limit {args.max_growth_mb} MB); "
           f"fds {fds0} -> {fds1}; threads {thr0} -> {thr1}; RSS after closing the contexts {rss_closed / 1024:.1f} MB")
     setup.close()
     ok = growth_mb < args.max_growth_mb and fds1 <= fds0 and thr1 <= thr0
@@ -167,9 +170,10 @@ def threads_bench(args: argparse.Namespace) -> int:
         ok = [True] * n
         counts = [0] * n
 
-        def work(i: int) -> None:
+        def work(i: int, per: list[Setup] = per, ok: list[bool] = ok, counts: list[int] = counts) -> None:
             s = per[i]
-            s.types, s.n_threads_ctx, s.models, s.ctx, s.ctxd = setup.types, setup.n_threads_ctx, setup.models, None, None
+            s.types, s.n_threads_ctx, s.models = setup.types, setup.n_threads_ctx, setup.models
+            s.ctx = s.ctxd = None
             c, pp = s.contexts()
             with SpeculativeGenerator(c, pp, greedy_sampling(), engine=args.engine) as g:
                 for _ in range(args.gens_per_thread):

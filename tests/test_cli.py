@@ -111,7 +111,11 @@ def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys
 def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):
     seen = []
     fake = types.ModuleType("pyspec.cli.parity")
-    fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    fake.main = fake_main  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pyspec.cli.parity", fake)
     assert cli.main(["parity", "--types", "ngram-mod", "-n", "5"]) == 3
     assert seen == [["--types", "ngram-mod", "-n", "5"]]

@@ -141,6 +141,7 @@ def test_batch_arrays_are_the_c_buffers():
     assert b.c.n_tokens == 1
     assert b.c.token[0] == 7 and b.c.pos[0] == 3 and b.c.n_seq_id[0] == 2
     assert b.c.seq_id[0][1] == 1 and b.c.logits[0] == 1
+    assert b.token is not None
     b.token[0] = 9  # writing numpy writes the C memory
     assert b.c.token[0] == 9
 

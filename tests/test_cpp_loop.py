@@ -33,7 +33,8 @@ def mtp_model():
         yield m
 
 
-def _setup(kind: str, n_seq: int, request: pytest.FixtureRequest) -> tuple[Context, CommonParamsSpeculative | None, list]:
+def _setup(kind: str, n_seq: int,
+           request: pytest.FixtureRequest) -> tuple[Context, CommonParamsSpeculative | None, list]:
     """Target context and speculative params for one kind, as the driver's users set them up."""
     n_ctx = 1024 * n_seq
     contexts: list[Context] = []

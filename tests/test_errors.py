@@ -12,7 +12,7 @@ from pyspec.testing import models as tm
 
 def test_missing_model_path_raises_file_not_found(tmp_path):
     missing = tmp_path / "nope.gguf"
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         Model(missing)
 
 

@@ -14,6 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_llama.py"
 @pytest.fixture
 def fetch(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("fetch_llama", SCRIPT)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     dest = tmp_path / "vendor" / "llama.cpp"

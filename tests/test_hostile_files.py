@@ -207,7 +207,8 @@ def test_eagle3_reading_a_layer_the_target_lacks_is_refused(tmp_path, target, en
         p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
         p.draft.ctx_dft = ctxd
         # the port says so (SpeculativeError); before the C++, which asserts, Context.check_layer_inp does
-        with pytest.raises((SpeculativeError, ValueError), match="layer 9 (is not a layer of the target|out of range)"):
+        expected = r"layer 9 (is not a layer of the target|out of range)"
+        with pytest.raises((SpeculativeError, ValueError), match=expected):
             SpeculativeGenerator(ctx, p, engine=engine)
         ctxd.close()
         ctx.close()

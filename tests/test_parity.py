@@ -15,6 +15,7 @@ drafts get rejected, p_min cuts them short.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -48,7 +49,7 @@ def word_bias(target_model) -> list[tuple[int, float]]:
     return [(t, 20.0) for t in toks]
 
 
-def models_for(types: list[T]) -> dict[str, str | None]:
+def models_for(types: list[T]) -> dict[str, Any]:
     """ParityScenario's model fields for the types (the tiny models)."""
     if T.DRAFT_MTP in types:
         return {"target": str(tm.make_mtp()), "draft": None}
@@ -77,7 +78,7 @@ def seeded(temp: float, seed: int, bias: list[tuple[int, float]] | None = None) 
 
 
 # (name, scenario fields); "bias" is replaced with the word bias
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     # one sequence, greedy; two requests in a row on one generator, the first prefilled over several ubatches
     "greedy-1seq": dict(n_seq=1, prompts=PROMPTS[:2], n_predict=32, n_max=3, sampling=("greedy", None)),
     # two sequences, seeded stochastic sampling, longer drafts that must have at least 2 tokens
@@ -199,6 +200,7 @@ def test_a_port_that_counts_differently_is_caught_in_the_counters(monkeypatch):
     monkeypatch.setattr(PortEngine, "impl_stats", miscount)
     report = run_parity(scenario([T.NGRAM_SIMPLE], prompts=["Hello"], n_predict=8))
     assert not report.ok
+    assert report.divergence is not None
     assert report.divergence.event == "begin"
     assert report.divergence.field == "counters[0].n_call_begin"
     assert (report.divergence.python, report.divergence.cpp) == (2, 1)

@@ -8,6 +8,8 @@ divergence. The example count is bounded to keep the run short on 2 cores.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +24,7 @@ NGRAM_TYPES = {T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NG
 ALPHABET = ["the", "fox", "def", "return", "(", ")", "1", "+", "\n", "cat", "x", "="]
 
 
-def models(t: T) -> dict[str, str | None]:
+def models(t: T) -> dict[str, Any]:
     if t == T.DRAFT_MTP:
         return {"target": str(tm.make_mtp()), "draft": None}
     if t == T.DRAFT_EAGLE3:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -33,14 +35,14 @@ def ngram_simple_params(size_n: int = 3, size_m: int = 4) -> CommonParamsSpecula
 
 
 @pytest.fixture(scope="module")
-def target() -> Model:
+def target() -> Iterator[Model]:
     model = Model(testmodels.make_target())
     yield model
     model.close()
 
 
 @pytest.fixture(scope="module")
-def draft_model() -> Model:
+def draft_model() -> Iterator[Model]:
     model = Model(testmodels.make_draft())
     yield model
     model.close()

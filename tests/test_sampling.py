@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -24,9 +25,10 @@ class Side:
         self.ctx = Context(model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1)
         p = dataclasses.replace(params)
         self.cpp = cpp
-        self.s = RefSampler(model, p) if cpp else smp.common_sampler_init(model, p)
+        # either side's sampler; the methods below call the matching API
+        self.s: Any = RefSampler(model, p) if cpp else smp.common_sampler_init(model, p)
         if backend:
-            chain = self.s.chain if cpp else smp.common_sampler_get(self.s)
+            chain = self.s.chain if cpp else smp.common_sampler_get(cast(Any, self.s))
             assert llama.llama_set_sampler(self.ctx.ptr, 0, chain)
         self.batch = Batch(32)
         self.n_past = 0

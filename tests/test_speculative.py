@@ -23,7 +23,15 @@ def ngram_params(**kw) -> CommonParamsSpeculative:
     return p
 
 
-def draft_once(spec: sp.CommonSpeculative, history: list[int], id_last: int, n_max: int = -1, seq_id: int = 0) -> list[int]:
+def init(params: CommonParamsSpeculative, n_seq: int) -> sp.CommonSpeculative:
+    """common_speculative_init for params that select an implementation."""
+    spec = sp.common_speculative_init(params, n_seq)
+    assert spec is not None
+    return spec
+
+
+def draft_once(spec: sp.CommonSpeculative, history: list[int], id_last: int, n_max: int = -1,
+               seq_id: int = 0) -> list[int]:
     dp = sp.common_speculative_get_draft_params(spec, seq_id)
     dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, n_max, len(history), id_last
     dp.prompt, dp.result = history, []
@@ -55,7 +63,7 @@ def test_n_max_takes_the_largest_of_the_enabled_types():
     "t", [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
 )
 def test_each_ngram_type_continues_a_periodic_history(t):
-    spec = sp.common_speculative_init(ngram_params(types=[t]), 1)
+    spec = init(ngram_params(types=[t]), 1)
     sp.common_speculative_begin(spec, 0, HISTORY)
     # the history ends with 105; the sampled token 101 starts the period again
     draft = draft_once(spec, HISTORY, 101)
@@ -68,7 +76,7 @@ def test_each_ngram_type_continues_a_periodic_history(t):
 
 def test_init_orders_implementations_by_the_reference_priority():
     types = [T.NGRAM_CACHE, T.NGRAM_MOD, T.NGRAM_MAP_K4V, T.NGRAM_MAP_K, T.NGRAM_SIMPLE]
-    spec = sp.common_speculative_init(ngram_params(types=types), 1)
+    spec = init(ngram_params(types=types), 1)
     assert [i.type for i in spec.impls] == [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
 
 
@@ -83,7 +91,7 @@ def test_draft_chains_to_the_next_implementation_when_one_is_empty():
     # but ngram-mod (n_match 2 here) still finds the bigram 7 -> 8
     p = ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD])
     p.ngram_mod.n_match = 2
-    spec = sp.common_speculative_init(p, 1)
+    spec = init(p, 1)
     history = [5, 6, 7, 8, 9, *list(range(200, 240)), 7]
     sp.common_speculative_begin(spec, 0, history)
     draft = draft_once(spec, history, 8)
@@ -94,13 +102,13 @@ def test_draft_chains_to_the_next_implementation_when_one_is_empty():
 
 
 def test_draft_is_truncated_to_dp_n_max():
-    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
     assert draft_once(spec, HISTORY, 101, n_max=2) == [102, 103]
     assert spec.impls[0].n_gen_tokens == 2
 
 
 def test_accept_counts_go_to_the_implementation_that_drafted():
-    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MAP_K]), 1)
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MAP_K]), 1)
     draft_once(spec, HISTORY, 101)
     sp.common_speculative_accept(spec, 0, 3)
     simple, mapk = spec.impls
@@ -109,7 +117,7 @@ def test_accept_counts_go_to_the_implementation_that_drafted():
 
 
 def test_accept_before_any_draft_raises_instead_of_aborting():
-    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 2)
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 2)
     with pytest.raises(SpeculativeError, match="GGML_ASSERT"):
         sp.common_speculative_accept(spec, 1, 0)
     with pytest.raises(SpeculativeError):
@@ -117,7 +125,7 @@ def test_accept_before_any_draft_raises_instead_of_aborting():
 
 
 def test_draft_with_a_stale_result_raises():
-    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
     dp = sp.common_speculative_get_draft_params(spec, 0)
     dp.drafting, dp.prompt, dp.result, dp.id_last = True, HISTORY, [1], 101
     with pytest.raises(SpeculativeError, match="result->empty"):
@@ -125,7 +133,7 @@ def test_draft_with_a_stale_result_raises():
 
 
 def test_print_stats_lists_each_implementation():
-    spec = sp.common_speculative_init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD]), 1)
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD]), 1)
     lines = sp.common_speculative_print_stats(spec)
     assert len(lines) == 2 and "ngram-simple" in lines[0] and "#gen drafts" in lines[0]
 

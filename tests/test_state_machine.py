@@ -200,7 +200,9 @@ class ApiMachine(RuleBasedStateMachine):
         for m in (p.ngram_simple, p.ngram_map_k):
             m.size_n, m.size_m, m.min_hits = 2, 6, 1
         p.ngram_mod.n_match, p.ngram_mod.n_min, p.ngram_mod.n_max = 2, 1, 6
-        return Spec(sp.common_speculative_init(p, N_SEQ), n_max)
+        spec = sp.common_speculative_init(p, N_SEQ)
+        assert spec is not None
+        return Spec(spec, n_max)
 
     @rule(s=specs, seq=st.integers(0, N_SEQ - 1), prompt=st.lists(st.integers(0, 9), min_size=0, max_size=40))
     def spec_begin(self, s, seq, prompt):

@@ -113,7 +113,7 @@ def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.M
 
 def test_missing_llama_cpp_tree_says_how_to_fetch_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYSPEC_LLAMA_CPP", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="scripts/fetch_llama.py"):
+    with pytest.raises(FileNotFoundError, match=r"scripts/fetch_llama\.py"):
         testmodels.llama_cpp_dir()
 
 

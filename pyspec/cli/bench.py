@@ -30,6 +30,11 @@ from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.statistics import GenerationStats, SequenceResult
 
+__all__ = [
+    "BUILTIN_PROMPTS", "ENGINES", "Report", "Row", "Run", "common_log", "format_table", "read_prompts", "run_bench",
+    "run_once", "write_json", "write_plot",
+]
+
 ENGINES = ("python", "cpp", "loop")
 
 # continuations with repeated structure, where n-gram drafts have something to find
@@ -66,12 +71,14 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: a JSON list of strings, or texts separated by lines holding only ``---``."""
     text = Path(path).read_text(encoding="utf-8")
+    prompts: list[str]
     if text.lstrip().startswith("["):
         prompts = json.loads(text)
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError(f"{path}: a JSON prompt file must hold a list of strings")
     else:
-        prompts, cur = [], []
+        prompts = []
+        cur: list[str] = []
         for line in text.splitlines(keepends=True):
             if line.strip() == "---":
                 prompts.append("".join(cur))
@@ -254,9 +261,9 @@ def run_bench(
         if row.engine != "loop" and "loop" in engines and base is not None and base.gen_tps > 0:
             row.cpp_ratio = row.gen_tps / base.gen_tps
         if other in engines and other != row.engine:
-            mine = {(r.prompt, r.repeat): r.tokens for r in runs if r.type == row.type and r.engine == row.engine}
+            mine_toks = {(r.prompt, r.repeat): r.tokens for r in runs if r.type == row.type and r.engine == row.engine}
             theirs = {(r.prompt, r.repeat): r.tokens for r in runs if r.type == row.type and r.engine == other}
-            row.identical = all(mine[k] == theirs.get(k) for k in mine)
+            row.identical = all(mine_toks[k] == theirs.get(k) for k in mine_toks)
     report.wall_s = time.perf_counter() - t_start
     return report
 
@@ -284,7 +291,8 @@ def format_table(report: Report) -> str:
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = []
     for k, line in enumerate(lines):
-        cells = (str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=False)))
+        cells = (str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                 for i, (c, w) in enumerate(zip(line, widths, strict=False)))
         out.append("  ".join(cells))
         if k == 1:
             out.append("  ".join("-" * w for w in widths))

@@ -22,13 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CliError", "build_parser", "main"]
+from pyspec.errors import CliError
+
+__all__ = ["build_parser", "main"]
 
 EXIT_ERROR = 1
-
-
-class CliError(Exception):
-    """An error reported as one line, without a traceback."""
 
 
 def _known_types() -> list[str]:

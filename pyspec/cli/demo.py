@@ -38,7 +38,7 @@ def demo(
     with common_log(verbose), load_models([T.DRAFT_SIMPLE], model=model) as models:
         out(f"model: {models.target.desc} ({models.target.path.name})")
         out(f"prompt ({len(DEMO_PROMPT.splitlines())} lines of Python), {n_predict} tokens, greedy\n")
-        ctx_kw = {"n_ctx": 1024, "n_threads": n_threads}
+        ctx_kw: dict[str, Any] = {"n_ctx": 1024, "n_threads": n_threads}
         run_once(models, [T.NONE], "python", DEMO_PROMPT, 8, {}, ctx_kw)  # warm-up
         rows = []
         text = ""

@@ -61,6 +61,7 @@ def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
     from pyspec.generation.driver import greedy_sampling
     from pyspec.reference.parity import ParityScenario
 
+    groups: list[list[T]]
     if args.types == "all":
         groups = [[t] for t in T if t not in (T.NONE, T.COUNT)]
     else:

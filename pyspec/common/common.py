@@ -11,6 +11,12 @@ from pyspec.core.batch import Batch
 if TYPE_CHECKING:
     from pyspec.core.vocab import Vocab
 
+__all__ = [
+    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_TOKEN_NULL", "CommonContextSeqRmType", "CommonPromptCheckpoint",
+    "CommonTimeMeas", "common_batch_add", "common_batch_clear", "common_context_can_seq_rm", "common_context_seq_rm",
+    "common_detokenize", "common_token_to_piece", "common_tokenize", "ggml_time_us",
+]
+
 LLAMA_TOKEN_NULL = -1
 
 

@@ -33,7 +33,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping, MutableSequence, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +45,7 @@ LLAMA_NGRAM_MIN = 1
 LLAMA_NGRAM_MAX = 4
 LLAMA_NGRAM_STATIC = 2
 
-TokenSequence = Union[Sequence[int], np.ndarray]
+TokenSequence = Sequence[int] | np.ndarray
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _INT32_MAX = 0x7FFFFFFF
@@ -131,7 +131,7 @@ class _StdOrderCache:
     """Mixin: a dict that remembers its libstdc++ iteration order until its size changes."""
 
     _std_order_len: int = -1
-    _std_order: list = []
+    _std_order: list[Any] = []  # noqa: RUF012 - a default: each instance assigns its own, none mutates it
 
 
 class CommonNgramCachePart(_StdOrderCache, dict):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import numpy as np
 
@@ -30,7 +29,7 @@ from pyspec.errors import SpeculativeError
 
 logger = logging.getLogger(__name__)
 
-TokenSequence = Union[Sequence[int], np.ndarray]
+TokenSequence = Sequence[int] | np.ndarray
 
 UINT32_MAX = 0xFFFFFFFF
 

@@ -11,11 +11,10 @@ The table is a numpy int32 array.  Where the C++ takes ``const entry_t * tokens`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 
-TokenSequence = Union[Sequence[int], np.ndarray]
+TokenSequence = Sequence[int] | np.ndarray
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 _MUL = 6364136223846793005  # the 64-bit LCG multiplier of the hash

@@ -12,6 +12,12 @@ from typing import Any
 
 from pyspec.ffi import c_const
 
+__all__ = [
+    "LLAMA_DEFAULT_SEED", "CommonParamsSampling", "CommonParamsSpeculative", "CommonParamsSpeculativeDraft",
+    "CommonParamsSpeculativeNgramCache", "CommonParamsSpeculativeNgramMap", "CommonParamsSpeculativeNgramMod",
+    "CommonSamplerType", "CommonSpeculativeType",
+]
+
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 
 

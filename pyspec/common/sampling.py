@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     from pyspec.core.context import Context
     from pyspec.core.model import Model
 
+__all__ = [
+    "TOKEN_DATA", "CommonSampler", "candidates_array", "common_sampler_accept", "common_sampler_clone",
+    "common_sampler_free", "common_sampler_get", "common_sampler_get_candidates", "common_sampler_get_seed",
+    "common_sampler_init", "common_sampler_last", "common_sampler_prev", "common_sampler_reset",
+    "common_sampler_sample", "common_sampler_sample_and_accept_n", "grammar_should_apply",
+]
+
 TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 assert TOKEN_DATA.itemsize == ffi.sizeof("llama_token_data")
 

@@ -1,4 +1,4 @@
-"""Port of llama.cpp's common/speculative.cpp (revision e3a74b299), line for line.
+"""Port of llama.cpp's common/speculative.cpp (at pyspec.version.LLAMA_CPP_REVISION), line for line.
 
 One class per C++ struct (CapWords of its name), the same method and function
 names and the same statement order, so that a reader with the C++ file open
@@ -51,6 +51,21 @@ from pyspec.core.context import Context
 from pyspec.core.sampler import SamplerChain
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import ffi, llama
+
+__all__ = [
+    "SPEC_VOCAB_CHECK_START_TOKEN_ID", "SPEC_VOCAB_MAX_SIZE_DIFFERENCE", "CommonSpeculative",
+    "CommonSpeculativeConfig", "CommonSpeculativeDraftParams", "CommonSpeculativeImpl",
+    "CommonSpeculativeImplDraftEagle3", "CommonSpeculativeImplDraftMtp", "CommonSpeculativeImplDraftSimple",
+    "CommonSpeculativeImplNgramCache", "CommonSpeculativeImplNgramMapK", "CommonSpeculativeImplNgramMod",
+    "CommonSpeculativeImplNgramSimple", "DraftRequest", "common_get_enabled_speculative_configs",
+    "common_speculative_accept", "common_speculative_all_types_str", "common_speculative_are_compatible",
+    "common_speculative_begin", "common_speculative_draft", "common_speculative_free",
+    "common_speculative_get_draft_params", "common_speculative_init", "common_speculative_n_max",
+    "common_speculative_need_embd", "common_speculative_need_embd_nextn", "common_speculative_print_stats",
+    "common_speculative_process", "common_speculative_type_from_name", "common_speculative_type_from_name_map", "common_speculative_type_name_str",
+    "common_speculative_type_to_str", "common_speculative_types_from_names", "create_state_ngram_cache",
+    "get_common_ngram_map",
+]
 
 logger = logging.getLogger("pyspec.common.speculative")
 
@@ -787,13 +802,13 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
         self.backend_chains: list[SamplerChain | None] = [None] * n_seq
         if self.params.backend_sampling:
             for seq_id in range(n_seq):
-                chain: SamplerChain | None = SamplerChain(no_perf=True)
+                chain = SamplerChain(no_perf=True)
                 chain.add_top_k(10)
 
                 if not ctx_dft.set_sampler(seq_id, chain):
                     logger.warning("backend offload failed for seq_id=%d; using CPU sampler", seq_id)
                     chain.close()
-                    chain = None
+                    continue  # chain = nullptr
                 self.backend_chains[seq_id] = chain
 
         ctx_tgt.set_embeddings_nextn(True, False)
@@ -866,6 +881,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
             if n_tokens > batch.n_tokens_max:
                 raise SpeculativeError(f"llama_batch size exceeded ({n_tokens} > {batch.n_tokens_max})")
+            assert batch.token is not None and batch_in.token is not None and batch.embd is not None
             batch.token[:n_tokens] = batch_in.token[:n_tokens]
             batch.pos[:n_tokens] = batch_in.pos[:n_tokens]
             batch.n_seq_id[:n_tokens] = 1

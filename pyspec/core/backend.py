@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pyspec.core import log
 from pyspec.ffi import c_enum, ffi, ggml, llama
 
+__all__ = ["Device", "devices", "ensure_backend", "system_info"]
+
 _init_lock = threading.Lock()
 _initialized = False
 

@@ -10,11 +10,14 @@ MTP drafts feed both).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from pyspec.errors import BatchFullError
 from pyspec.ffi import ffi
+
+__all__ = ["Batch", "BatchView"]
 
 
 class Batch:
@@ -38,9 +41,7 @@ class Batch:
         self.n_embd = embd
         self.n_seq_max = n_seq_max
         self.token = np.zeros(n_tokens_max, dtype=np.int32) if tokens else None
-        self._embd_store = (
-            np.zeros(n_tokens_max * max(embd, embd_row_alloc), dtype=np.float32) if embd else None
-        )
+        self._embd_store = np.zeros(n_tokens_max * max(embd, embd_row_alloc) if embd else 0, dtype=np.float32)
         self.embd = self._embd_store[: n_tokens_max * embd].reshape(n_tokens_max, embd) if embd else None
         self.pos = np.zeros(n_tokens_max, dtype=np.int32)
         self.n_seq_id = np.zeros(n_tokens_max, dtype=np.int32)
@@ -53,7 +54,7 @@ class Batch:
             self._seq_ptrs[i] = seq_base + i * n_seq_max
 
         self.c = ffi.new("llama_batch *")
-        self._bufs = []  # keep the cffi buffer objects alive with the batch
+        self._bufs: list[Any] = []  # keep the cffi buffer objects alive with the batch
         self.c.token = self._ptr("llama_token *", self.token)
         self.c.embd = self._ptr("float *", self.embd)
         self.c.pos = self._ptr("llama_pos *", self.pos)
@@ -88,7 +89,8 @@ class Batch:
         self._n = 0
         self.c.n_tokens = 0
 
-    def add(self, token: int, pos: int, seq_ids: Iterable[int] | int, logits: bool, embd: np.ndarray | None = None) -> None:
+    def add(self, token: int, pos: int, seq_ids: Iterable[int] | int, logits: bool,
+            embd: np.ndarray | None = None) -> None:
         """Mirrors common_batch_add (common.cpp); overflow raises BatchFullError.
 
         ``embd`` optionally fills this row's embedding (EAGLE3 / MTP rows).
@@ -110,7 +112,7 @@ class Batch:
         self.pos[i] = pos
         self.logits[i] = logits
         if embd is not None:
-            self.embd[i] = embd
+            self._embd_rows()[i] = embd
         self._n = i + 1
         self.c.n_tokens = i + 1
 
@@ -142,15 +144,22 @@ class Batch:
         if i + n > self.n_tokens_max:
             raise BatchFullError(f"llama_batch size exceeded: {i} + {n} > capacity {self.n_tokens_max}")
         if tokens is not None:
+            if self.token is None:
+                raise ValueError("this batch carries embeddings only")
             self.token[i : i + n] = tokens
         self.pos[i : i + n] = pos
         self.n_seq_id[i : i + n] = 1
         self.seq_id[i : i + n, 0] = seq_id
         self.logits[i : i + n] = logits
         if embd is not None:
-            self.embd[i : i + n] = embd
+            self._embd_rows()[i : i + n] = embd
         self._n = i + n
         self.c.n_tokens = i + n
+
+    def _embd_rows(self) -> np.ndarray:
+        if self.embd is None:
+            raise ValueError("this batch carries tokens only (made with embd=0)")
+        return self.embd
 
     def view(self, start: int, n: int) -> BatchView:
         """Rows start..start+n as a batch of their own (no copy), like the server's ubatch views."""

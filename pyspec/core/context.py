@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +23,7 @@ __all__ = ["AnyBatch", "Context", "batch_invariant_params"]
 
 logger = logging.getLogger("pyspec")
 
-AnyBatch = Union[Batch, BatchView]
+AnyBatch = Batch | BatchView
 
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
@@ -113,7 +113,8 @@ class Context(Handle):
         cparams.n_threads_batch = n_cpu
         for name, value in params.items():
             if name not in _SPECIAL:
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 and name.startswith("n_") and name not in ("n_threads", "n_threads_batch"):
+                is_count = name.startswith("n_") and name not in ("n_threads", "n_threads_batch")
+                if is_count and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                     raise ValueError(f"{name} must be >= 0, got {value}")
                 try:
                     setattr(cparams, name, value)
@@ -191,7 +192,7 @@ class Context(Handle):
     # --- decode -----------------------------------------------------------
 
     def _check_batch(self, batch: AnyBatch) -> None:
-        self.ptr  # raises ClosedError first
+        self.check_open()
         n = batch.n_tokens
         if n <= 0:
             raise ValueError("batch is empty")
@@ -253,7 +254,7 @@ class Context(Handle):
             raise decode_error(rc, "llama_encode")
 
     def encode_rc(self, batch: AnyBatch) -> int:
-        self.ptr  # raises ClosedError first
+        self.check_open()
         if batch.n_tokens <= 0:
             raise ValueError("batch is empty")
         if batch.n_tokens > self.n_ubatch:
@@ -276,7 +277,7 @@ class Context(Handle):
     def _check_rows(self, n: int, what: str, n_max: int | None = None) -> None:
         # a view past the rows llama.cpp wrote would read (or crash on) memory it does not own;
         # its output buffer holds at least max(outputs of the last decode, n_seq_max) rows
-        self.ptr  # raises ClosedError first
+        self.check_open()
         limit = max(self._n_outputs, self.n_seq_max) if n_max is None else n_max
         if not 0 <= n <= limit:
             raise IndexError(f"{what}: {n} rows requested, the last decode produced at most {limit}")
@@ -306,7 +307,8 @@ class Context(Handle):
         return self._view(llama.llama_get_embeddings(self.ptr), (n_outputs, self.n_embd_out), "embeddings")
 
     def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
-        return self._view(llama.llama_get_embeddings_seq(self.ptr, seq_id), (self.n_embd_out,), f"embeddings of seq {seq_id}")
+        return self._view(llama.llama_get_embeddings_seq(self.ptr, seq_id), (self.n_embd_out,),
+                          f"embeddings of seq {seq_id}")
 
     def set_embeddings(self, value: bool) -> None:
         llama.llama_set_embeddings(self.ptr, value)
@@ -324,7 +326,8 @@ class Context(Handle):
         return self._view(ext.pyspec_get_embeddings_nextn(self.ptr), (n_rows, self.n_embd), "nextn embeddings")
 
     def get_embeddings_nextn_ith(self, i: int) -> np.ndarray:
-        return self._view(ext.pyspec_get_embeddings_nextn_ith(self.ptr, i), (self.n_embd,), f"nextn embeddings for index {i}")
+        return self._view(ext.pyspec_get_embeddings_nextn_ith(self.ptr, i), (self.n_embd,),
+                          f"nextn embeddings for index {i}")
 
     def check_layer_inp(self, layer: int) -> None:
         """Raise ValueError unless this context can export the input of ``layer`` (llama.cpp aborts otherwise)."""
@@ -350,9 +353,11 @@ class Context(Handle):
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
         if layer not in self._layer_inp_ready:
             # llama.cpp asserts (aborts) when the layer's buffer was not filled by a decode
-            raise IndexError(f"layer {layer} input not available: enable set_embeddings_layer_inp({layer}, True), then decode")
+            raise IndexError(f"layer {layer} input not available: "
+                             f"enable set_embeddings_layer_inp({layer}, True), then decode")
         self._check_rows(n_tokens, f"layer {layer} input", self.n_batch)
-        return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd), f"layer {layer} input")
+        return self._view(ext.pyspec_get_embeddings_layer_inp(self.ptr, layer), (n_tokens, self.n_embd),
+                          f"layer {layer} input")
 
     def get_ctx_other_ptr(self):
         return ext.pyspec_get_ctx_other(self.ptr)
@@ -453,7 +458,7 @@ class Context(Handle):
         decodes on this context by itself (the C++ loop); what that code left in the
         output buffers is then forgotten, so the output views stay bounded.
         """
-        self.ptr  # raises ClosedError first
+        self.check_open()
         if not self._claimed.acquire(blocking=False):
             raise ConcurrentUseError("a generation is already running on this context (another thread or generator)")
         try:

@@ -16,6 +16,8 @@ from typing import Any
 from pyspec.errors import ClosedError
 from pyspec.ffi import ffi
 
+__all__ = ["Handle"]
+
 
 class Handle:
     """Owner of one C pointer; subclasses call ``_own(ptr, free)``."""
@@ -44,6 +46,11 @@ class Handle:
         if self._closed:
             raise ClosedError(f"{self._kind} is closed")
         return self._ptr
+
+    def check_open(self) -> None:
+        """Raise ClosedError after close()."""
+        if self._closed:
+            raise ClosedError(f"{self._kind} is closed")
 
     @property
     def closed(self) -> bool:

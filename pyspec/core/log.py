@@ -11,6 +11,8 @@ from typing import Any
 
 from pyspec.ffi import c_enum, ffi, ggml, is_open, llama, on_open, open_library
 
+__all__ = ["install", "set_common_log_verbosity"]
+
 logger = logging.getLogger("pyspec.llama")
 
 _GGML_LEVEL = c_enum("enum ggml_log_level", "GGML_LOG_LEVEL_")

@@ -15,6 +15,8 @@ from pyspec.core.vocab import Vocab
 from pyspec.errors import ModelLoadError
 from pyspec.ffi import c_enum, ext, ffi, ggml, llama
 
+__all__ = ["Model"]
+
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
 
 
@@ -115,7 +117,8 @@ class Model(Handle):
         finally:
             llama_log.removeHandler(errors)
         if ptr == ffi.NULL:
-            raise ModelLoadError(str(self.path), errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
+            raise ModelLoadError(str(self.path),
+                                 errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
         self._own(ptr, llama.llama_model_free)
         self.vocab = Vocab(self)
 

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from pyspec.core.context import Context
     from pyspec.core.vocab import Vocab
 
+__all__ = ["SamplerChain"]
+
 
 class SamplerChain(Handle):
     """Mirrors llama_sampler_chain_init / llama_sampler_free (llama.h).
@@ -111,7 +113,9 @@ class SamplerChain(Handle):
         return int(llama.llama_sampler_chain_n(self.ptr))
 
     def names(self) -> list[str]:
-        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(self.ptr, i))).decode() for i in range(len(self))]
+        chain = self.ptr
+        return [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(chain, i))).decode()
+                for i in range(len(self))]
 
     def remove(self, i: int) -> None:
         """Mirrors llama_sampler_chain_remove; the removed sampler is freed."""

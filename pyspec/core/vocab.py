@@ -12,6 +12,8 @@ from pyspec.ffi import ffi, llama
 if TYPE_CHECKING:
     from pyspec.core.model import Model
 
+__all__ = ["Vocab"]
+
 
 class Vocab:
     """The vocabulary of a Model; valid while the model is open."""

@@ -8,7 +8,6 @@ float *         pyspec_get_embeddings_layer_inp(struct llama_context * ctx, uint
 struct llama_context * pyspec_get_ctx_other(struct llama_context * ctx);
 const int32_t * pyspec_model_target_layer_ids(const struct llama_model * model);
 uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model);
-int32_t         pyspec_model_n_expert(const struct llama_model * model);
 
 /* batch-invariant mode: ggml-cpu's reference kernels on the context's CPU backends;
    returns how many were switched, *n_other the backends of other kinds */

@@ -339,7 +339,8 @@ class SpeculativeGenerator:
                 n_draft_max = self._n_draft_max(s, len(active))
                 if n_draft_max <= 0 or s.spec_draft:
                     continue  # no room, or a previous (partial) draft is reused after a checkpoint restore
-                s.spec_ckpt.update_pos(len(s.tokens), ctx_tgt.memory.seq_pos_min(s.id), ctx_tgt.memory.seq_pos_max(s.id))
+                mem = ctx_tgt.memory
+                s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
@@ -365,7 +366,7 @@ class SpeculativeGenerator:
             if draft:
                 use_ckpt_tgt = use_ckpt_tgt_full or (
                     self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
-                use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
+                use_ckpt_dft = (ctx_dft is not None and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
                                 and len(draft) > ctx_dft.n_rs_seq)
                 if use_ckpt_tgt:
                     ckpt.update_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)

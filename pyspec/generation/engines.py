@@ -38,7 +38,8 @@ class Engine(Protocol):
     def accept(self, seq_id: int, n_accepted: int) -> None: ...
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int: ...
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None: ...
-    def sample_and_accept_n(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
+    def sample_and_accept_n(
+        self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
     def reset_sampler(self, seq_id: int) -> None: ...
     def save_sampler(self, seq_id: int) -> Any: ...
     def restore_sampler(self, seq_id: int, saved: Any) -> None: ...
@@ -96,7 +97,7 @@ class PortEngine(_SamplerSlots):
     def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
                  n_seq: int) -> None:
         super().__init__(
-            sp.common_speculative_init(spec, n_seq) if _has_spec(spec) else None,
+            sp.common_speculative_init(spec, n_seq) if spec is not None and _has_spec(spec) else None,
             lambda: smp.common_sampler_init(model_tgt, copy.deepcopy(sampling)),
             n_seq,
         )
@@ -163,7 +164,7 @@ class RefEngine(_SamplerSlots):
         from pyspec.reference.speculative import RefSpeculative
 
         super().__init__(
-            RefSpeculative.init(spec, n_seq) if _has_spec(spec) else None,
+            RefSpeculative.init(spec, n_seq) if spec is not None and _has_spec(spec) else None,
             lambda: RefSampler(model_tgt, sampling),
             n_seq,
         )

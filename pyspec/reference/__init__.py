@@ -4,3 +4,5 @@ the C++ and the Python port and compares them call by call.
 
 The reference library is opened on first use of anything here, not at ``import pyspec``.
 """
+
+__all__: list[str] = []

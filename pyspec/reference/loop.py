@@ -30,7 +30,8 @@ from pyspec.reference.speculative import spec_params_struct
 __all__ = ["STOP_REASONS", "cpp_generate"]
 
 # enum pyspec_loop_stop_reason -> SequenceResult.stop_reason ("" for NONE)
-STOP_REASONS = {v: ("" if k == "none" else k) for k, v in c_enum("enum pyspec_loop_stop_reason", "PYSPEC_LOOP_STOP_").items()}
+STOP_REASONS = {
+    v: ("" if k == "none" else k) for k, v in c_enum("enum pyspec_loop_stop_reason", "PYSPEC_LOOP_STOP_").items()}
 _INT32 = np.iinfo(np.int32)
 
 

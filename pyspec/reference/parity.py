@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
@@ -34,7 +34,7 @@ from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 __all__ = ["Divergence", "ParityReport", "ParityScenario", "assert_parity", "build_contexts",
            "continued_prompt", "run_parity"]
 
-Prompt = Union[str, Sequence[int]]
+Prompt = str | Sequence[int]
 
 
 @dataclass

@@ -1,1 +1,3 @@
 """Test support: tiny deterministic GGUF models written on demand (see pyspec.testing.models)."""
+
+__all__: list[str] = []

@@ -1,10 +1,11 @@
 """Tiny, deterministic, random-weight GGUF models for tests.
 
-Every model is written on demand with the vendored gguf-py into a cache folder
-(``~/.cache/pyspec/models``, or ``$PYSPEC_MODEL_CACHE``) and reused afterwards;
-nothing here is committed. All models share one real vocabulary copied from
-``vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf`` (SPM, 32000 tokens), so
-any two of them are compatible for speculative decoding.
+Every model is written on demand with the PyPI ``gguf`` writer (the
+``testing`` extra) into a cache folder (``~/.cache/pyspec/models``, or
+``$PYSPEC_MODEL_CACHE``) and reused afterwards; nothing here is committed. All
+models share one real vocabulary, llama.cpp's ``ggml-vocab-llama-spm.gguf``
+(SPM, 32000 tokens; the build installs it into the package), so any two of them
+are compatible for speculative decoding.
 
 - ``target``: llama architecture, 4 layers.
 - ``draft``: llama architecture, the target's first 2 layers with the same
@@ -34,7 +35,6 @@ from __future__ import annotations
 import functools
 import os
 import struct
-import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -65,6 +65,7 @@ __all__ = [
 GENERATOR_VERSION = "v2"
 
 VOCAB_FILE = "ggml-vocab-llama-spm.gguf"
+_DATA_DIR = Path(__file__).with_name("data")  # filled by the build, never committed
 
 # Shared shapes. The vocabulary (32000 rows) dominates the file sizes.
 N_EMBD = 64
@@ -136,13 +137,12 @@ CYCLIC_LAYER_SCALE = 0.1
 
 
 def llama_cpp_dir() -> Path:
-    """The vendored llama.cpp tree: ``$PYSPEC_LLAMA_CPP`` or ``<repo>/vendor/llama.cpp``."""
+    """A llama.cpp source tree: ``$PYSPEC_LLAMA_CPP`` or the checkout's ``vendor/llama.cpp``."""
     env = os.environ.get("PYSPEC_LLAMA_CPP")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "vendor" / "llama.cpp"
-    if not (path / "gguf-py" / "gguf").is_dir():
+    if not (path / "models").is_dir():
         raise FileNotFoundError(
-            f"llama.cpp source tree not found at {path} (no gguf-py inside); "
-            "run scripts/fetch_llama.py or set PYSPEC_LLAMA_CPP"
+            f"llama.cpp source tree not found at {path}; run scripts/fetch_llama.py or set PYSPEC_LLAMA_CPP"
         )
     return path
 
@@ -156,28 +156,32 @@ def cache_dir() -> Path:
 
 
 def vocab_source() -> Path:
-    """The GGUF whose ``tokenizer.*`` entries every test model copies."""
-    path = llama_cpp_dir() / "models" / VOCAB_FILE
+    """The GGUF whose ``tokenizer.*`` entries every test model copies.
+
+    The build installs llama.cpp's vocabulary file into the package (an installed
+    pyspec makes its test models anywhere); a source checkout without a build
+    falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``).
+    """
+    packaged = _DATA_DIR / VOCAB_FILE
+    if packaged.is_file() and not os.environ.get("PYSPEC_LLAMA_CPP"):
+        return packaged
+    try:
+        path = llama_cpp_dir() / "models" / VOCAB_FILE
+    except FileNotFoundError:
+        path = packaged
     if not path.is_file():
-        raise FileNotFoundError(f"vocabulary file not found: {path}; run scripts/fetch_llama.py")
+        raise FileNotFoundError(
+            f"vocabulary file {VOCAB_FILE} not found (looked in {packaged} and the llama.cpp tree); "
+            "build the package (pip install .) or run scripts/fetch_llama.py")
     return path
 
 
 def _gguf() -> Any:
-    """Import the vendored gguf-py (not an installed ``gguf``, which may differ)."""
-    gguf_py = str(llama_cpp_dir() / "gguf-py")
-    if sys.path[:1] != [gguf_py]:
-        if gguf_py in sys.path:
-            sys.path.remove(gguf_py)
-        sys.path.insert(0, gguf_py)
-    loaded = sys.modules.get("gguf")
-    if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(gguf_py):
-        raise ImportError(
-            f"a different 'gguf' package is already imported ({loaded.__file__}); "
-            f"pyspec.testing.models needs the vendored one in {gguf_py}"
-        )
-    import gguf
-
+    """The PyPI ``gguf`` writer (the ``testing`` extra), whose 0.19 files the pinned llama.cpp loads."""
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("the test models need the PyPI package 'gguf': pip install 'pyspec[testing]'") from None
     return gguf
 
 
