@@ -61,20 +61,20 @@ void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_
 // number of CPU backends switched; *n_other receives the number of backends
 // of other kinds (GPU, accelerators), which the switch does not reach.
 int32_t pyspec_context_set_cpu_use_ref(llama_context * ctx, bool value, int32_t * n_other) {
-    ggml_backend_sched_t sched = ctx->get_sched();
-    int32_t n_cpu = 0;
-    int32_t n_rest = 0;
-    const int n = sched != nullptr ? ggml_backend_sched_get_n_backends(sched) : 0;
+    ggml_backend_sched_t sched  = ctx->get_sched();
+    int32_t              n_cpu  = 0;
+    int32_t              n_rest = 0;
+    const int            n      = sched != nullptr ? ggml_backend_sched_get_n_backends(sched) : 0;
     for (int i = 0; i < n; ++i) {
-        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
-        ggml_backend_dev_t dev = ggml_backend_get_device(backend);
+        ggml_backend_t     backend = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev     = ggml_backend_get_device(backend);
         if (dev == nullptr || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
             n_rest++;
             continue;
         }
         using set_use_ref_t = void (*)(ggml_backend_t, bool);
-        auto set_use_ref = (set_use_ref_t) ggml_backend_reg_get_proc_address(
-            ggml_backend_dev_backend_reg(dev), "ggml_backend_cpu_set_use_ref");
+        auto set_use_ref    = (set_use_ref_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                                "ggml_backend_cpu_set_use_ref");
         if (set_use_ref == nullptr) {
             n_rest++;
             continue;

@@ -59,6 +59,9 @@ def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = No
     g.add_argument("--n-batch", type=int, default=512, help="batch size (default 512)")
     g.add_argument("--threads", "-t", type=int, default=threads_default,
                    help=threads_help)
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="lossless mode: every row's logits independent of its batch (no weight repacking, "
+                        "one attention kernel), so speculative output equals plain decoding's")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
@@ -171,10 +174,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, seed=args.seed)
 
     with common_log(args.verbose), \
-            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny) as models:
+            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny,
+                        batch_invariant=args.batch_invariant) as models:
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
-            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine) as gen:
+            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine,
+                                      adaptive_draft=not args.fixed_draft) as gen:
                 stream = n_seq == 1 and not args.quiet
                 progress = _Progress(enabled=not stream)
 
@@ -214,21 +219,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat <= 0 or args.n_predict <= 0:
         raise CliError("--repeat and --n-predict must be positive")
     prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
-    n_prompts = args.n_prompts if args.n_prompts is not None else (None if args.prompt_file else 2)
-    if n_prompts is not None:
-        prompts = prompts[: max(1, n_prompts)]
+    if args.n_prompts is not None:
+        prompts = prompts[: max(1, args.n_prompts)]
 
     if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
         logging.getLogger("pyspec").setLevel(logging.ERROR)
-    with bench.common_log(args.verbose), load_models(
-            all_types, model=args.model, draft=args.draft, tiny=args.tiny) as models:
+    with bench.common_log(args.verbose), load_models(all_types, model=args.model, draft=args.draft, tiny=args.tiny,
+                                                     batch_invariant=args.batch_invariant) as models:
         report = bench.run_bench(
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
         )
-    print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, "
-          f"greedy, median of {args.repeat} ({report.wall_s:.0f} s)")
+    mode = "batch-invariant" if args.batch_invariant else "default numerics"
+    print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, greedy, {mode}, "
+          f"{args.threads or 'all'} thread(s), median of {args.repeat} ({report.wall_s:.0f} s)")
     print(bench.format_table(report))
     if args.json:
         bench.write_json(report, args.json)
@@ -236,6 +241,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         bench.write_plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if any(r.same_as_plain is False for r in report.rows) and not args.batch_invariant:
+        print("note: some speculative outputs differ from plain decoding: a token's logits depend on its batch "
+              "in the default numerics (--batch-invariant makes them equal)", file=sys.stderr)
     if any(r.identical is False for r in report.rows):
         print("warning: some outputs differ from the C++ loop's", file=sys.stderr)
         return EXIT_ERROR if args.strict else 0
@@ -265,7 +273,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pyspec.cli.demo import demo
 
-    return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, verbose=args.verbose)
+    if args.repeat <= 0:
+        raise CliError("--repeat must be positive")
+    return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, repeat=args.repeat,
+                verbose=args.verbose)
 
 
 # --------------------------------------------------------------------------- parser
@@ -284,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-seq", type=int, default=1, help="parallel sequences (the prompts are cycled)")
     p.add_argument("--engine", choices=("python", "cpp"), default="python",
                    help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k when --temp > 0")
     p.add_argument("--seed", type=int, default=42, help="sampling seed when --temp > 0")
@@ -297,14 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
     p.add_argument("--n-prompts", type=int, default=None,
-                   help="use only the first N prompts (default: 2 of the 3 built-in ones, all of a --prompt-file)")
+                   help="use only the first N prompts (default: all, the 3 built-in ones or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
     p.add_argument("--repeat", "-r", type=int, default=3,
                    help="runs per configuration; the median is shown (default 3)")
-    p.add_argument("--engines", default="python,cpp,loop",
-                   help="python (driver over the port), cpp (driver over the C++ reference), loop (all C++)")
+    p.add_argument("--engines", default="python,fixed,loop",
+                   help="python (driver over the port, cost-aware draft length), fixed (the same with llama.cpp's "
+                        "fixed draft lengths), cpp (driver over the C++ reference), loop (all C++)")
     p.add_argument("--json", help="write the numbers to this JSON file")
-    p.add_argument("--plot", help="write a PNG of acceptance and speed-up")
+    p.add_argument("--plot", help="write a PNG of the speed-up against its bound, per type and per prompt")
     p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from the C++ loop's")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-run progress lines")
     _add_model_args(p, 1, "CPU threads per context (default 1: steadier timings on a shared machine; "
@@ -321,10 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-real", action="store_true", help="skip the real model")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("demo", help="plain vs n-gram vs draft-simple on a code prompt, with the measured speed-up")
-    p.add_argument("--n-predict", "-n", type=int, default=None, help="tokens to generate")
+    p = sub.add_parser("demo", help="plain vs n-gram vs draft-simple on a code prompt, lossless, with the measured "
+                                    "speed-up and cost curve")
+    p.add_argument("--n-predict", "-n", type=int, default=None, help="tokens to generate (default 160)")
     p.add_argument("--model", "-m", help="target GGUF (default: the real model)")
-    p.add_argument("--threads", "-t", type=int, default=1, help="CPU threads per context (default 1; 0 = all cores)")
+    p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads per context (default 2; 0 = all cores)")
+    p.add_argument("--repeat", "-r", type=int, default=3, help="interleaved runs per configuration (default 3)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -93,11 +93,12 @@ class Context(Handle):
 
     _kind = "context"
 
-    def __init__(self, model: Model, *, batch_invariant: bool | None = None, **params: Any) -> None:
+    def __init__(self, model: Model, **params: Any) -> None:
         super().__init__()
         self._busy = threading.Lock()  # held while llama.cpp runs on this context
         self._claimed = threading.Lock()  # held for a whole generation (see claim)
         self.t_decode_ns = 0  # wall time spent in llama_decode / llama_encode, for statistics
+        batch_invariant = params.pop("batch_invariant", None)
         unknown = set(params) - _FIELDS - {"samplers"}
         if unknown:
             raise TypeError(f"unknown llama_context_params field(s): {', '.join(sorted(unknown))}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyspec.core.backend import ensure_backend
+from pyspec.core.backend import ensure_backend, system_info
 from pyspec.core.handle import Handle
 from pyspec.core.vocab import Vocab
 from pyspec.errors import ModelLoadError
@@ -18,6 +18,8 @@ from pyspec.ffi import c_enum, ext, ffi, ggml, llama
 __all__ = ["Model"]
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
+# general.file_type of GGUFs whose weights are mostly float: all F32, mostly F16, mostly BF16
+_FLOAT_FILE_TYPES = {"0", "1", "32"}
 
 
 def _gguf_problem(path: Path) -> str:
@@ -121,6 +123,14 @@ class Model(Handle):
                                  errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
         self._own(ptr, llama.llama_model_free)
         self.vocab = Vocab(self)
+        if batch_invariant and self.meta("general.file_type") in _FLOAT_FILE_TYPES \
+                and "LLAMAFILE = 1" in system_info():
+            # llamafile's tinyBLAS multiplies float weights from two rows on, ggml's dot
+            # products below that, and the two sum in different orders
+            logging.getLogger("pyspec").warning(
+                "batch-invariant mode: %s has float weights and this build has llamafile kernels, whose "
+                "results differ in the last bits between one-row and larger batches; build with "
+                "CMAKE_ARGS=-DGGML_LLAMAFILE=OFF for rows that are identical in every batch", self.path.name)
 
     # --- information -------------------------------------------------------
 

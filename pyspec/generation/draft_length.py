@@ -38,11 +38,12 @@ and the C++ loop comparison use.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "DraftCost",
     "DraftLengthController",
     "expected_tokens",
+    "oracle_speedup",
     "shared_cost_curve",
 ]
 
@@ -71,6 +73,7 @@ class CostCurve:
         self._obs: dict[int, deque[float]] = {}
         self._median: dict[int, float] = {}
         self._sizes: list[int] = []
+        self._cache: dict[int, float] = {}  # cost() of any size, cleared when a median changes
 
     def record(self, n_tokens: int, seconds: float) -> None:
         """One decode of ``n_tokens`` tokens took ``seconds``."""
@@ -82,6 +85,7 @@ class CostCurve:
             self._sizes = sorted(self._obs)
         obs.append(seconds)
         self._median[n_tokens] = statistics.median(obs)
+        self._cache.clear()
 
     @property
     def ready(self) -> bool:
@@ -94,6 +98,12 @@ class CostCurve:
 
     def cost(self, n_tokens: int) -> float:
         """Seconds for one decode of ``n_tokens`` tokens (interpolated where not measured)."""
+        c = self._cache.get(n_tokens)
+        if c is None:
+            c = self._cache[n_tokens] = self._interpolate(n_tokens)
+        return c
+
+    def _interpolate(self, n_tokens: int) -> float:
         med = self._median
         c = med.get(n_tokens)
         if c is not None:
@@ -103,14 +113,14 @@ class CostCurve:
             raise ValueError("the cost curve has no measurements")
         if n_tokens < sizes[0]:
             return med[sizes[0]]
-        lo = max((s for s in sizes if s < n_tokens), default=sizes[0])
-        hi = min((s for s in sizes if s > n_tokens), default=None)
-        if hi is None:  # beyond the largest: the slope of the last two (never falling)
+        k = bisect.bisect_left(sizes, n_tokens)
+        if k == len(sizes):  # beyond the largest: the slope of the last two (never falling)
             if len(sizes) < 2:
-                return med[lo] * n_tokens / lo
+                return med[sizes[0]] * n_tokens / sizes[0]
             a, b = sizes[-2], sizes[-1]
             slope = max(0.0, (med[b] - med[a]) / (b - a))
             return med[b] + slope * (n_tokens - b)
+        lo, hi = sizes[k - 1], sizes[k]
         w = (n_tokens - lo) / (hi - lo)
         return med[lo] * (1 - w) + med[hi] * w
 
@@ -179,6 +189,28 @@ def expected_tokens(q1: float, qn: float, n: int) -> float:
         total += p
         p *= qn
     return total
+
+
+def oracle_speedup(curve: CostCurve, drafts: Sequence[tuple[int, int]], n_steps: int, n_tokens: int,
+                   t_draft_s: float = 0.0) -> float:
+    """The most any choice of draft lengths could gain over plain decoding with these drafts, on this cost curve.
+
+    ``drafts`` are the (drafted, accepted) pairs of a generation of ``n_tokens``
+    tokens in ``n_steps`` steps of one sequence (run with llama.cpp's fixed draft
+    lengths, so each draft is as long as the implementation makes it). With
+    perfect foresight a step would verify exactly its accepted tokens, c(1 + a)
+    instead of c(1 + n), and draft only those (the measured draft time scaled by
+    a / n); steps without a draft cost c(1). Plain decoding costs n_tokens * c(1).
+    The loop's own time is left out, which makes this an upper bound.
+    """
+    if n_tokens <= 0 or not curve.ready:
+        return 1.0
+    n_drafted = sum(n for n, _ in drafts)
+    per_token = t_draft_s / n_drafted if n_drafted else 0.0
+    t = (n_steps - len(drafts)) * curve.cost(1)
+    for _n, a in drafts:
+        t += curve.cost(1 + a) + per_token * a
+    return n_tokens * curve.cost(1) / t if t > 0 else 1.0
 
 
 @dataclass
@@ -334,22 +366,21 @@ class DraftLengthController:
         s = self._seqs.get(seq_id)
         return base if s is None else s.acc.rates(base, self.PRIOR_WEIGHT_SEQ)
 
-    def rate(self, n: int, n_active: int, q1: float, qn: float) -> float:
-        """Expected tokens per second of a step in which one sequence drafts n tokens (the others none)."""
-        cost = self.curve.cost(n_active + n) + self.overhead_s
-        if n > 0:
-            d0, d1 = self.draft_cost.params()
-            cost += d0 + d1 * n
-        return (n_active - 1 + expected_tokens(q1, qn, n)) / cost
-
     def best(self, cap: int, n_active: int, q1: float, qn: float) -> tuple[int, float]:
         """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap]."""
-        r0 = self.rate(0, n_active, q1, qn)
+        cost, o = self.curve.cost, self.overhead_s
+        d0, d1 = self.draft_cost.params()
+        r0 = n_active / (cost(n_active) + o)
         best_n, best_r = 0, r0 * self.MARGIN
-        for n in range(max(1, self.n_min), cap + 1):
-            r = self.rate(n, n_active, q1, qn)
-            if r > best_r:
-                best_n, best_r = n, r
+        tokens, p = float(n_active), q1  # n_active - 1 + expected_tokens(q1, qn, n), built up as n grows
+        lo = max(1, self.n_min)
+        for n in range(1, cap + 1):
+            tokens += p
+            p *= qn
+            if n >= lo:
+                r = tokens / (cost(n_active + n) + o + d0 + d1 * n)
+                if r > best_r:
+                    best_n, best_r = n, r
         return best_n, (best_r / r0 if best_n else 1.0)
 
     def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:

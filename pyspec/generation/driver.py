@@ -349,6 +349,7 @@ class SpeculativeGenerator:
                 t0 = time.perf_counter()
                 drafts = eng.draft(requests)
                 t_draft = time.perf_counter() - t0
+                self.stats.t_draft_s += t_draft
                 for s in drafting:
                     s.spec_draft = drafts.get(s.id, [])
                 if ctl is not None:
@@ -434,6 +435,7 @@ class SpeculativeGenerator:
 
             eng.accept(s.id, len(accepted) - 1)
             s.result.n_accepted += len(accepted) - 1
+            self.stats.drafts.append((n_draft, len(accepted) - 1))
             if ctl is not None:
                 ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                       n_draft, len(accepted) - 1)

@@ -196,8 +196,9 @@ def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> tuple[list[list
     tokens: list[list[int]] = []
     n_drafted = n_accepted = 0
     with build_contexts(sc) as cs:
+        # llama.cpp's fixed draft lengths: the cost-aware choice depends on timings, which differ between runs
         with SpeculativeGenerator(cs.ctx_tgt, cs.spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
-                                  on_event=on_event) as gen:
+                                  on_event=on_event, adaptive_draft=False) as gen:
             for i in range(0, len(sc.prompts), sc.n_seq):
                 for r in gen.generate(list(sc.prompts[i : i + sc.n_seq]), sc.n_predict):
                     tokens.append(r.tokens)
