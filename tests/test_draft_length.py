@@ -117,29 +117,41 @@ def test_draft_cost_uses_the_prior_until_a_call_is_measured():
 
 
 # --- the choice -------------------------------------------------------------------------
+# n-gram drafts cost next to nothing: choose() asks for the whole cap and trim() decides on
+# the draft it sees; a draft model's tokens cost decodes: choose() decides before drafting
 
 
-def test_fixed_controller_returns_the_cap_unchanged():
-    ctl = controller(CPU_CURVE, fixed=True)
+def test_fixed_controller_returns_the_cap_and_the_draft_unchanged():
+    ctl = controller(CPU_CURVE, fixed=True, draft_d1=0.01)
     feed(ctl, 0, [(8, 0)] * 20)
     assert ctl.choose(0, 8) == 8
+    assert ctl.trim(0, 6, 8) == 6
     assert ctl.choose(0, 0) == 0
 
 
 def test_controller_without_measurements_keeps_llama_cpps_choice():
-    assert DraftLengthController().choose(0, 6) == 6
+    ctl = DraftLengthController()
+    assert ctl.choose(0, 6) == 6
+    assert ctl.trim(0, 5, 6) == 5
+
+
+def test_cheap_drafts_are_always_made_and_trimmed_once_seen():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(8, 0)] * 10)
+    assert ctl.choose(0, 8) == 8
+    assert ctl.trim(0, 8, 8) == 0
 
 
 def test_drafts_that_are_always_rejected_are_not_verified_on_a_cpu():
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(8, 0)] * 10)
-    assert ctl.choose(0, 8) == 0
+    assert ctl.trim(0, 8, 8) == 0
 
 
 def test_long_drafts_are_verified_when_they_are_accepted():
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(16, 16)] * 10)
-    assert ctl.choose(0, 16) == 16
+    assert ctl.trim(0, 16, 16) == 16
     assert ctl.bound(0, 16) > 2.0  # 17 tokens for the price of 7
 
 
@@ -147,13 +159,23 @@ def test_short_drafts_do_not_pay_where_a_second_row_costs_most_of_a_token():
     # first token accepted 60% of the time: 1.6 tokens for c(2) = 1.8 loses, longer drafts too
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(3, 0), (3, 0), (3, 1), (3, 2), (3, 1)] * 4)
-    assert ctl.choose(0, 3) == 0
+    assert ctl.trim(0, 3, 3) == 0
 
 
 def test_the_same_acceptance_pays_when_batches_are_nearly_free():
     ctl = controller(FLAT_CURVE)
     feed(ctl, 0, [(3, 0), (3, 0), (3, 1), (3, 2), (3, 1)] * 4)
-    assert ctl.choose(0, 3) == 3
+    assert ctl.trim(0, 3, 3) == 3
+
+
+def test_drafts_shorter_than_asked_keep_their_own_acceptance():
+    # an implementation whose full-length drafts are accepted and whose short ones are not
+    ctl = controller(CPU_CURVE)
+    for _ in range(10):
+        ctl.record_acceptance(0, None, 8, 8, full=True)
+        ctl.record_acceptance(0, None, 5, 0, full=False)
+    assert ctl.trim(0, 8, 8) == 8
+    assert ctl.trim(0, 5, 8) == 0
 
 
 def test_a_draft_model_as_slow_as_the_target_is_never_used_on_a_cpu():
@@ -165,10 +187,16 @@ def test_a_draft_model_as_slow_as_the_target_is_never_used_on_a_cpu():
     assert all(ctl.choose(0, 8) == 0 for _ in range(2000))
 
 
+def test_a_draft_model_is_used_when_its_tokens_are_cheap_and_accepted():
+    ctl = controller(FLAT_CURVE, draft_d1=0.001)  # a tenth of a target decode per draft token
+    feed(ctl, 0, [(4, 4)] * 10)
+    assert ctl.choose(0, 4) == 4
+
+
 def test_a_sequence_held_at_zero_is_probed_with_a_short_draft():
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(8, 0)] * 10)
-    picks = [ctl.choose(0, 8) for _ in range(DraftLengthController.PROBE_FIRST * 3)]
+    picks = [ctl.trim(0, 8, 8) for _ in range(DraftLengthController.PROBE_FIRST * 3)]
     probes = [i for i, n in enumerate(picks) if n > 0]
     assert probes == [DraftLengthController.PROBE_FIRST - 1, DraftLengthController.PROBE_FIRST * 3 - 1]
     assert all(picks[i] == 2 for i in probes)
@@ -178,22 +206,23 @@ def test_sequences_keep_their_own_acceptance():
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(16, 16)] * 10)
     feed(ctl, 1, [(16, 0)] * 10)
-    assert ctl.choose(0, 16) == 16
-    assert ctl.choose(1, 16) == 0
+    assert ctl.trim(0, 16, 16) == 16
+    assert ctl.trim(1, 16, 16) == 0
     ctl.reset_seq(1)  # a new sequence starts from the implementation's rates
-    assert ctl.rates(1) == ctl._acc("ngram-test").rates(ctl.PRIOR, ctl.PRIOR_WEIGHT_IMPL)
+    assert ctl.rates(1) == ctl._acc("ngram-test", None).rates(ctl.PRIOR, ctl.PRIOR_WEIGHT_IMPL)
 
 
 def test_other_sequences_in_the_step_make_a_draft_cheaper_at_the_margin():
     # c(3) - c(2) = 0.3 while c(2) - c(1) = 0.8: the second sequence's draft token costs less
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(1, 1), (1, 0)] * 10)  # half the first tokens accepted
-    assert ctl.choose(0, 1, n_active=1) == 0
-    assert ctl.choose(0, 1, n_active=2) == 1
+    assert ctl.trim(0, 1, 1, n_active=1) == 0
+    assert ctl.trim(0, 1, 1, n_active=2) == 1
 
 
 def test_n_min_is_respected():
-    ctl = controller(FLAT_CURVE, n_min=3)
+    ctl = controller(FLAT_CURVE, n_min=3, draft_d1=0.001)
     feed(ctl, 0, [(4, 4)] * 10)
     assert ctl.choose(0, 2) == 0  # a draft shorter than n_min would be discarded
     assert ctl.choose(0, 5) == 5
+    assert ctl.trim(0, 5, 5) == 5

@@ -146,13 +146,25 @@ def test_tiny_rows_of_multi_row_batches_do_not_depend_on_the_batch(tiny):
     assert np.array_equal(by2, by5)
 
 
-def test_batch_invariant_mode_warns_for_float_weights_with_llamafile_kernels(caplog):
+def test_batch_invariant_mode_warns_for_float_weights_with_llamafile_kernels():
     from pyspec.core.backend import system_info
 
-    with caplog.at_level(logging.WARNING, logger="pyspec"):
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    log = logging.getLogger("pyspec")
+    log.addHandler(lines)
+    try:
         Model(tm.make_cyclic_target(), batch_invariant=True).close()
-    warned = any("llamafile" in r.getMessage() for r in caplog.records)
-    assert warned == ("LLAMAFILE = 1" in system_info())
+    finally:
+        log.removeHandler(lines)
+    assert any("llamafile" in line for line in lines.lines) == ("LLAMAFILE = 1" in system_info())
 
 
 # --- the mode's settings ---------------------------------------------------------------------

@@ -288,11 +288,16 @@ class DraftCost:
         return (max(0.0, cs / cc) if cc > 0 else 0.0), 0.0
 
 
+def _clip(q: float) -> float:
+    return min(0.99, max(0.01, q))
+
+
 class _Seq:
     """What the controller keeps per sequence."""
 
     def __init__(self, decay: float) -> None:
-        self.acc = Acceptance(decay)
+        self.acc: dict[bool | None, Acceptance] = {None: Acceptance(decay), True: Acceptance(decay),
+                                                   False: Acceptance(decay)}
         self.zero_streak = 0
         self.probe_after = DraftLengthController.PROBE_FIRST
 
@@ -300,9 +305,18 @@ class _Seq:
 class DraftLengthController:
     """Chooses each sequence's draft length from the measured cost curve, acceptance and draft cost.
 
-    The generator calls :meth:`choose` where it decides a sequence's most draft
-    tokens, and reports what happened with the ``record_*`` methods. With
-    ``fixed=True`` :meth:`choose` returns the cap unchanged (llama.cpp's behaviour).
+    Two decisions per sequence and step, at the two places a generator has:
+
+    - :meth:`choose`, before drafting: the most tokens to ask the implementation
+      for (0: no draft, decode plainly). Where drafting costs next to nothing
+      (the n-gram types) it asks for all of them, and :meth:`trim` decides;
+    - :meth:`trim`, once the draft is known: how many of its tokens to verify.
+      Acceptance is kept apart for drafts as long as asked ("full") and shorter
+      ones: an implementation that returns less than asked often has a weaker
+      match (or, for a draft model, a stronger one: the rates say which).
+
+    The generator reports what happened with the ``record_*`` methods. With
+    ``fixed=True`` both return their input unchanged: llama.cpp's behaviour.
     ``draft_d1`` is a first guess of the seconds a drafted token costs (a draft
     model's one-token decode), until draft calls are measured.
     """
@@ -311,8 +325,10 @@ class DraftLengthController:
     # one rejected first token brings q1 from 0.7 to 0.47
     PRIOR = (0.7, 0.9)
     PRIOR_WEIGHT_IMPL = 2.0  # the prior counts as this many drafts of an implementation
+    PRIOR_WEIGHT_BUCKET = 2.0  # an implementation's rates count as this many drafts of one of its buckets
     PRIOR_WEIGHT_SEQ = 3.0  # an implementation's rates count as this many drafts of a sequence
     MARGIN = 1.02  # a draft must promise 2% more tokens per second than plain decoding
+    CHEAP = 0.05  # drafting the whole cap costs less than this share of a one-token decode: always draft
     PROBE_FIRST, PROBE_MAX = 32, 512  # steps at 0 before a probe; doubles after each probe
 
     def __init__(self, *, fixed: bool = False, curve: CostCurve | None = None, n_min: int = 0,
@@ -322,7 +338,7 @@ class DraftLengthController:
         self.n_min = max(0, n_min)  # a draft shorter than this is discarded by the implementation
         self.impl = impl  # the type set: its draft calls are timed together
         self.draft_cost = DraftCost(prior_d1=draft_d1)
-        self._impl: dict[str, Acceptance] = {}
+        self._impl: dict[tuple[str, bool | None], Acceptance] = {}
         self._seqs: dict[int, _Seq] = {}
         self._last_impl: dict[int, str] = {}
         self.overhead_s = 0.0  # the loop's own time per step (running mean, then EWMA)
@@ -343,11 +359,17 @@ class DraftLengthController:
         """One draft call for ``n_seqs`` sequences produced ``n_tokens`` tokens in ``seconds``."""
         self.draft_cost.record(n_seqs, n_tokens, seconds)
 
-    def record_acceptance(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int) -> None:
-        """``impl``'s draft of ``n_drafted`` tokens for ``seq_id`` had ``n_accepted`` of them accepted."""
+    def record_acceptance(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int,
+                          full: bool | None = None) -> None:
+        """``impl``'s draft of ``n_drafted`` verified tokens for ``seq_id`` had ``n_accepted`` accepted.
+
+        ``full``: whether the implementation returned as many tokens as asked (before :meth:`trim`).
+        """
         name = impl or self.impl
-        self._acc(name).record(n_drafted, n_accepted)
-        self._seq(seq_id).acc.record(n_drafted, n_accepted)
+        s = self._seq(seq_id)
+        for bucket in (None, full) if full is not None else (None,):
+            self._acc(name, bucket).record(n_drafted, n_accepted)
+            s.acc[bucket].record(n_drafted, n_accepted)
         self._last_impl[seq_id] = name
 
     def record_overhead(self, seconds: float) -> None:
@@ -360,16 +382,32 @@ class DraftLengthController:
 
     # --- the decision -------------------------------------------------------------------
 
-    def rates(self, seq_id: int) -> tuple[float, float]:
-        """(q1, qn) of a sequence: its own counts shrunk towards its implementation's."""
-        base = self._acc(self._last_impl.get(seq_id) or self.impl).rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)
-        s = self._seqs.get(seq_id)
-        return base if s is None else s.acc.rates(base, self.PRIOR_WEIGHT_SEQ)
+    def rates(self, seq_id: int, full: bool | None = None) -> tuple[float, float]:
+        """(q1, qn) of a sequence's drafts (of one bucket, or all).
 
-    def best(self, cap: int, n_active: int, q1: float, qn: float) -> tuple[int, float]:
-        """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap]."""
+        The implementation's rates (shrunk towards the prior), the sequence's own
+        counts shrunk towards them, and for a bucket the implementation's difference
+        between that bucket and all its drafts added, the bucket's own counts shrunk
+        towards the result.
+        """
+        impl = self._last_impl.get(seq_id) or self.impl
+        pooled = self._acc(impl, None).rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)
+        s = self._seqs.get(seq_id)
+        mine = pooled if s is None else s.acc[None].rates(pooled, self.PRIOR_WEIGHT_SEQ)
+        if full is None:
+            return mine
+        bucket = self._acc(impl, full).rates(pooled, self.PRIOR_WEIGHT_BUCKET)
+        target = (_clip(mine[0] + bucket[0] - pooled[0]), _clip(mine[1] + bucket[1] - pooled[1]))
+        return target if s is None else s.acc[full].rates(target, self.PRIOR_WEIGHT_SEQ)
+
+    def best(self, cap: int, n_active: int, q1: float, qn: float, *, draft_cost: bool = True) -> tuple[int, float]:
+        """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap].
+
+        rate(n) = (n_active + expected accepted tokens) / (c(n_active + n) + o [+ d(n)]): the
+        expected tokens per second of the step; ``draft_cost=False`` once the draft is made.
+        """
         cost, o = self.curve.cost, self.overhead_s
-        d0, d1 = self.draft_cost.params()
+        d0, d1 = self.draft_cost.params() if draft_cost else (0.0, 0.0)
         r0 = n_active / (cost(n_active) + o)
         best_n, best_r = 0, r0 * self.MARGIN
         tokens, p = float(n_active), q1  # n_active - 1 + expected_tokens(q1, qn, n), built up as n grows
@@ -389,7 +427,24 @@ class DraftLengthController:
             return max(0, cap)
         if not self.curve.ready:
             return cap  # nothing measured yet: llama.cpp's choice
+        if cap < self.n_min:
+            return 0  # the implementation would discard so short a draft
+        d0, d1 = self.draft_cost.params()
+        if d0 + d1 * cap < self.CHEAP * self.curve.cost(1):
+            return cap  # drafting costs next to nothing: see the draft, then trim it
         n, _ = self.best(cap, n_active, *self.rates(seq_id))
+        if n > 0 and d1 * cap < self.CHEAP * self.curve.cost(1):
+            n = cap  # the length costs nothing once a draft is made: trim decides
+        return self._or_probe(seq_id, n, cap, n_active)
+
+    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1) -> int:
+        """How many of a draft's ``n_draft`` tokens to verify (0: decode plainly); ``cap`` is what was asked for."""
+        if self.fixed or n_draft <= 0 or not self.curve.ready:
+            return max(0, n_draft)
+        n, _ = self.best(n_draft, n_active, *self.rates(seq_id, n_draft >= cap), draft_cost=False)
+        return self._or_probe(seq_id, n, n_draft, n_active)
+
+    def _or_probe(self, seq_id: int, n: int, cap: int, n_active: int) -> int:
         s = self._seq(seq_id)
         if n > 0:
             s.zero_streak = 0
@@ -418,17 +473,18 @@ class DraftLengthController:
         if self.curve.ready:
             out["cost_1_ms"] = round(self.curve.cost(1) * 1e3, 3)
             out["cost_relative"] = {n: round(v, 2) for n, v in self.curve.relative().items()}
-        out["impls"] = {name: {"q1_qn": [round(x, 3) for x in acc.rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)],
-                               "drafts": acc.n_drafts}
-                        for name, acc in self._impl.items()}
+        out["impls"] = {f"{name}{'' if b is None else (' full' if b else ' short')}":
+                        {"q1_qn": [round(x, 3) for x in acc.rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)],
+                         "drafts": acc.n_drafts}
+                        for (name, b), acc in self._impl.items()}
         return out
 
     # --- internals ------------------------------------------------------------------------
 
-    def _acc(self, impl: str) -> Acceptance:
-        a = self._impl.get(impl)
+    def _acc(self, impl: str, bucket: bool | None) -> Acceptance:
+        a = self._impl.get((impl, bucket))
         if a is None:
-            a = self._impl[impl] = Acceptance(decay=0.98)
+            a = self._impl[(impl, bucket)] = Acceptance(decay=0.98)
         return a
 
     def _seq(self, seq_id: int) -> _Seq:

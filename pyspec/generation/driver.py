@@ -61,6 +61,8 @@ class _Slot:
         self.spec_draft: list[int] = []
         self.spec_i_batch: list[int] = []
         self.spec_ckpt = CommonPromptCheckpoint()
+        self.spec_cap = 0  # the most draft tokens asked for this step
+        self.spec_full = False  # whether the draft came back as long as asked
         self.i_batch = -1
         self.pending = b""  # bytes of an incomplete UTF-8 character
 
@@ -344,6 +346,7 @@ class SpeculativeGenerator:
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
+                s.spec_cap = n_draft_max
                 drafting.append(s)
             if requests:
                 t0 = time.perf_counter()
@@ -354,6 +357,11 @@ class SpeculativeGenerator:
                     s.spec_draft = drafts.get(s.id, [])
                 if ctl is not None:
                     ctl.record_draft_call(len(requests), sum(len(s.spec_draft) for s in drafting), t_draft)
+                    for s in drafting:  # how much of each draft is worth verifying, now that it is known
+                        n = len(s.spec_draft)
+                        s.spec_full = n >= s.spec_cap
+                        if n:
+                            del s.spec_draft[ctl.trim(s.id, n, s.spec_cap, len(active)) :]
                 self._event("draft", slots, drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part
@@ -438,7 +446,7 @@ class SpeculativeGenerator:
             self.stats.drafts.append((n_draft, len(accepted) - 1))
             if ctl is not None:
                 ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
-                                      n_draft, len(accepted) - 1)
+                                      n_draft, len(accepted) - 1, s.spec_full)
             self._event("accept", slots, seq_id=s.id, accepted=list(accepted))
 
             # the memory keeps the prompt, the sampled token and the accepted draft tokens
