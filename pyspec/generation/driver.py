@@ -418,7 +418,11 @@ class SpeculativeGenerator:
             if not s.spec_draft:
                 continue
             n_draft = len(s.spec_draft)
-            saved = eng.save_sampler(s.id)
+            # the server clones the sampler before every verification; only a checkpoint restore
+            # uses the copy, which a target that can drop part of a sequence never needs
+            may_restore = use_ckpt_tgt_full or (
+                self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_draft > ctx_tgt.n_rs_seq)
+            saved = eng.save_sampler(s.id) if may_restore else None
             accepted = eng.sample_and_accept_n(s.id, ctx_tgt, s.spec_i_batch, s.spec_draft)
             s.spec_i_batch = []
             n_rollback = n_draft + 1 - len(accepted)
@@ -439,7 +443,8 @@ class SpeculativeGenerator:
                 eng.restore_sampler(s.id, saved)
                 self.stats.n_checkpoint_restores += 1
                 continue
-            eng.drop_saved(saved)
+            if saved is not None:
+                eng.drop_saved(saved)
 
             eng.accept(s.id, len(accepted) - 1)
             s.result.n_accepted += len(accepted) - 1
@@ -524,9 +529,10 @@ def generate(
     stop: Sequence[str] = (),
     engine: str = "python",
     on_piece: Callable[[str], Any] | None = None,
+    adaptive_draft: bool = True,
 ) -> tuple[SequenceResult, GenerationStats]:
     """Generate for one prompt; returns its result and the run's statistics."""
     cb = (lambda _seq, text: on_piece(text)) if on_piece is not None else None
-    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, engine=engine) as gen:
+    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, engine=engine, adaptive_draft=adaptive_draft) as gen:
         (res,) = gen.generate([prompt], n_predict, stop=stop, on_piece=cb)
         return res, gen.stats
