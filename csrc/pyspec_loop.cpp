@@ -1,12 +1,17 @@
-// The generation loop of pyspec/driver.py (SpeculativeGenerator), in C++.
+// The generation loop of pyspec/generation/engine.py (the Engine that
+// SpeculativeGenerator steps), in C++, for a fixed set of prompts.
 //
-// Same decisions as the Python driver, step by step (which in turn mirrors
-// what tools/server/server-context.cpp does around common_speculative):
-// prefill in n_batch chunks with the process hook on every target batch,
-// begin + first token; then per step: drafts, checkpoints where the memory
-// cannot drop the rejected part, one target decode of [sampled, draft...] for
-// all sequences, process, plain sampling, sample_and_accept_n, checkpoint
-// restore on a partial acceptance the memory cannot express, accept, seq_rm.
+// Same decisions as the Python engine, step by step (which in turn mirrors
+// what tools/server/server-context.cpp's update_slots does around
+// common_speculative): per step, the generating sequences draft, make
+// checkpoints where the memory cannot drop the rejected part and add
+// [sampled, draft...] to the target batch; the sequences still reading their
+// prompt fill the rest of the batch (n_batch) with prompt tokens (continuous
+// batching); one target decode, the process hook, then per sequence: a prompt
+// that ended begins speculation and samples its first token, a sequence
+// without a draft samples, one with a draft verifies it (sample_and_accept_n),
+// restores its checkpoint on a partial acceptance the memory cannot express,
+// accepts and removes the rest with seq_rm.
 //
 // The speculative and sampler calls go through libpyspec_ref's C API (this
 // file is part of that library), i.e. the very code that engine="cpp" of the
@@ -85,8 +90,10 @@ void ckpt_load(llama_context * ctx, const std::vector<uint8_t> & data, llama_seq
 // one sequence's generation state (driver.py's _Slot)
 struct slot {
     llama_seq_id id = 0;
+    std::vector<llama_token> prompt;
     std::vector<llama_token> tokens;  // tokens in the target's memory
     int32_t n_prompt = 0;
+    bool reading = true;  // still adding prompt tokens
     std::vector<llama_token> generated;
     int32_t stop_reason = PYSPEC_LOOP_STOP_NONE;
     int32_t n_drafted  = 0;
@@ -190,43 +197,6 @@ struct loop {
         }
     }
 
-    // decode all prompts in n_batch chunks, the process hook on each; sample each sequence's first token
-    void prefill() {
-        std::vector<std::pair<size_t, int32_t>> work;  // (slot, position), sequence after sequence
-        for (size_t k = 0; k < slots.size(); ++k) {
-            for (int32_t p = 0; p < slots[k].n_prompt; ++p) {
-                work.emplace_back(k, p);
-            }
-        }
-        for (size_t i = 0; i < work.size(); i += n_batch) {
-            common_batch_clear(batch);
-            const size_t end = std::min(work.size(), i + (size_t) n_batch);
-            for (size_t k = i; k < end; ++k) {
-                slot & s = slots[work[k].first];
-                const int32_t p = work[k].second;
-                const bool last = p == s.n_prompt - 1;
-                batch_add(s.tokens[p], p, s.id, last);
-                if (last) {
-                    s.i_batch = (int32_t) (k - i);
-                }
-            }
-            decode_tgt();
-            process();
-            for (auto & s : slots) {
-                if (s.i_batch < 0) {
-                    continue;
-                }
-                if (spec) {
-                    check_ref(pyspec_ref_spec_begin(spec.get(), s.id, s.tokens.data(), (int32_t) s.tokens.size()), "begin");
-                }
-                const llama_token tok = sample(s, s.i_batch);
-                s.i_batch = -1;
-                accept_token(s, tok, true);
-                emit(s, &tok, 1);
-            }
-        }
-    }
-
     int32_t n_draft_max(const slot & s, int32_t n_active) const {
         // what fits the context (one token kept spare for shifts) and the remaining budget,
         // and a share of the batch so all sequences fit one target decode
@@ -238,9 +208,9 @@ struct loop {
     }
 
     void step() {
-        std::vector<slot *> active;
+        std::vector<slot *> active;  // the generating sequences (engine.py's `generating`)
         for (auto & s : slots) {
-            if (s.active) {
+            if (s.active && !s.reading) {
                 active.push_back(&s);
             }
         }
@@ -255,8 +225,14 @@ struct loop {
             std::vector<pyspec_ref_draft_request> reqs;
             for (slot * s : active) {
                 const int32_t n_max = n_draft_max(*s, n_active);
-                if (n_max <= 0 || !s->spec_draft.empty()) {
-                    continue;  // no room, or a previous (partial) draft is reused after a checkpoint restore
+                if (!s->spec_draft.empty()) {
+                    // a previous (partial) draft is reused after a checkpoint restore; more sequences
+                    // may generate now than when it was made, so it keeps only its share of the batch
+                    s->spec_draft.resize(std::min(s->spec_draft.size(), (size_t) std::max(0, n_max)));
+                    continue;
+                }
+                if (n_max <= 0) {
+                    continue;  // no room
                 }
                 s->spec_ckpt.update_pos((int64_t) s->tokens.size(), llama_memory_seq_pos_min(mem_tgt, s->id),
                                         llama_memory_seq_pos_max(mem_tgt, s->id));
@@ -342,23 +318,51 @@ struct loop {
             s->tokens.insert(s->tokens.end(), s->spec_draft.begin(), s->spec_draft.end());
         }
 
+        // then prompt tokens of the sequences still reading theirs, up to n_batch (continuous batching)
+        for (auto & s : slots) {
+            if (batch.n_tokens >= n_batch) {
+                break;
+            }
+            if (!s.active || !s.reading) {
+                continue;
+            }
+            while ((int32_t) s.tokens.size() < s.n_prompt && batch.n_tokens < n_batch) {
+                const int32_t p = (int32_t) s.tokens.size();
+                const bool last = p == s.n_prompt - 1;
+                batch_add(s.prompt[p], p, s.id, last);
+                s.tokens.push_back(s.prompt[p]);
+                if (last) {
+                    s.i_batch = batch.n_tokens - 1;
+                }
+            }
+        }
+
         decode_tgt();
         process();
 
-        // sequences without a draft: plain sampling
-        for (slot * s : active) {
-            if (!s->spec_draft.empty()) {
+        // prompts that ended begin speculation; sequences without a draft sample
+        for (auto & s : slots) {
+            if (!s.active || s.i_batch < 0) {
                 continue;
             }
-            const llama_token tok = sample(*s, s->i_batch);
-            s->i_batch = -1;
-            accept_token(*s, tok, true);
-            emit(*s, &tok, 1);
+            if (s.reading) {
+                s.reading = false;
+                if (spec) {
+                    check_ref(pyspec_ref_spec_begin(spec.get(), s.id, s.tokens.data(), (int32_t) s.tokens.size()), "begin");
+                }
+            }
+            if (!s.spec_draft.empty()) {
+                continue;
+            }
+            const llama_token tok = sample(s, s.i_batch);
+            s.i_batch = -1;
+            accept_token(s, tok, true);
+            emit(s, &tok, 1);
         }
 
         // sequences with a draft: verify, accept, clean up the memory
         for (slot * s : active) {
-            if (s->spec_draft.empty()) {
+            if (!s->active || s->spec_draft.empty()) {
                 continue;
             }
             const int32_t n_draft = (int32_t) s->spec_draft.size();
@@ -545,7 +549,7 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         slot & s = L.slots[i];
         s.id          = i;
         s.n_prompt    = p.prompt_lens[i];
-        s.tokens.assign(p.prompt_tokens + off, p.prompt_tokens + off + s.n_prompt);
+        s.prompt.assign(p.prompt_tokens + off, p.prompt_tokens + off + s.n_prompt);
         s.n_remaining = p.n_predict;
         off += (size_t) s.n_prompt;
     }
@@ -555,20 +559,25 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
             context_seq_rm(L.ctx_dft, s.id, -1, -1);
         }
         check_ref(pyspec_ref_sampler_reset(L.smpls[s.id].get()), "reset");
-        for (const llama_token t : s.tokens) {
+        for (const llama_token t : s.prompt) {
             L.accept_token(s, t, false);
         }
     }
 
+    // steps until every sequence has ended; the prompt phase ends with the step in which
+    // the last prompt was read (the steps after it are counted, as SpeculativeGenerator does)
     const int64_t t0 = ggml_time_us();
-    L.prefill();
-    const int64_t t1 = ggml_time_us();
-    const int64_t t_dec_prompt = L.t_decode_us;
-
+    int64_t t1 = -1;
+    int64_t t_dec_prompt = 0;
     int32_t n_steps = 0;
     while (std::any_of(L.slots.begin(), L.slots.end(), [](const slot & s) { return s.active; })) {
         L.step();
-        n_steps++;
+        if (t1 >= 0) {
+            n_steps++;
+        } else if (std::none_of(L.slots.begin(), L.slots.end(), [](const slot & s) { return s.active && s.reading; })) {
+            t1 = ggml_time_us();
+            t_dec_prompt = L.t_decode_us;
+        }
     }
     const int64_t t2 = ggml_time_us();
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BadRequest",
     "BatchFullError",
+    "ChatTemplateError",
     "CliError",
     "ClosedError",
     "ConcurrentUseError",
@@ -15,9 +17,13 @@ __all__ = [
     "LoopInputError",
     "MissingModelPackage",
     "ModelLoadError",
+    "NoChatTemplateError",
     "ParityError",
     "PyspecError",
     "RefError",
+    "RpcConnectionError",
+    "RpcError",
+    "RpcUnavailableError",
     "SpeculativeError",
     "decode_error",
     "ref_error",
@@ -57,6 +63,18 @@ class ConcurrentUseError(PyspecError):
     """A context was used from a second thread while the first was still in llama.cpp."""
 
 
+class ChatTemplateError(PyspecError, ValueError):
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it)."""
+
+
+class NoChatTemplateError(ChatTemplateError):
+    """Chat messages were given for a model that has no chat template, and no template was named."""
+
+
+class BadRequest(PyspecError, ValueError):
+    """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
+
+
 class BatchFullError(PyspecError, IndexError):
     """A token was added to a batch that is already at capacity."""
 
@@ -68,6 +86,26 @@ class DecodeError(PyspecError):
         self.code = code
         self.op = op
         super().__init__(f"{op} returned {code}: {meaning or ('fatal error' if code < 0 else 'warning')}")
+
+
+class RpcError(PyspecError):
+    """Something failed with llama.cpp's RPC backend or an rpc-server process."""
+
+
+class RpcUnavailableError(RpcError):
+    """This build has no RPC backend or no rpc-server (built with CMAKE_ARGS="-DGGML_RPC=off")."""
+
+
+class RpcConnectionError(RpcError, ConnectionError):
+    """An rpc-server could not be reached, stopped answering, or its connection was lost.
+
+    ``endpoints`` names the servers involved. A model whose server was lost stays
+    unusable (its weights were there); close it, and load it again once a server runs.
+    """
+
+    def __init__(self, message: str, endpoints: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.endpoints = endpoints
 
 
 class SpeculativeError(PyspecError, RuntimeError):

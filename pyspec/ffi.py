@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,16 +33,26 @@ __all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "l
 
 _DECL_DIR = Path(__file__).with_name("decl")
 # order matters: later files use the types of earlier ones
-_DECL_FILES = ("ggml.h", "llama.h", "common.h", "pyspec_ext.h", "pyspec_ref.h", "pyspec_loop.h")
+_DECL_FILES = ("ggml.h", "ggml-backend-devices.h", "llama.h", "common.h", "pyspec_ext.h", "pyspec_rpc.h",
+               "pyspec_ref.h", "pyspec_loop.h")
 # handle name -> shared library stem (lib<stem>.so)
 LIBRARIES = {"ggml": "ggml", "llama": "llama", "ext": "pyspec_ext", "ref": "pyspec_ref"}
 
 
 def lib_dir() -> Path:
-    """Folder holding the shared libraries (env PYSPEC_LIB_DIR overrides)."""
+    """Folder holding the shared libraries: ``$PYSPEC_LIB_DIR``, else the package's ``lib``.
+
+    An installed wheel has them beside this file. An editable install (scikit-build-core)
+    runs the sources, and its package ``__path__`` adds the install tree that holds ``lib``.
+    """
     override = os.environ.get("PYSPEC_LIB_DIR")
     if override:
         return Path(override)
+    package = sys.modules[__name__.rpartition(".")[0]]
+    for folder in getattr(package, "__path__", ()):
+        candidate = Path(folder) / "lib"
+        if (candidate / f"lib{LIBRARIES['llama']}.so").is_file():
+            return candidate
     return Path(__file__).with_name("lib")
 
 
@@ -125,7 +136,7 @@ def open_library(name: str) -> Any:
         if not path.exists():
             raise LibraryNotFoundError(
                 f"pyspec: {path} not found; build and install the package first "
-                "(see the README: `pip install .`)"
+                "(see the README: `pip install .`; in a source checkout, scripts/dev_build.sh)"
             )
         # RTLD_GLOBAL is not needed: each library finds its siblings by $ORIGIN rpath
         lib = ffi.dlopen(str(path))

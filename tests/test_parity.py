@@ -22,8 +22,8 @@ import pytest
 from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_save, common_ngram_cache_update
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.backends import PortBackend
 from pyspec.generation.driver import greedy_sampling
-from pyspec.generation.engines import PortEngine
 from pyspec.reference.parity import (
     ParityError,
     ParityScenario,
@@ -173,12 +173,12 @@ def test_generation_of_256_tokens_is_token_identical():
 
 
 def test_a_port_that_drafts_differently_is_caught_at_the_first_draft(monkeypatch):
-    orig = PortEngine.draft
+    orig = PortBackend.draft
 
     def off_by_one(self, requests):
         return {seq: [t + 1 for t in d] for seq, d in orig(self, requests).items()}
 
-    monkeypatch.setattr(PortEngine, "draft", off_by_one)
+    monkeypatch.setattr(PortBackend, "draft", off_by_one)
     sc = scenario([T.DRAFT_SIMPLE], prompts=PROMPTS[:1], n_predict=16)
     with pytest.raises(ParityError) as exc:
         assert_parity(sc)
@@ -189,7 +189,7 @@ def test_a_port_that_drafts_differently_is_caught_at_the_first_draft(monkeypatch
 
 
 def test_a_port_that_counts_differently_is_caught_in_the_counters(monkeypatch):
-    orig = PortEngine.impl_stats
+    orig = PortBackend.impl_stats
 
     def miscount(self):
         stats = orig(self)
@@ -197,7 +197,7 @@ def test_a_port_that_counts_differently_is_caught_in_the_counters(monkeypatch):
             st.n_call_begin *= 2
         return stats
 
-    monkeypatch.setattr(PortEngine, "impl_stats", miscount)
+    monkeypatch.setattr(PortBackend, "impl_stats", miscount)
     report = run_parity(scenario([T.NGRAM_SIMPLE], prompts=["Hello"], n_predict=8))
     assert not report.ok
     assert report.divergence is not None
@@ -210,7 +210,7 @@ def test_a_failing_side_is_reported_not_raised(monkeypatch):
     def boom(self, requests):
         raise RuntimeError("port broke")
 
-    monkeypatch.setattr(PortEngine, "draft", boom)
+    monkeypatch.setattr(PortBackend, "draft", boom)
     report = run_parity(scenario([T.DRAFT_SIMPLE], prompts=["Hello"], n_predict=8))
     assert not report.ok
     assert report.errors == {"python": "RuntimeError: port broke"}
@@ -243,8 +243,8 @@ def test_cli_prints_a_verdict_per_scenario_and_exits_zero(capsys):
 def test_cli_exits_non_zero_on_divergence(monkeypatch, capsys):
     from pyspec.cli.parity import main
 
-    orig = PortEngine.draft
-    monkeypatch.setattr(PortEngine, "draft", lambda self, r: {s: d[:-1] for s, d in orig(self, r).items()})
+    orig = PortBackend.draft
+    monkeypatch.setattr(PortBackend, "draft", lambda self, r: {s: d[:-1] for s, d in orig(self, r).items()})
     rc = main(["--tiny", "--types", "draft-simple", "--n-predict", "8", "--threads", "1"])
     assert rc == 1
     assert capsys.readouterr().out.startswith("DIVERGE")

@@ -14,7 +14,7 @@ import pytest
 
 from pyspec.testing import models as testmodels
 
-MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3")
+MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3", "chat-target")
 ARCH = {
     "target": "llama",
     "draft": "llama",
@@ -23,6 +23,7 @@ ARCH = {
     "cyclic-target": "llama",
     "cyclic-draft": "llama",
     "cyclic-eagle3": "eagle3",
+    "chat-target": "llama",
 }
 
 
@@ -117,10 +118,14 @@ def test_missing_llama_cpp_tree_says_how_to_fetch_it(tmp_path: Path, monkeypatch
         testmodels.llama_cpp_dir()
 
 
-def test_vocab_source_is_a_vendored_vocab_file() -> None:
+def test_vocab_source_is_the_vendored_vocab_file_or_its_packaged_copy() -> None:
+    # the build installs the file into pyspec/testing/data (beside the module after
+    # scripts/dev_build.sh); without it, the fetched tree's file is used
     path = testmodels.vocab_source()
-    assert path.parent == testmodels.llama_cpp_dir() / "models"
+    vendored = testmodels.llama_cpp_dir() / "models" / path.name
+    assert path.parent in (vendored.parent, Path(testmodels.__file__).with_name("data"))
     assert path.name.startswith("ggml-vocab-") and path.suffix == ".gguf"
+    assert path.read_bytes() == vendored.read_bytes()
 
 
 # --- metadata --------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The ``pyspec`` command: run, bench, parity, models, demo.
+"""The ``pyspec`` command: run, serve, bench, parity, models, demo.
 
     python -m pyspec run --types ngram-map-k --prompt "def f(x):"
+    python -m pyspec serve --types ngram-map-k --parallel 4
     python -m pyspec bench --plot bench.png
     python -m pyspec parity ...
     python -m pyspec models
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -59,6 +61,17 @@ def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = No
     g.add_argument("--n-batch", type=int, default=512, help="batch size (default 512)")
     g.add_argument("--threads", "-t", type=int, default=threads_default,
                    help=threads_help)
+    # where the layers go (llama.cpp's option names); see Model's docstring
+    g.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, help="layers on the offload devices (-1: all)")
+    g.add_argument("--device", "-dev", help="offload devices, a comma list of names (e.g. Vulkan0,RPC0); "
+                                            "'none': the CPU only (default: the local GPUs)")
+    g.add_argument("--rpc", help="rpc-servers the target uses, a comma list of host:port")
+    g.add_argument("--split-mode", "-sm", choices=("none", "layer", "row", "tensor"), default="layer",
+                   help="how layers spread over several offload devices (default layer)")
+    g.add_argument("--tensor-split", "-ts", help="share of each offload device, a comma list (e.g. 1,3)")
+    g.add_argument("--main-gpu", "-mg", type=int, default=0, help="the offload device of --split-mode none")
+    g.add_argument("--draft-device", "-devd",
+                   help="offload devices of the draft model ('none': the CPU; default: as the target)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="lossless mode: every row's logits independent of its batch (no weight repacking, "
                         "one attention kernel), so speculative output equals plain decoding's")
@@ -77,6 +90,29 @@ def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
                         "(default 3; llama.cpp's is 12, ngram-mod 24)")
     g.add_argument("--ngram-m", type=int, default=8,
                    help="n-gram draft size: size_m, ngram-mod n_max (n_min = half) (default 8; llama.cpp's is 48)")
+
+
+def _device_list(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return [] if names == ["none"] else names
+
+
+def _models_kw(args: argparse.Namespace) -> dict[str, Any]:
+    """load_models keywords for the placement options."""
+    kw: dict[str, Any] = {"n_gpu_layers": args.n_gpu_layers, "split_mode": args.split_mode, "main_gpu": args.main_gpu,
+                          "devices": _device_list(args.device), "batch_invariant": args.batch_invariant}
+    if args.rpc:
+        kw["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
+    if args.tensor_split:
+        try:
+            kw["tensor_split"] = [float(x) for x in args.tensor_split.split(",")]
+        except ValueError:
+            raise CliError(f"--tensor-split takes numbers, not {args.tensor_split!r}") from None
+    if args.draft_device is not None:
+        kw["draft_kw"] = {"n_gpu_layers": args.n_gpu_layers, "devices": _device_list(args.draft_device)}
+    return kw
 
 
 def _spec_kw(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,8 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, seed=args.seed)
 
     with common_log(args.verbose), \
-            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny,
-                        batch_invariant=args.batch_invariant) as models:
+            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
             with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine,
@@ -203,6 +238,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pyspec.cli.bench import common_log
+    from pyspec.common.params import CommonParamsSampling
+    from pyspec.generation.contexts import REAL_MODEL_PACKAGE
+    from pyspec.generation.engine import Engine
+    from pyspec.server.params import ServerDefaults
+
+    try:
+        from pyspec.server import serve
+    except ImportError as e:  # pragma: no cover - the extra is not installed
+        raise CliError(f"pyspec serve needs the server extra (pip install 'pyspec[server]'): {e}") from None
+    if args.parallel <= 0:
+        raise CliError("--parallel must be positive")
+    if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
+        raise CliError(f"--slot-save-path {args.slot_save_path} is not a folder")
+    import uvicorn  # noqa: F401  (fail early, with the hint above, when the extra is missing)
+
+    kw = _ctx_kw(args, args.parallel)
+    sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                    seed=args.seed)
+    with common_log(args.verbose):
+        engine = Engine.load(args.model, types=args.types, draft=args.draft, tiny=args.tiny,
+                             n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
+                             n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
+                             slot_similarity=args.slot_prompt_similarity, **_spec_kw(args))
+        name = args.alias or (Path(args.model).stem if args.model else
+                              ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
+        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
+        print(f"pyspec serve: {name} on http://{args.host}:{args.port} ({args.parallel} slots, types {args.types})",
+              file=sys.stderr, flush=True)
+        serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key, defaults=defaults,
+              slot_save_path=args.slot_save_path, log_level="info" if args.verbose else "warning")
+    return 0
+
+
 # --------------------------------------------------------------------------- bench
 
 
@@ -224,8 +297,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
         logging.getLogger("pyspec").setLevel(logging.ERROR)
-    with bench.common_log(args.verbose), load_models(all_types, model=args.model, draft=args.draft, tiny=args.tiny,
-                                                     batch_invariant=args.batch_invariant) as models:
+    with bench.common_log(args.verbose), load_models(
+            all_types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
         report = bench.run_bench(
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
@@ -279,6 +352,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 verbose=args.verbose)
 
 
+def cmd_rpc_server(args: argparse.Namespace) -> int:
+    """llama.cpp's rpc-server of this build, in the foreground (this process becomes the server)."""
+    from pyspec.core.rpc import server_binary
+
+    binary = str(server_binary())
+    argv = [binary, "-H", args.host, "-p", str(args.port)]
+    if args.threads:
+        argv += ["-t", str(args.threads)]
+    if args.device:
+        argv += ["-d", args.device]
+    if args.cache:
+        argv.append("-c")
+    sys.stdout.flush()
+    os.execv(binary, argv)
+    return 0  # not reached
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -306,6 +396,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_spec_args(p, "ngram-map-k")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="HTTP server: OpenAI-compatible and llama-server endpoints, continuous batching")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--parallel", "-np", type=int, default=4, help="slots served at once (default 4)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
+    p.add_argument("--alias", "-a", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--n-predict", "-n", type=int, default=-1, help="default tokens per request (-1: no limit)")
+    p.add_argument("--temp", type=float, default=0.8, help="default temperature (0: greedy; default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="default top-k (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="default top-p (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="default min-p (default 0.05)")
+    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default seed (default: random)")
+    p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse prompt prefixes by default")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.1,
+                   help="least shared-prefix fraction for a request to pick a slot by its memory (default 0.1)")
+    p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
+    p.add_argument("--engine", choices=("python", "cpp"), default="python",
+                   help="python: the port; cpp: the C++ reference under the same loop")
+    _add_model_args(p)
+    _add_spec_args(p, "none")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
@@ -342,6 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads per context (default 2; 0 = all cores)")
     p.add_argument("--repeat", "-r", type=int, default=3, help="interleaved runs per configuration (default 3)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("rpc-server", help="lend this machine's devices to another one (llama.cpp's rpc-server)")
+    p.add_argument("--host", "-H", default="127.0.0.1",
+                   help="IPv4 address to listen on (default 127.0.0.1; 0.0.0.0: all; a trusted network only)")
+    p.add_argument("--port", "-p", type=int, default=50052, help="port (default 50052)")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="threads of the CPU device (default: half the cores)")
+    p.add_argument("--device", "-d", help="devices to serve, a comma list (default: the GPUs, else the CPU)")
+    p.add_argument("--cache", "-c", action="store_true", help="cache large tensors in a local file cache")
+    p.set_defaults(func=cmd_rpc_server)
     return parser
 
 

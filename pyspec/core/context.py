@@ -162,10 +162,15 @@ class Context(Handle):
             cparams.samplers = cfg
             cparams.n_samplers = len(samplers)
 
-        ptr = llama.llama_init_from_model(model.ptr, cparams)
+        # a model on rpc-servers: its calls go through the RPC guard (pyspec.core.rpc)
+        self._rpc = model.rpc
+        if self._rpc is not None:
+            ptr = self._rpc.init_context(model.ptr, cparams)
+        else:
+            ptr = llama.llama_init_from_model(model.ptr, cparams)
         if ptr == ffi.NULL:
             raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
-        self._own(ptr, llama.llama_free, deps)
+        self._own(ptr, self._rpc.free(llama.llama_free) if self._rpc is not None else llama.llama_free, deps)
         if self.batch_invariant:
             n_other = ffi.new("int32_t *")
             ext.pyspec_context_set_cpu_use_ref(ptr, True, n_other)
@@ -239,7 +244,10 @@ class Context(Handle):
         self._enter()
         t0 = time.perf_counter_ns()
         try:
-            rc = int(llama.llama_decode(self._ptr, batch.c[0]))
+            if self._rpc is not None:
+                rc = self._rpc.decode(self._ptr, batch.c[0])
+            else:
+                rc = int(llama.llama_decode(self._ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
             n = batch.n_tokens
             self._n_outputs = (n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))) if rc == 0 else 0
@@ -266,7 +274,10 @@ class Context(Handle):
         self._enter()
         t0 = time.perf_counter_ns()
         try:
-            rc = int(llama.llama_encode(self._ptr, batch.c[0]))
+            if self._rpc is not None:
+                rc = self._rpc.encode(self._ptr, batch.c[0])
+            else:
+                rc = int(llama.llama_encode(self._ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
             self._n_outputs = batch.n_tokens if rc == 0 else 0
             return rc
@@ -401,6 +412,8 @@ class Context(Handle):
     def state_seq_get(self, seq_id: int, flags: int = 0) -> bytes:
         """Mirrors llama_state_seq_get_data_ext: a copy of one sequence's state."""
         seq = self.memory.check_seq(seq_id)
+        if self._rpc is not None:
+            self._rpc.ensure_usable("reading a sequence's state")
         size = llama.llama_state_seq_get_size_ext(self.ptr, seq, flags)
         buf = ffi.new("uint8_t[]", size)
         n = llama.llama_state_seq_get_data_ext(self.ptr, buf, size, seq, flags)
@@ -411,6 +424,8 @@ class Context(Handle):
         seq = self.memory.check_seq(seq_id)
         if not data:
             raise ValueError("empty state")
+        if self._rpc is not None:
+            self._rpc.ensure_usable("restoring a sequence's state")
         n = llama.llama_state_seq_set_data_ext(self.ptr, ffi.from_buffer(data), len(data), seq, flags)
         if n == 0:
             raise ContextError(f"llama_state_seq_set_data rejected the state for seq {seq}")

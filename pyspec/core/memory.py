@@ -34,6 +34,9 @@ class Memory:
         return s
 
     def clear(self, data: bool = True) -> None:
+        rpc = self._ctx.model.rpc
+        if data and rpc is not None:  # clearing the data of buffers on an rpc-server is a request to it
+            rpc.ensure_usable("clearing the memory")
         llama.llama_memory_clear(self.ptr, data)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

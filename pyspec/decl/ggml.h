@@ -29,8 +29,9 @@ struct ggml_tensor;
 struct ggml_cgraph;
 struct ggml_context;
 
-typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data);
 
 enum ggml_backend_dev_type {
@@ -44,9 +45,16 @@ enum ggml_backend_dev_type {
 void ggml_log_set(ggml_log_callback log_callback, void * user_data);
 const char * ggml_type_name(enum ggml_type type);
 
+const char *               ggml_backend_reg_name(ggml_backend_reg_t reg);
+
+size_t                     ggml_backend_reg_count(void);
+ggml_backend_reg_t         ggml_backend_reg_get(size_t index);
+
 size_t                     ggml_backend_dev_count(void);
 ggml_backend_dev_t         ggml_backend_dev_get(size_t index);
 const char *               ggml_backend_dev_name(ggml_backend_dev_t device);
 const char *               ggml_backend_dev_description(ggml_backend_dev_t device);
 void                       ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
 enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+
+void                       ggml_backend_load_all_from_path(const char * dir_path);

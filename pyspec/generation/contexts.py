@@ -186,14 +186,22 @@ class ModelSet:
 
 
 def load_models(types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None,
-                tiny: bool = False, **model_kw: Any) -> ModelSet:
-    """Load the target and the draft model ``types`` need (see :func:`model_paths`)."""
+                tiny: bool = False, draft_kw: dict[str, Any] | None = None, **model_kw: Any) -> ModelSet:
+    """Load the target and the draft model ``types`` need (see :func:`model_paths`).
+
+    ``model_kw`` are Model keywords for both models; ``draft_kw`` replaces them for the
+    draft, to place it elsewhere (``draft_kw={"devices": []}``: on the CPU while the target
+    is on a GPU or rpc-servers). With draft-simple and no draft model, ``draft_kw`` loads
+    the target's file a second time as the draft, so that it can sit on another device.
+    """
     target_path, draft_path = model_paths(types, model=model, draft=draft, tiny=tiny)
+    if draft_kw is not None and draft_path is None and draft_kind(types) == "draft":
+        draft_path = target_path
     ms = ModelSet(Model(target_path, **model_kw))
     ms.owned.append(ms.target)
     if draft_path is not None:
         try:
-            ms.draft = Model(draft_path, **model_kw)
+            ms.draft = Model(draft_path, **(model_kw if draft_kw is None else draft_kw))
         except BaseException:
             ms.close()
             raise

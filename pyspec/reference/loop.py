@@ -20,6 +20,7 @@ import numpy as np
 
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.core.context import Context
+from pyspec.core.rpc import RpcLink
 from pyspec.errors import ref_error
 from pyspec.ffi import c_const, c_enum, ffi, ref
 from pyspec.generation.statistics import GenerationStats, SequenceResult
@@ -112,6 +113,11 @@ def cpp_generate(
     with contextlib.ExitStack() as held:
         for c in {id(c): c for c in contexts}.values():
             held.enter_context(c.claim(exclusive=True))
+        links = [c.model.rpc for c in contexts if c.model.rpc is not None]
+        if links:  # a model on rpc-servers: a lost server ends the loop with RpcConnectionError, not the process
+            for link in links:
+                link.ensure_usable("the C++ loop")
+            held.enter_context(RpcLink([ep for link in links for ep in link.endpoints]).region("the C++ loop"))
         rc = ref.pyspec_loop_generate(p, r, err, ERR_LEN)
     if rc < 0:
         raise ref_error(rc, ffi.string(err).decode(errors="replace"), input_error=True)

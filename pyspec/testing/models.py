@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -49,6 +50,7 @@ __all__ = [
     "cyclic_successor",
     "llama_cpp_dir",
     "make_all",
+    "make_chat_target",
     "make_cyclic_draft",
     "make_cyclic_eagle3",
     "make_cyclic_target",
@@ -160,10 +162,10 @@ def vocab_source() -> Path:
 
     The build installs llama.cpp's vocabulary file into the package (an installed
     pyspec makes its test models anywhere); a source checkout without a build
-    falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``).
+    falls back to the fetched tree (or ``$PYSPEC_LLAMA_CPP``). Both are the same bytes.
     """
-    packaged = _DATA_DIR / VOCAB_FILE
-    if packaged.is_file() and not os.environ.get("PYSPEC_LLAMA_CPP"):
+    packaged = _packaged_vocab()
+    if packaged.is_file():
         return packaged
     try:
         path = llama_cpp_dir() / "models" / VOCAB_FILE
@@ -174,6 +176,17 @@ def vocab_source() -> Path:
             f"vocabulary file {VOCAB_FILE} not found (looked in {packaged} and the llama.cpp tree); "
             "build the package (pip install .) or run scripts/fetch_llama.py")
     return path
+
+
+def _packaged_vocab() -> Path:
+    # an editable install runs these sources, and the package __path__ adds the install
+    # tree that holds the data folder (as pyspec.ffi.lib_dir finds the libraries)
+    package = sys.modules[__name__.rpartition(".")[0]]
+    for folder in getattr(package, "__path__", ()):
+        candidate = Path(folder) / "data" / VOCAB_FILE
+        if candidate.is_file():
+            return candidate
+    return _DATA_DIR / VOCAB_FILE
 
 
 def _gguf() -> Any:
@@ -573,6 +586,34 @@ def make_cyclic_draft() -> Path:
     return _make("cyclic-draft", "llama", fill)
 
 
+# A Llama-2-style chat template (written for these tests): [INST] turns, an optional
+# <<SYS>> block in the first turn, BOS before each user turn, EOS after each answer.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set turns = messages[1:] %}{% else %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if m['role'] == 'user' %}{{ bos_token }}[INST] "
+    "{% if loop.first and system is defined %}<<SYS>>\n{{ system }}\n<</SYS>>\n\n{% endif %}"
+    "{{ m['content'] | trim }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] | trim }} {{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def make_chat_target() -> Path:
+    """``cyclic-target`` with a chat template (tokenizer.chat_template, see CHAT_TEMPLATE): for the engine,
+    the chat rendering and the server."""
+
+    def fill(writer: Any) -> None:
+        _add_common_kv(writer, "pyspec-tiny-chat-target", TARGET_LAYERS)
+        writer.add_rope_dimension_count(HEAD_DIM)
+        writer.add_chat_template(CHAT_TEMPLATE)
+        _add_tensors(writer, _cyclic_tensors())
+
+    return _make("chat-target", "llama", fill)
+
+
 def make_cyclic_eagle3() -> Path:
     """An EAGLE3 head for ``cyclic-target``, wired like ``eagle3`` (see make_eagle3 for the ubatch caveat).
 
@@ -684,6 +725,7 @@ def make_all() -> dict[str, Path]:
         "cyclic-target": make_cyclic_target(),
         "cyclic-draft": make_cyclic_draft(),
         "cyclic-eagle3": make_cyclic_eagle3(),
+        "chat-target": make_chat_target(),
     }
 
 

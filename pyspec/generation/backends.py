@@ -1,6 +1,6 @@
-"""The two implementations a generation loop can drive: the Python port and the C++ reference.
+"""The two speculative backends a generation loop can drive: the Python port and the C++ reference.
 
-Both satisfy :class:`Engine` (speculative begin/process/draft/accept and the
+Both satisfy :class:`SpeculativeBackend` (speculative begin/process/draft/accept and the
 per-sequence common_sampler calls), so one loop runs either side and their
 outputs can be compared token for token.
 """
@@ -20,10 +20,10 @@ from pyspec.core.context import Context
 from pyspec.core.model import Model
 from pyspec.generation.statistics import ImplStats
 
-__all__ = ["ENGINES", "Engine", "PortEngine", "RefEngine", "make_engine"]
+__all__ = ["BACKENDS", "PortBackend", "RefBackend", "SpeculativeBackend", "make_backend"]
 
 
-class Engine(Protocol):
+class SpeculativeBackend(Protocol):
     """What the generation loop calls: one speculative state and one sampler per sequence."""
 
     name: str
@@ -41,6 +41,8 @@ class Engine(Protocol):
     def sample_and_accept_n(
         self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
     def reset_sampler(self, seq_id: int) -> None: ...
+    def make_sampler(self, sampling: CommonParamsSampling) -> Any: ...
+    def set_sampler(self, seq_id: int, sampler: Any) -> None: ...
     def save_sampler(self, seq_id: int) -> Any: ...
     def restore_sampler(self, seq_id: int, saved: Any) -> None: ...
     def drop_saved(self, saved: Any) -> None: ...
@@ -55,19 +57,30 @@ def _has_spec(params: CommonParamsSpeculative | None) -> bool:
 
 
 class _SamplerSlots:
-    """What both engines share: one speculative state, one sampler per sequence, freed together."""
+    """What both backends share: one speculative state, one sampler per sequence, freed together."""
 
     spec: Any
 
-    def __init__(self, spec: Any, make_sampler: Callable[[], Any], n_seq: int) -> None:
+    def __init__(self, spec: Any, make_sampler: Callable[[CommonParamsSampling], Any],
+                 sampling: CommonParamsSampling, n_seq: int) -> None:
         self.n_seq = n_seq
         self.spec = spec
+        self._make_sampler = make_sampler
         self.smpls: list[Any] = []
         try:
-            self.smpls = [make_sampler() for _ in range(n_seq)]
+            self.smpls = [make_sampler(sampling) for _ in range(n_seq)]
         except Exception:
             self.close()
             raise
+
+    def make_sampler(self, sampling: CommonParamsSampling) -> Any:
+        """A new sampler for ``sampling`` (ValueError for a grammar that does not parse, a bad logit bias)."""
+        return self._make_sampler(sampling)
+
+    def set_sampler(self, seq_id: int, sampler: Any) -> None:
+        """Use ``sampler`` (from make_sampler) for ``seq_id`` from now on; the previous one is freed."""
+        self.smpls[seq_id].close()
+        self.smpls[seq_id] = sampler
 
     @property
     def has_spec(self) -> bool:
@@ -89,7 +102,7 @@ class _SamplerSlots:
             self.spec = None
 
 
-class PortEngine(_SamplerSlots):
+class PortBackend(_SamplerSlots):
     """The Python port: pyspec.common.speculative + pyspec.common.sampling."""
 
     name = "python"
@@ -98,7 +111,8 @@ class PortEngine(_SamplerSlots):
                  n_seq: int) -> None:
         super().__init__(
             sp.common_speculative_init(spec, n_seq) if spec is not None and _has_spec(spec) else None,
-            lambda: smp.common_sampler_init(model_tgt, copy.deepcopy(sampling)),
+            lambda params: smp.common_sampler_init(model_tgt, copy.deepcopy(params)),
+            sampling,
             n_seq,
         )
 
@@ -152,7 +166,7 @@ class PortEngine(_SamplerSlots):
         return None if impl is None else sp.common_speculative_type_to_str(impl.type)
 
 
-class RefEngine(_SamplerSlots):
+class RefBackend(_SamplerSlots):
     """The C++ reference: common_speculative_* and common_sampler_* through libpyspec_ref."""
 
     name = "cpp"
@@ -165,7 +179,8 @@ class RefEngine(_SamplerSlots):
 
         super().__init__(
             RefSpeculative.init(spec, n_seq) if spec is not None and _has_spec(spec) else None,
-            lambda: RefSampler(model_tgt, sampling),
+            lambda params: RefSampler(model_tgt, params),
+            sampling,
             n_seq,
         )
 
@@ -209,12 +224,12 @@ class RefEngine(_SamplerSlots):
         return None if t is None else sp.common_speculative_type_to_str(CommonSpeculativeType(t))
 
 
-ENGINES: dict[str, type[PortEngine] | type[RefEngine]] = {"python": PortEngine, "cpp": RefEngine}
+BACKENDS: dict[str, type[PortBackend] | type[RefBackend]] = {"python": PortBackend, "cpp": RefBackend}
 
 
-def make_engine(name: str, model_tgt: Model, spec: CommonParamsSpeculative | None,
-                sampling: CommonParamsSampling, n_seq: int) -> Engine:
-    """The engine called ``name`` ("python" or "cpp"); ValueError for another name."""
-    if name not in ENGINES:
-        raise ValueError(f"engine must be one of {sorted(ENGINES)}, not {name!r}")
-    return ENGINES[name](model_tgt, spec, sampling, n_seq)
+def make_backend(name: str, model_tgt: Model, spec: CommonParamsSpeculative | None,
+                sampling: CommonParamsSampling, n_seq: int) -> SpeculativeBackend:
+    """The backend called ``name`` ("python" or "cpp"); ValueError for another name."""
+    if name not in BACKENDS:
+        raise ValueError(f"engine must be one of {sorted(BACKENDS)}, not {name!r}")
+    return BACKENDS[name](model_tgt, spec, sampling, n_seq)

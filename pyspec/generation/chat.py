@@ -1,0 +1,147 @@
+"""Chat prompts: a model's ``tokenizer.chat_template`` rendered with Jinja2, as Hugging Face transformers renders it.
+
+The template runs in jinja2's ImmutableSandboxedEnvironment (a template from
+a model file is untrusted input) with the names transformers gives it:
+``messages``, ``add_generation_prompt``, ``bos_token`` / ``eos_token`` (the
+vocabulary's texts), ``raise_exception``, ``strftime_now`` and a ``tojson``
+that keeps non-ASCII text. A template given by name, or one that Jinja2
+cannot compile, goes to llama.cpp's built-in templates
+(llama_chat_apply_template), which know a fixed list by name and by marker.
+
+    text = render_chat(model, [{"role": "user", "content": "Hi"}])
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pyspec.core.model import Model
+from pyspec.core.vocab import Vocab
+from pyspec.errors import ChatTemplateError, NoChatTemplateError
+
+__all__ = ["CHAT_TEMPLATE_KEY", "chat_template", "render_chat", "render_template", "tokenize_chat"]
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+
+def chat_template(model: Model) -> str | None:
+    """The model's chat template text (GGUF key tokenizer.chat_template), or None."""
+    return model.meta(CHAT_TEMPLATE_KEY)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _jinja() -> Any:
+    try:
+        import jinja2.sandbox
+    except ImportError:
+        raise ImportError("chat templates need jinja2: pip install 'pyspec[server]' (or jinja2)") from None
+    return jinja2
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    _jinja()
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    if not messages:
+        raise ValueError("messages is empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be an object with a string 'role'")
+        c = m.get("content")
+        if c is not None and not isinstance(c, (str, list)):
+            raise ValueError(f"message {i}: content must be a string or a list of parts")
+        out.append(dict(m))
+    return out
+
+
+def render_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    bos_token: str = "", eos_token: str = "", **kwargs: Any) -> str:
+    """Render a Jinja chat template in the sandbox, with the names transformers passes."""
+    from jinja2 import TemplateError
+
+    msgs = _check_messages(messages)
+    try:
+        out: str = _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                             bos_token=bos_token, eos_token=eos_token, **kwargs)
+    except ChatTemplateError:
+        raise
+    except (TemplateError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ChatTemplateError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+    return out
+
+
+def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                template: str | None = None, **kwargs: Any) -> str:
+    """The prompt text of ``messages`` for ``model``.
+
+    ``template`` None uses the model's own template; a llama.cpp built-in name
+    ("chatml", "llama2", "gemma", ...) uses llama_chat_apply_template; any
+    other string is a Jinja template. NoChatTemplateError when the model has
+    none and no template is named. ``kwargs`` reach the template (e.g.
+    ``enable_thinking``).
+    """
+    from pyspec.generation.chat_builtin import apply_builtin_template, builtin_templates
+
+    msgs = _check_messages(messages)
+    if template is None:
+        template = chat_template(model)
+        if template is None:
+            raise NoChatTemplateError(
+                f"this model ({model.path.name}) has no chat template ({CHAT_TEMPLATE_KEY}); give a prompt "
+                f"instead of messages, or name a template (one of: {', '.join(builtin_templates())})")
+    if template in builtin_templates():
+        return apply_builtin_template(template, msgs, add_generation_prompt)
+    vocab = model.vocab
+    specials = {name: (vocab.token_to_piece(tok, special=True) if tok >= 0 else "")
+                for name, tok in (("bos_token", vocab.bos), ("eos_token", vocab.eos))}
+    try:
+        return render_template(template, msgs, add_generation_prompt=add_generation_prompt, **specials, **kwargs)
+    except ChatTemplateError as e:
+        if "does not compile" not in str(e):
+            raise
+        # Jinja2 cannot read it: llama.cpp may still recognise the template by its markers
+        try:
+            return apply_builtin_template(template, msgs, add_generation_prompt)
+        except ValueError:
+            raise e from None
+
+
+def tokenize_chat(vocab: Vocab, text: str) -> list[int]:
+    """Tokens of a rendered chat: special-token text parsed (a template writes "<s>", "<start_of_turn>"...);
+    BOS added only when the template did not write it."""
+    bos = vocab.bos
+    starts_with_bos = bos >= 0 and text.startswith(vocab.token_to_piece(bos, special=True))
+    return vocab.tokenize(text, add_special=not starts_with_bos, parse_special=True)

@@ -1,0 +1,1070 @@
+"""The serving engine: llama.cpp server's slot loop around common_speculative, for requests that come and go.
+
+One target context (and an optional draft / EAGLE3 / MTP context) serves
+``n_parallel`` slots, one sequence id each. Requests are submitted at any time
+from any thread (:meth:`Engine.submit` returns a handle that streams); at the
+next step a free slot takes each waiting request, and every step builds one
+target batch the way tools/server/server-context.cpp's update_slots does:
+
+1. the generating slots draft (each slot's draft length is decided in one
+   place, :meth:`Engine.n_draft_max`) and make checkpoints where the memory
+   cannot drop a rejected draft;
+2. each generating slot adds its last sampled token and its draft;
+3. the slots still reading their prompt add prompt tokens until the batch holds
+   ``n_batch`` tokens (continuous batching: prompts share target batches with
+   decoding requests);
+4. one ``llama_decode``, the speculative process hook, then per slot: a slot
+   whose prompt ended begins speculation and samples its first token; a slot
+   without a draft samples; a slot with a draft verifies it
+   (sample_and_accept_n), accepts, removes the rejected part from memory or
+   restores its checkpoint.
+
+Prefix reuse: a slot keeps the tokens its memory holds after a request ends. A
+new request goes to the free slot whose memory shares the longest prefix with
+its prompt (at least ``slot_similarity`` of the prompt), else to the least
+recently used one, and only the rest of the prompt is decoded. Targets whose
+memory cannot drop part of a sequence (recurrent, hybrid) keep a few state
+checkpoints taken near the end of each prompt and restore the latest one that
+fits. :meth:`Engine.save_slot` / :meth:`Engine.restore_slot` keep a slot's
+state in a file.
+
+Without :meth:`Engine.start` the engine runs in the caller's thread, one
+:meth:`Engine.step` at a time (SpeculativeGenerator does this); with it, a
+loop thread owns the contexts until :meth:`Engine.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyspec.common.common import (
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+    CommonContextSeqRmType,
+    CommonPromptCheckpoint,
+    common_context_can_seq_rm,
+    common_context_seq_rm,
+)
+from pyspec.common.params import (
+    CommonParamsSampling,
+    CommonParamsSpeculative,
+    CommonSamplerType,
+    CommonSpeculativeType,
+)
+from pyspec.common.speculative import DraftRequest
+from pyspec.core.batch import Batch
+from pyspec.core.context import Context
+from pyspec.errors import ClosedError, PyspecError
+from pyspec.ffi import llama
+from pyspec.generation.backends import SpeculativeBackend, make_backend
+from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, RequestStats, TokenLogprob
+
+__all__ = ["Engine", "EventCallback", "greedy_sampling"]
+
+logger = logging.getLogger("pyspec.engine")
+
+# on_event(name, data): a trace of every call into the speculative backend, for the parity harness
+EventCallback = Callable[[str, dict], Any]
+
+# prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
+# step of their own so that the state before them can be kept (the server's checkpoint offset 4)
+_CKPT_TAIL = 4
+_CKPT_MAX = 4  # per slot; the oldest goes first
+_N_PROBS_MAX = 1000
+_SLOT_FILE_MAGIC = b"PYSPEC-SLOT\x00"
+
+
+def greedy_sampling() -> CommonParamsSampling:
+    """Sampling parameters that pick the most likely token (top-k 1)."""
+    return CommonParamsSampling(top_k=1, samplers=[CommonSamplerType.TOP_K])
+
+
+class _Job:
+    """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
+
+    def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
+                 sampler: Any) -> None:
+        req = handle.request
+        self.handle = handle
+        self.request = req
+        self.prompt = tokens
+        self.sampling = sampling
+        # made at submit only to check a grammar; else when a slot takes the job (a sampler holds a
+        # vocabulary-sized candidate array: waiting requests should not)
+        self.sampler: Any = sampler
+        self.stop = [w for w in req.stop if w]
+        self.n_remaining = req.n_predict
+        self.generated: list[int] = []
+        self.text = ""
+        self.n_sent = 0  # characters of text already released
+        self.pending = b""  # bytes of an incomplete UTF-8 character
+        self.logprobs: list[TokenLogprob] = []
+        self.stats = RequestStats(n_prompt=len(tokens))
+        self.stop_reason = ""
+        self.stopping_word = ""
+        self.t_start = 0.0
+        self.t_first = 0.0
+
+
+class _Slot:
+    """One sequence of the contexts: the server's server_slot, reduced to what speculation needs."""
+
+    def __init__(self, seq_id: int) -> None:
+        self.id = seq_id
+        self.tokens: list[int] = []  # what the target's memory holds for this sequence (prompt.tokens)
+        self.job: _Job | None = None
+        self.reading = False  # still adding prompt tokens
+        self.sampled = -1
+        self.i_batch = -1
+        self.spec_draft: list[int] = []
+        self.spec_i_batch: list[int] = []
+        self.spec_ckpt = CommonPromptCheckpoint()
+        self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
+        self.t_last_used = 0.0
+
+    @property
+    def generating(self) -> bool:
+        return self.job is not None and not self.reading
+
+
+@dataclass
+class _Command:
+    """Work for the loop thread that must not run beside a step (slot files)."""
+
+    fn: Callable[[], Any]
+    future: Future
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class Engine:
+    """Serves requests on ``n_parallel`` slots of a target context (and the draft context in ``spec``).
+
+    ``spec`` is a CommonParamsSpeculative (its ``draft.ctx_dft`` set for
+    draft-simple, EAGLE3 and MTP) or None; ``sampling`` is the default for
+    requests that bring none (llama.cpp's defaults when None). ``backend``
+    "python" runs the port, "cpp" the C++ reference. Creating an engine probes
+    how the contexts roll back, which clears their memory. Contexts given here
+    stay the caller's; ``owned`` handles (e.g. from :meth:`load`) are closed
+    with the engine (anything with a close()).
+    """
+
+    def __init__(
+        self,
+        ctx_tgt: Context,
+        spec: CommonParamsSpeculative | None = None,
+        sampling: CommonParamsSampling | None = None,
+        *,
+        n_parallel: int | None = None,
+        backend: str = "python",
+        on_event: EventCallback | None = None,
+        slot_similarity: float = 0.1,
+        owned: Sequence[Any] = (),
+    ) -> None:
+        self.ctx_tgt = ctx_tgt
+        self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
+        if not 1 <= self.n_parallel <= ctx_tgt.n_seq_max:
+            raise ValueError(f"n_parallel must be 1..{ctx_tgt.n_seq_max} (the target context's n_seq_max); "
+                             f"got {self.n_parallel}: create the contexts with n_seq_max >= n_parallel")
+        if not 0.0 <= slot_similarity <= 1.0:
+            raise ValueError(f"slot_similarity must be in 0..1, got {slot_similarity}")
+        self.sampling = sampling if sampling is not None else CommonParamsSampling()
+        self.spec_params = spec
+        self.ctx_dft: Context | None = None
+        if spec is not None:
+            spec.draft.ctx_tgt = ctx_tgt
+            self.ctx_dft = spec.draft.ctx_dft
+            if self.ctx_dft is not None and self.ctx_dft.n_seq_max < self.n_parallel:
+                raise ValueError(f"the draft context has n_seq_max {self.ctx_dft.n_seq_max} < n_parallel "
+                                 f"{self.n_parallel}: create it with n_seq_max >= n_parallel")
+        self.slot_similarity = slot_similarity
+        self.on_event = on_event
+        self._owned = list(owned)
+
+        # how each context can roll back (clears their memory, as the server's start-up does)
+        self.ctx_tgt_seq_rm_type = common_context_can_seq_rm(ctx_tgt)
+        if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
+            raise PyspecError("speculative decoding is not supported by this target context")
+        self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
+        if self.ctx_dft is not None:
+            self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
+
+        self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
+        wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
+        if wants_spec and not self.backend.has_spec:
+            self.backend.close()
+            raise PyspecError(
+                "no implementations specified for speculative decoding "
+                "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
+        self.vocab = ctx_tgt.model.vocab
+        self.n_vocab = self.vocab.n_tokens
+        self.n_ctx_seq = ctx_tgt.n_ctx_seq
+        self.batch = Batch(ctx_tgt.n_batch, 0, 1)
+        self.slots = [_Slot(i) for i in range(self.n_parallel)]
+        # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
+        self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
+            not c.params.swa_full and llama.llama_model_n_swa(c.model.ptr) > 0
+            for c in (ctx_tgt, self.ctx_dft) if c is not None)
+
+        # counters of the whole engine
+        self.n_steps = 0  # target decodes
+        self.n_checkpoint_restores = 0  # partial acceptances undone through a checkpoint
+        self.n_prompt_checkpoint_hits = 0  # prompts resumed from a prompt checkpoint
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: deque[_Job] = deque()
+        self._commands: deque[_Command] = deque()
+        self._next_id = 0
+        self._closed = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._claims: contextlib.ExitStack | None = None
+        self._held = False  # claim() holds the contexts for the caller's steps
+
+    # --- construction from files ---------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path | None = None,
+        *,
+        types: str | Sequence[Any] = "none",
+        draft: str | Path | None = None,
+        tiny: bool = False,
+        n_parallel: int = 1,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        n_threads: int | None = None,
+        n_max: int | None = None,
+        n_min: int | None = None,
+        p_min: float | None = None,
+        ngram_n: int | None = None,
+        ngram_m: int | None = None,
+        sampling: CommonParamsSampling | None = None,
+        backend: str = "python",
+        slot_similarity: float = 0.1,
+        **model_kw: Any,
+    ) -> Engine:
+        """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
+        ``n_ctx`` is per slot. The engine owns and closes all of them."""
+        from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
+
+        parsed = parse_types(types)
+        spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m)
+        models = load_models(parsed, model=model, draft=draft, tiny=tiny, **model_kw)
+        try:
+            cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
+                               n_threads=n_threads, owned=models.owned)
+        except BaseException:
+            models.close()
+            raise
+        try:
+            return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
+                       n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs])
+        except BaseException:
+            cs.close()
+            raise
+
+    @property
+    def model(self) -> Any:
+        return self.ctx_tgt.model
+
+    # --- submitting --------------------------------------------------------------------
+
+    def tokenize_request(self, req: Request) -> list[int]:
+        """The prompt tokens of ``req`` (chat messages rendered with the chat template); ValueError if unusable."""
+        if (req.prompt is None) == (req.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if req.messages is not None:
+            from pyspec.generation.chat import render_chat
+
+            text = render_chat(self.model, req.messages, add_generation_prompt=req.add_generation_prompt,
+                               template=req.chat_template, **dict(req.chat_template_kwargs or {}))
+            toks = self.tokenize_chat(text)
+        elif isinstance(req.prompt, str):
+            toks = self.vocab.tokenize(req.prompt, add_special=req.add_special, parse_special=req.parse_special)
+        elif isinstance(req.prompt, (bytes, bytearray)):
+            raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+        else:
+            toks = [self.vocab.check_token(t) for t in req.prompt or ()]
+        if not toks:
+            raise ValueError("empty prompt")
+        if len(toks) + 1 > self.n_ctx_seq:
+            raise ValueError(f"prompt of {len(toks)} tokens does not fit the context ({self.n_ctx_seq} per sequence)")
+        return toks
+
+    def tokenize_chat(self, text: str) -> list[int]:
+        """Tokens of a rendered chat (see pyspec.generation.chat.tokenize_chat)."""
+        from pyspec.generation.chat import tokenize_chat
+
+        return tokenize_chat(self.vocab, text)
+
+    def _check_request(self, req: Request) -> None:
+        if not isinstance(req.n_predict, int) or req.n_predict == 0 or req.n_predict < -1:
+            raise ValueError(f"n_predict must be positive (or -1: no limit), got {req.n_predict}")
+        if not isinstance(req.n_probs, int) or not 0 <= req.n_probs <= min(_N_PROBS_MAX, self.n_vocab):
+            raise ValueError(f"n_probs must be in 0..{min(_N_PROBS_MAX, self.n_vocab)}, got {req.n_probs}")
+        if req.n_draft_max is not None and (not isinstance(req.n_draft_max, int) or req.n_draft_max < 0):
+            raise ValueError(f"n_draft_max must be >= 0 (or None), got {req.n_draft_max}")
+        if not isinstance(req.slot_id, int) or not -1 <= req.slot_id < self.n_parallel:
+            raise ValueError(f"slot_id must be -1 or 0..{self.n_parallel - 1}, got {req.slot_id}")
+        if isinstance(req.stop, str) or not all(isinstance(w, str) for w in req.stop):
+            raise TypeError("stop must be a list of strings")
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Queue ``request``; it joins the running batch at the next step. Bad input raises here and queues nothing."""
+        if self._closed:
+            raise ClosedError("engine is closed")
+        self._check_request(request)
+        tokens = self.tokenize_request(request)
+        sampling = request.sampling if request.sampling is not None else self.sampling
+        for tok, _ in sampling.logit_bias:
+            self.vocab.check_token(tok)
+        sampler = self.backend.make_sampler(sampling) if sampling.grammar else None
+        with self._lock:
+            if self._closed:
+                if sampler is not None:
+                    sampler.close()
+                raise ClosedError("engine is closed")
+            handle = RequestHandle(self._next_id, request)
+            self._next_id += 1
+            self._waiting.append(_Job(handle, tokens, sampling, sampler))
+            self._wake.notify_all()
+        return handle
+
+    # --- running ------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Run the loop in a thread of its own, which holds the contexts until close()."""
+        if self._closed:
+            raise ClosedError("engine is closed")
+        if self._thread is not None:
+            return self
+        self._claims = self._claim()
+        self._thread = threading.Thread(target=self._loop, name="pyspec-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _claim(self) -> contextlib.ExitStack:
+        # one generation per context at a time: another generator or engine would interleave its memory edits
+        stack = contextlib.ExitStack()
+        try:
+            for c in {id(c): c for c in (self.ctx_tgt, self.ctx_dft) if c is not None}.values():
+                stack.enter_context(c.claim())
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def busy(self) -> bool:
+        """Whether any request is waiting or running."""
+        with self._lock:
+            return bool(self._waiting) or any(s.job is not None for s in self.slots)
+
+    def _has_work(self) -> bool:
+        # under self._lock
+        return bool(self._waiting) or bool(self._commands) or any(s.job is not None for s in self.slots)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self._step()
+            except Exception:
+                logger.exception("engine step failed; its requests were ended with the error")
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[None]:
+        """Hold the contexts for several steps in the caller's thread (not while start()ed).
+
+        Another generator or engine on the same contexts is refused with
+        ConcurrentUseError meanwhile; step() inside claims nothing more.
+        """
+        if self._thread is not None:
+            raise PyspecError("the engine runs in its own thread (start()); claim() is for engines not started")
+        if self._closed:
+            raise ClosedError("engine is closed")
+        if self._held:
+            yield
+            return
+        with self._claim():
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
+
+    def step(self) -> bool:
+        """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
+        with self.claim():
+            return self._step()
+
+    def run_until_idle(self) -> None:
+        """Step in the caller's thread until no request is waiting or running."""
+        with self.claim():
+            while self._step():
+                pass
+
+    def steps(self) -> Iterator[None]:
+        """Step in the caller's thread while there is work, yielding after each step (contexts held meanwhile)."""
+        with self.claim():
+            while self._step():
+                yield None
+
+    def close(self) -> None:
+        """Stop the loop thread, end every request (stop_reason "cancelled"), free the backend and owned handles."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._claims is not None:
+            self._claims.close()
+            self._claims = None
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        for job in waiting:
+            if job.sampler is not None:
+                job.sampler.close()
+            job.stop_reason = "cancelled"
+            job.handle._finish(self._completion(job, -1))
+        for s in self.slots:
+            if s.job is not None:
+                self._finish(s, "cancelled")
+        for c in commands:
+            c.future.set_exception(ClosedError("engine is closed"))
+        self.backend.close()
+        for h in reversed(self._owned):
+            h.close()
+        self._owned.clear()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- commands on the loop thread ------------------------------------------------
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` between steps: at once when not started, else on the loop thread (waiting for it)."""
+        if self._closed:
+            raise ClosedError("engine is closed")
+        if self._thread is None:
+            with self._claim():
+                return fn()
+        fut: Future = Future()
+        with self._lock:
+            self._commands.append(_Command(fn, fut))
+            self._wake.notify_all()
+        return fut.result()
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                cmd = self._commands.popleft()
+            try:
+                cmd.future.set_result(cmd.fn())
+            except BaseException as e:
+                cmd.future.set_exception(e)
+
+    def slot_info(self) -> list[dict[str, Any]]:
+        """Each slot's id, whether it is busy, and how many tokens its memory holds (a snapshot)."""
+        return [{"id": s.id, "is_processing": s.job is not None, "n_tokens": len(s.tokens),
+                 "n_checkpoints": len(s.checkpoints)} for s in self.slots]
+
+    def save_slot(self, slot_id: int, path: str | Path) -> int:
+        """Write slot ``slot_id``'s tokens and memory (target and draft) to ``path``; returns the token count.
+        The slot must be idle."""
+        return int(self._call(lambda: self._save_slot(self._idle_slot(slot_id), Path(path))))
+
+    def restore_slot(self, slot_id: int, path: str | Path) -> int:
+        """Load a file written by save_slot into idle slot ``slot_id``; returns the token count.
+        The next request that shares its prefix reuses it."""
+        return int(self._call(lambda: self._restore_slot(self._idle_slot(slot_id), Path(path))))
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Forget what idle slot ``slot_id`` holds; returns how many tokens it held."""
+        def erase() -> int:
+            s = self._idle_slot(slot_id)
+            n = len(s.tokens)
+            self._clear_memory(s)
+            return n
+        return int(self._call(erase))
+
+    def _idle_slot(self, slot_id: int) -> _Slot:
+        if not isinstance(slot_id, int) or not 0 <= slot_id < self.n_parallel:
+            raise ValueError(f"slot_id must be 0..{self.n_parallel - 1}, got {slot_id}")
+        s = self.slots[slot_id]
+        if s.job is not None:
+            raise PyspecError(f"slot {slot_id} is busy")
+        return s
+
+    def _save_slot(self, s: _Slot, path: Path) -> int:
+        tgt = self.ctx_tgt.state_seq_get(s.id)
+        dft = self.ctx_dft.state_seq_get(s.id) if self.ctx_dft is not None else b""
+        head = json.dumps({"model": self.model.desc, "n_vocab": self.n_vocab, "tokens": s.tokens,
+                           "n_tgt": len(tgt), "n_dft": len(dft)}).encode()
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            f.write(_SLOT_FILE_MAGIC + len(head).to_bytes(8, "little") + head + tgt + dft)
+        tmp.replace(path)
+        return len(s.tokens)
+
+    def _restore_slot(self, s: _Slot, path: Path) -> int:
+        data = path.read_bytes()
+        m = len(_SLOT_FILE_MAGIC)
+        if data[:m] != _SLOT_FILE_MAGIC or len(data) < m + 8:
+            raise ValueError(f"{path} is not a pyspec slot file")
+        n_head = int.from_bytes(data[m : m + 8], "little")
+        try:
+            head = json.loads(data[m + 8 : m + 8 + n_head])
+            tokens = [self.vocab.check_token(t) for t in head["tokens"]]
+            n_tgt, n_dft = int(head["n_tgt"]), int(head["n_dft"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: bad slot file header ({e})") from None
+        if head.get("n_vocab") != self.n_vocab or head.get("model") != self.model.desc:
+            raise ValueError(f"{path} was saved from another model ({head.get('model')!r})")
+        body = data[m + 8 + n_head :]
+        if len(body) != n_tgt + n_dft or (n_dft > 0) != (self.ctx_dft is not None):
+            raise ValueError(f"{path}: state sizes do not match this engine's contexts")
+        if len(tokens) + 1 > self.n_ctx_seq:
+            raise ValueError(f"{path} holds {len(tokens)} tokens, more than this context fits")
+        self._clear_memory(s)
+        try:
+            if n_tgt:
+                self.ctx_tgt.state_seq_set(s.id, body[:n_tgt])
+            if n_dft and self.ctx_dft is not None:
+                self.ctx_dft.state_seq_set(s.id, body[n_tgt:])
+        except BaseException:
+            self._clear_memory(s)
+            raise
+        s.tokens = tokens
+        return len(tokens)
+
+    # --- the event trace (parity harness) -------------------------------------------
+
+    def _event(self, name: str, **data: Any) -> None:
+        if self.on_event is None:
+            return
+        busy = [s for s in self.slots if s.job is not None]
+        mem_t = self.ctx_tgt.memory
+        data["tgt_pos"] = {s.id: (mem_t.seq_pos_min(s.id), mem_t.seq_pos_max(s.id)) for s in busy}
+        if self.ctx_dft is not None:
+            mem_d = self.ctx_dft.memory
+            data["dft_pos"] = {s.id: (mem_d.seq_pos_min(s.id), mem_d.seq_pos_max(s.id)) for s in busy}
+        data["counters"] = [i.counters() for i in self.backend.impl_stats()]
+        data["generated"] = {s.id: list(s.job.generated) for s in busy if s.job is not None}
+        self.on_event(name, data)
+
+    # --- admitting requests (the server's get_available_slot + prompt start) -------
+
+    def _reap_cancelled(self) -> None:
+        for s in self.slots:
+            if s.job is not None and s.job.handle.cancelled:
+                self._finish(s, "cancelled")
+
+    def _pick_slot(self, job: _Job, free: list[_Slot]) -> _Slot | None:
+        if job.request.slot_id >= 0:
+            pinned = self.slots[job.request.slot_id]
+            return pinned if pinned in free else None
+        if not free:
+            return None
+        if self.slot_similarity > 0 and job.request.cache_prompt:
+            best, best_sim = None, 0.0
+            for s in free:
+                if not s.tokens:
+                    continue
+                sim = common_prefix(s.tokens, job.prompt) / len(job.prompt)
+                if sim > best_sim and sim > self.slot_similarity:
+                    best, best_sim = s, sim
+            if best is not None:
+                return best
+        return min(free, key=lambda s: s.t_last_used)
+
+    def _admit(self) -> None:
+        with self._lock:
+            if not self._waiting:
+                return
+            free = [s for s in self.slots if s.job is None]
+            keep: deque[_Job] = deque()
+            taken: list[tuple[_Slot, _Job]] = []
+            dropped: list[_Job] = []
+            while self._waiting:
+                job = self._waiting.popleft()
+                if job.handle.cancelled:
+                    dropped.append(job)
+                    continue
+                s = self._pick_slot(job, free)
+                if s is None:
+                    keep.append(job)
+                    continue
+                free.remove(s)
+                taken.append((s, job))
+            self._waiting = keep
+        for job in dropped:
+            if job.sampler is not None:
+                job.sampler.close()
+            job.stop_reason = "cancelled"
+            job.handle._finish(self._completion(job, -1))
+        for s, job in taken:
+            self._start(s, job)
+
+    def _clear_memory(self, s: _Slot) -> None:
+        common_context_seq_rm(self.ctx_tgt, s.id, -1, -1)
+        if self.ctx_dft is not None:
+            common_context_seq_rm(self.ctx_dft, s.id, -1, -1)
+        s.tokens = []
+        s.checkpoints = []
+
+    def _keep_prefix(self, s: _Slot, n_keep: int) -> int:
+        """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
+        if n_keep <= 0:
+            self._clear_memory(s)
+            return 0
+        n_keep = min(n_keep, len(s.tokens))
+        ok = True
+        if n_keep < len(s.tokens):
+            ok = self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
+            if ok and self.ctx_dft is not None:
+                ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
+        # sliding-window attention keeps only the last n_swa positions: what comes after n_keep
+        # needs the window before it (the server's pos_min_thold check)
+        ok = ok and all(self._window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
+        if not ok:
+            # recurrent / hybrid / SWA memory: resume from the latest prompt checkpoint at or before n_keep
+            fits = [c for c in s.checkpoints if 0 < c.n_tokens <= n_keep]
+            if not fits:
+                self._clear_memory(s)
+                return 0
+            ckpt = fits[-1]
+            ckpt.load_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            common_context_seq_rm(self.ctx_tgt, s.id, ckpt.pos_max + 1, -1)
+            if self.ctx_dft is not None:
+                ckpt.load_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                common_context_seq_rm(self.ctx_dft, s.id, ckpt.pos_max + 1, -1)
+            n_keep = ckpt.n_tokens
+            self.n_prompt_checkpoint_hits += 1
+        del s.tokens[n_keep:]
+        s.checkpoints = [c for c in s.checkpoints if c.n_tokens <= n_keep]
+        return n_keep
+
+    @staticmethod
+    def _window_kept(ctx: Context, seq_id: int, n_keep: int) -> bool:
+        n_swa = 0 if ctx.params.swa_full else int(llama.llama_model_n_swa(ctx.model.ptr))
+        if n_swa <= 0:
+            return True
+        pos_min = ctx.memory.seq_pos_min(seq_id)
+        return pos_min == 0 or 0 < pos_min < n_keep - n_swa
+
+    def _start(self, s: _Slot, job: _Job) -> None:
+        """The server's SLOT_STATE_STARTED: reuse the cached prefix, drop the rest, set up the sampler."""
+        s.job = job
+        job.t_start = time.perf_counter()
+        job.stats.t_queue_ms = (job.t_start - job.handle.t_submit) * 1e3
+        try:
+            n_past = common_prefix(s.tokens, job.prompt) if job.request.cache_prompt else 0
+            # at least one prompt token is decoded, for the logits of the first sampled token
+            n_past = min(n_past, len(job.prompt) - 1)
+            n_past = self._keep_prefix(s, n_past)
+            job.stats.n_cached = n_past
+            s.reading = True
+            s.sampled = -1
+            s.i_batch = -1
+            s.spec_draft = []
+            s.spec_i_batch = []
+            s.spec_ckpt.clear()
+            sampler = job.sampler if job.sampler is not None else self.backend.make_sampler(job.sampling)
+            job.sampler = None
+            self.backend.set_sampler(s.id, sampler)
+            self.backend.reset_sampler(s.id)
+            for t in job.prompt:
+                self.backend.accept_token(s.id, t, False)
+        except BaseException as e:
+            self._fail(s, e)
+
+    # --- one step (the server's update_slots) ---------------------------------------
+
+    def n_draft_max(self, s: _Slot, n_active: int) -> int:
+        """THE place where a sequence's draft length for this step is decided.
+
+        What fits the context (one token kept spare), the request's remaining
+        budget and its own cap, and a share of the batch so that every
+        generating slot fits one target decode. A draft-length controller
+        plugs in here.
+        """
+        n = self.n_ctx_seq - len(s.tokens) - 2
+        job = s.job
+        if job is not None:
+            if job.n_remaining > 0:
+                n = min(n, job.n_remaining - 1)
+            if job.request.n_draft_max is not None:
+                n = min(n, job.request.n_draft_max)
+        return min(n, self.ctx_tgt.n_batch // n_active - 1)
+
+    def _step(self) -> bool:
+        self._run_commands()
+        self._reap_cancelled()
+        self._admit()
+        if not any(s.job is not None for s in self.slots):
+            return False
+        try:
+            self._update(self.batch)
+        except BaseException as e:
+            for s in self.slots:
+                if s.job is not None:
+                    self._fail(s, e)
+            raise
+        return True
+
+    def _update(self, batch: Batch) -> None:
+        ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
+        generating = [s for s in self.slots if s.generating]
+        use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
+        use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
+
+        # draft for the slots that have room for one
+        drafting: list[_Slot] = []
+        if eng.has_spec and generating:
+            requests: list[DraftRequest] = []
+            for s in generating:
+                n_draft_max = self.n_draft_max(s, len(generating))
+                if s.spec_draft:
+                    # a previous (partial) draft is reused after a checkpoint restore; more slots may
+                    # generate now than when it was made, so it keeps only its share of the batch
+                    del s.spec_draft[max(0, n_draft_max) :]
+                    continue
+                if n_draft_max <= 0:
+                    continue  # no room
+                mem = ctx_tgt.memory
+                s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
+                if use_ckpt_dft_full:
+                    s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
+                drafting.append(s)
+            if requests:
+                drafts = eng.draft(requests)
+                for s in drafting:
+                    s.spec_draft = drafts.get(s.id, [])
+                self._event("draft", drafts={s.id: list(s.spec_draft) for s in drafting})
+
+        # checkpoints where the memory cannot drop the rejected part
+        for s in drafting:
+            draft, ckpt = s.spec_draft, s.spec_ckpt
+            assert s.job is not None
+            s.job.stats.n_drafted += len(draft)
+            if ctx_dft is not None:
+                if use_ckpt_dft_full:
+                    ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
+            if draft:
+                use_ckpt_tgt = use_ckpt_tgt_full or (
+                    self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
+                use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
+                                and ctx_dft is not None and len(draft) > ctx_dft.n_rs_seq)
+                if use_ckpt_tgt:
+                    ckpt.update_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                if use_ckpt_dft:
+                    ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+        # the generating slots' [sampled, draft...] (the server's update_batch)
+        batch.clear()
+        for s in generating:
+            pos0 = len(s.tokens)
+            if not s.spec_draft:
+                s.i_batch = batch.n_tokens
+                batch.add(s.sampled, pos0, s.id, True)
+            else:
+                s.spec_i_batch = list(range(batch.n_tokens, batch.n_tokens + len(s.spec_draft) + 1))
+                batch.add(s.sampled, pos0, s.id, True)
+                for k, t in enumerate(s.spec_draft):
+                    batch.add(t, pos0 + 1 + k, s.id, True)
+            s.tokens.append(s.sampled)
+            s.tokens.extend(s.spec_draft)
+
+        # then prompt tokens of the slots still reading theirs, up to n_batch (continuous batching)
+        n_batch = ctx_tgt.n_batch
+        for s in self.slots:
+            if batch.n_tokens >= n_batch:
+                break
+            if s.job is None or not s.reading:
+                continue
+            self._add_prompt_chunk(s, batch, n_batch)
+
+        if batch.n_tokens == 0:
+            return
+        ctx_tgt.decode(batch)
+        self.n_steps += 1
+        if not eng.process(batch):
+            raise PyspecError("failed to process speculative batch")
+        self._event("process", n_tokens=batch.n_tokens)
+
+        # slots whose prompt ended begin speculation; slots without a draft sample
+        for s in self.slots:
+            if s.job is None or s.i_batch < 0:
+                continue
+            if s.reading:
+                s.reading = False
+                if eng.has_spec:
+                    eng.begin(s.id, s.tokens)
+                    self._event("begin", seq_id=s.id)
+            if s.spec_draft:
+                continue
+            idx = s.i_batch
+            tok = eng.sample(s.id, ctx_tgt, idx)
+            s.i_batch = -1
+            eng.accept_token(s.id, tok, True)
+            self._emit(s, [tok], [idx])
+
+        # slots with a draft: verify, accept, clean up the memory
+        for s in generating:
+            if s.job is None or not s.spec_draft:
+                continue
+            self._verify(s)
+
+    def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
+        job = s.job
+        assert job is not None
+        prompt, n_prompt = job.prompt, len(job.prompt)
+        # recurrent / hybrid targets: decode the prompt's last tokens in a step of their own and keep
+        # the state before them, so a later request sharing this prefix can resume from it
+        ckpt_at = -1
+        if job.request.cache_prompt and self._needs_prompt_checkpoints:
+            ckpt_at = n_prompt - min(_CKPT_TAIL, n_batch)
+        n0 = len(s.tokens)
+        if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
+            self._prompt_checkpoint(s)
+        while len(s.tokens) < n_prompt and batch.n_tokens < n_batch:
+            if len(s.tokens) == ckpt_at and len(s.tokens) > n0:
+                break
+            p = len(s.tokens)
+            last = p == n_prompt - 1
+            batch.add(prompt[p], p, s.id, last)
+            s.tokens.append(prompt[p])
+            if last:
+                s.i_batch = batch.n_tokens - 1
+
+    def _prompt_checkpoint(self, s: _Slot) -> None:
+        mem = self.ctx_tgt.memory
+        ckpt = CommonPromptCheckpoint()
+        ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
+        ckpt.update_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        s.checkpoints.append(ckpt)
+        del s.checkpoints[:-_CKPT_MAX]
+
+    def _verify(self, s: _Slot) -> None:
+        ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
+        job = s.job
+        assert job is not None
+        n_draft = len(s.spec_draft)
+        idxs = s.spec_i_batch
+        saved = eng.save_sampler(s.id)
+        accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
+        s.spec_i_batch = []
+        n_rollback = n_draft + 1 - len(accepted)
+        use_ckpt_tgt = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
+            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_rollback > ctx_tgt.n_rs_seq)
+
+        if n_rollback > 0 and use_ckpt_tgt:
+            # partial acceptance the memory cannot express: restore the checkpoint and
+            # re-verify the accepted tokens as the next step's draft
+            s.spec_draft = accepted
+            ckpt = s.spec_ckpt
+            ckpt.load_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            common_context_seq_rm(ctx_tgt, s.id, ckpt.pos_max + 1, -1)
+            if ctx_dft is not None:
+                ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
+            del s.tokens[ckpt.n_tokens :]
+            eng.restore_sampler(s.id, saved)
+            self.n_checkpoint_restores += 1
+            return
+        eng.drop_saved(saved)
+
+        eng.accept(s.id, len(accepted) - 1)
+        job.stats.n_accepted += len(accepted) - 1
+        self._event("accept", seq_id=s.id, accepted=list(accepted))
+
+        # the memory keeps the prompt, the sampled token and the accepted draft tokens
+        del s.tokens[len(s.tokens) - n_draft :]
+        s.tokens.extend(accepted[:-1])
+        s.spec_draft = []
+        common_context_seq_rm(ctx_tgt, s.id, len(s.tokens), -1)
+        if ctx_dft is not None:
+            common_context_seq_rm(ctx_dft, s.id, len(s.tokens), -1)
+        self._emit(s, accepted, idxs[: len(accepted)])
+
+    # --- tokens out (the server's process_token) --------------------------------------
+
+    def _logprob(self, idx: int, tok: int, n_probs: int) -> TokenLogprob:
+        """The token's log-probability and the n_probs most likely tokens: log-softmax of the target's logits."""
+        row = self.ctx_tgt.get_logits_ith(idx).astype(np.float64)
+        m = row.max()
+        lse = m + np.log(np.exp(row - m).sum())
+        top: list[tuple[int, str, bytes, float]] = []
+        if n_probs > 0:
+            ids = np.argpartition(-row, n_probs - 1)[:n_probs] if n_probs < row.size else np.arange(row.size)
+            ids = ids[np.argsort(-row[ids], kind="stable")]
+            for i in ids.tolist():
+                b = self.vocab.token_to_piece_bytes(i, special=True)
+                top.append((i, b.decode("utf-8", "replace"), b, float(row[i] - lse)))
+        b = self.vocab.token_to_piece_bytes(tok, special=True)
+        return TokenLogprob(tok, b.decode("utf-8", "replace"), b, float(row[tok] - lse), top)
+
+    def _emit(self, s: _Slot, toks: list[int], idxs: Sequence[int]) -> None:
+        """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
+        job = s.job
+        assert job is not None
+        now = time.perf_counter()
+        if not job.generated:
+            job.t_first = now
+            job.stats.t_prompt_ms = (now - job.t_start) * 1e3
+            job.stats.t_first_token_ms = (now - job.handle.t_submit) * 1e3
+        new_tokens: list[int] = []
+        new_probs: list[TokenLogprob] = []
+        reason = ""
+        for tok, idx in zip(toks, idxs, strict=True):
+            s.sampled = tok
+            job.generated.append(tok)
+            new_tokens.append(tok)
+            if job.request.n_probs > 0:
+                lp = self._logprob(idx, tok, job.request.n_probs)
+                job.logprobs.append(lp)
+                new_probs.append(lp)
+            if job.n_remaining > 0:
+                job.n_remaining -= 1
+            piece = job.pending + self.vocab.token_to_piece_bytes(tok, special=False)
+            try:
+                text = piece.decode("utf-8")
+                job.pending = b""
+            except UnicodeDecodeError:
+                job.pending, text = piece, ""  # wait for the rest of the character
+            is_eog = self.vocab.is_eog(tok)
+            if text and not is_eog:
+                before = len(job.text)
+                job.text += text
+                longest = max((len(w) for w in job.stop), default=0)
+                hit, word = _find_stop(job.text, job.stop, max(0, before - longest))
+                if hit >= 0:
+                    job.text = job.text[:hit]
+                    job.stopping_word = word
+                    reason = "stop"
+                    break
+            if is_eog:
+                reason = "eog"
+                break
+            if job.n_remaining == 0:
+                reason = "n_predict"
+                break
+        if not reason and len(s.tokens) + 1 >= self.n_ctx_seq:
+            reason = "context"
+        # release the text that can no longer turn into a stop string
+        end = len(job.text) if reason else len(job.text) - _partial_stop(job.text, job.stop)
+        out = job.text[job.n_sent : end] if end > job.n_sent else ""
+        job.n_sent = max(job.n_sent, end)
+        if out or new_tokens:
+            job.handle._put(Delta(out, new_tokens, new_probs))
+        if reason:
+            self._finish(s, reason)
+
+    def _completion(self, job: _Job, slot_id: int) -> Completion:
+        st = job.stats
+        st.n_gen = len(job.generated)
+        if job.t_first:
+            st.t_gen_ms = (time.perf_counter() - job.t_first) * 1e3
+        return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
+                          slot_id, job.logprobs, st)
+
+    def _finish(self, s: _Slot, reason: str) -> None:
+        job = s.job
+        assert job is not None
+        job.stop_reason = reason
+        if reason == "cancelled" and job.n_sent < len(job.text):
+            job.handle._put(Delta(job.text[job.n_sent :], []))
+            job.n_sent = len(job.text)
+        s.job = None
+        s.reading = False
+        s.spec_draft = []
+        s.spec_i_batch = []
+        s.i_batch = -1
+        s.t_last_used = time.perf_counter()
+        job.handle._finish(self._completion(job, s.id))
+
+    def _fail(self, s: _Slot, error: BaseException) -> None:
+        """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""
+        job = s.job
+        s.job = None
+        s.reading = False
+        s.spec_draft = []
+        s.spec_i_batch = []
+        s.i_batch = -1
+        try:
+            self._clear_memory(s)
+        except Exception:
+            logger.exception("could not clear slot %d after a failure", s.id)
+        if job is not None:
+            if job.sampler is not None:
+                job.sampler.close()
+            job.stop_reason = "error"
+            job.handle._finish(None, error)
+
+
+def _find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
+    """The earliest position at or after ``start`` where a stop string occurs, and that string; (-1, "") if none."""
+    best, word = -1, ""
+    for w in stop:
+        i = text.find(w, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, word = i, w
+    return best, word
+
+
+def _partial_stop(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string (held back when streaming)."""
+    n = 0
+    for w in stop:
+        for k in range(min(len(w) - 1, len(text)), n, -1):
+            if text.endswith(w[:k]):
+                n = k
+                break
+    return n

@@ -1,0 +1,301 @@
+"""The serving engine on the tiny models: continuous batching, cancellation, prefix reuse, logprobs, slot files."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from pyspec import Context, Model
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.engine import Engine, greedy_sampling
+from pyspec.generation.requests import Request
+from pyspec.testing import models as tm
+
+PROMPTS = [
+    "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "int main() { return 0; }",
+]
+PROMPT_REPEAT = PROMPTS[0] * 2  # the n-gram drafts find matches in it
+N_CTX = 256
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    with Model(tm.make_chat_target()) as m:
+        yield m
+
+
+def make_engine(model: Model, n_parallel: int = 3, types: tuple[T, ...] = (T.NGRAM_SIMPLE,), **kw) -> Engine:
+    ctx = Context(model, n_ctx=N_CTX * n_parallel, n_batch=64, n_ubatch=64, n_seq_max=n_parallel,
+                  n_threads=1, n_threads_batch=1)
+    spec = CommonParamsSpeculative(types=list(types))
+    for m in (spec.ngram_simple, spec.ngram_map_k):
+        m.size_n, m.size_m = 2, 6
+    return Engine(ctx, spec, greedy_sampling(), n_parallel=n_parallel, owned=[ctx], **kw)
+
+
+def alone(model: Model, prompt: str, n_predict: int) -> list[int]:
+    """What a prompt generates on a fresh engine with nothing else running."""
+    with make_engine(model, 1) as eng:
+        h = eng.submit(Request(prompt=prompt, n_predict=n_predict))
+        eng.run_until_idle()
+        return h.result().tokens
+
+
+@pytest.fixture(scope="module")
+def expected(chat_model):
+    return [alone(chat_model, p, 24) for p in PROMPTS]
+
+
+def test_requests_submitted_at_different_moments_generate_what_each_generates_alone(chat_model, expected):
+    with make_engine(chat_model) as eng:
+        steps = eng.steps()
+        h0 = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        for _ in range(3):
+            next(steps)
+        h1 = eng.submit(Request(prompt=PROMPTS[1], n_predict=24))
+        next(steps)
+        # the new prompt shared a target batch with the first request's decoding
+        assert eng.slots[0].generating and not eng.slots[1].reading
+        h2 = eng.submit(Request(prompt=PROMPTS[2], n_predict=24))
+        for _ in steps:
+            pass
+        results = [h.result() for h in (h0, h1, h2)]
+    assert [r.tokens for r in results] == expected
+    assert all(r.stop_reason == "n_predict" for r in results)
+    assert sum(r.stats.n_drafted for r in results) > 0
+
+
+def test_a_prompt_longer_than_a_batch_is_read_in_chunks_beside_a_decoding_request(chat_model):
+    long_prompt = PROMPTS[0] * 6  # > n_batch 64 tokens
+    want = alone(chat_model, long_prompt, 16)
+    with make_engine(chat_model, 2) as eng:
+        steps = eng.steps()
+        h0 = eng.submit(Request(prompt=PROMPTS[1], n_predict=40))
+        next(steps)
+        next(steps)
+        h1 = eng.submit(Request(prompt=long_prompt, n_predict=16))
+        n_mixed = 0
+        for _ in steps:
+            n_mixed += eng.slots[1].reading and eng.slots[0].generating
+        assert h1.result().tokens == want
+        assert h0.result().stop_reason == "n_predict"
+    assert n_mixed >= 1
+
+
+def test_cancel_stops_one_request_and_the_others_continue(chat_model, expected):
+    with make_engine(chat_model, 2).start() as eng:
+        long = eng.submit(Request(prompt=PROMPTS[2], n_predict=-1))
+        other = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        it = iter(long)
+        next(it)
+        long.cancel()
+        res = long.result(timeout=60)
+        assert res.stop_reason == "cancelled"
+        assert other.result(timeout=60).tokens == expected[0]
+        assert not eng.busy()
+
+
+def test_a_cancelled_request_that_waits_for_a_slot_never_runs(chat_model):
+    with make_engine(chat_model, 1) as eng:
+        first = eng.submit(Request(prompt=PROMPTS[0], n_predict=4))
+        waiting = eng.submit(Request(prompt=PROMPTS[1], n_predict=4))
+        waiting.cancel()
+        eng.run_until_idle()
+        assert first.result().stop_reason == "n_predict"
+        res = waiting.result()
+    assert res.stop_reason == "cancelled" and res.tokens == [] and res.slot_id == -1
+
+
+def test_streams_from_threads_and_asyncio_concatenate_to_the_results(chat_model, expected):
+    with make_engine(chat_model).start() as eng:
+        texts: dict[int, str] = {}
+
+        def consume(i: int) -> None:
+            h = eng.submit(Request(prompt=PROMPTS[i], n_predict=24))
+            texts[i] = "".join(d.text for d in h)
+            assert h.result().text == texts[i]
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+
+        async def consume_async() -> tuple[list[int], str]:
+            h = eng.submit(Request(prompt=PROMPTS[2], n_predict=24))
+            toks, text = [], ""
+            async for d in h:
+                toks += d.tokens
+                text += d.text
+            res = await h.aresult()
+            assert res.text == text
+            return toks, text
+
+        toks2, _ = asyncio.run(consume_async())
+        for t in threads:
+            t.join()
+    assert toks2 == expected[2]
+    assert set(texts) == {0, 1}
+
+
+def test_prefix_reuse_decodes_only_the_new_tokens_and_changes_nothing(chat_model):
+    base = PROMPTS[0] * 3
+    follow = base + " And then"
+    want = alone(chat_model, follow, 16)
+    with make_engine(chat_model, 2) as eng:
+        h = eng.submit(Request(prompt=base, n_predict=8))
+        eng.run_until_idle()
+        n_base = len(h.result().prompt_tokens)
+        h2 = eng.submit(Request(prompt=follow, n_predict=16))
+        eng.run_until_idle()
+        r2 = h2.result()
+        # the slot kept the prompt and the tokens generated after it; the common prefix is the prompt
+        assert r2.slot_id == h.result().slot_id
+        assert r2.stats.n_cached >= n_base - 1
+        assert r2.stats.timings()["prompt_n"] == len(r2.prompt_tokens) - r2.stats.n_cached
+        assert r2.tokens == want
+        # a request that shares nothing goes to the other (least recently used) slot, nothing cached
+        h3 = eng.submit(Request(prompt=PROMPTS[2], n_predict=4))
+        eng.run_until_idle()
+        r3 = h3.result()
+        assert r3.slot_id != r2.slot_id and r3.stats.n_cached == 0
+        # cache_prompt off: the whole prompt is decoded again
+        h4 = eng.submit(Request(prompt=follow, n_predict=16, cache_prompt=False))
+        eng.run_until_idle()
+        assert h4.result().stats.n_cached == 0 and h4.result().tokens == want
+
+
+def test_the_slot_with_the_longest_common_prefix_is_chosen(chat_model):
+    with make_engine(chat_model, 3) as eng:
+        for p in PROMPTS:
+            eng.submit(Request(prompt=p * 2, n_predict=2))
+        eng.run_until_idle()
+        slot_of = {i: next(s.id for s in eng.slots if s.tokens[: 5] == eng.vocab.tokenize(PROMPTS[i] * 2)[:5])
+                   for i in range(3)}
+        h = eng.submit(Request(prompt=PROMPTS[1] * 2 + " again", n_predict=2))
+        eng.run_until_idle()
+    assert h.result().slot_id == slot_of[1]
+    assert h.result().stats.n_cached > 10
+
+
+def test_hybrid_target_resumes_a_shared_prefix_from_a_prompt_checkpoint():
+    model = Model(tm.make_mtp())
+    try:
+        base = PROMPTS[0] * 2
+        follow = base + " more"
+
+        def engine() -> Engine:
+            ctx = Context(model, n_ctx=N_CTX, n_batch=64, n_ubatch=32, n_seq_max=1, n_threads=1, n_threads_batch=1)
+            return Engine(ctx, None, greedy_sampling(), owned=[ctx])
+
+        with engine() as eng:
+            h = eng.submit(Request(prompt=follow, n_predict=12))
+            eng.run_until_idle()
+            want = h.result().tokens
+        with engine() as eng:
+            assert eng.ctx_tgt_seq_rm_type != 1  # the memory cannot drop part of a sequence
+            eng.submit(Request(prompt=base, n_predict=6))
+            eng.run_until_idle()
+            h2 = eng.submit(Request(prompt=follow, n_predict=12))
+            eng.run_until_idle()
+            r2 = h2.result()
+            assert eng.n_prompt_checkpoint_hits == 1
+        assert 0 < r2.stats.n_cached < len(eng.vocab.tokenize(base))
+        assert r2.tokens == want
+    finally:
+        model.close()
+
+
+def test_logprobs_are_the_log_softmax_of_the_target_logits(chat_model):
+    with make_engine(chat_model, 1, types=(T.NGRAM_SIMPLE,)) as eng:
+        h = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=20, n_probs=3))
+        eng.run_until_idle()
+        res = h.result()
+        assert res.stats.n_accepted > 0  # tokens accepted from drafts carry log-probabilities too
+        toks = eng.vocab.tokenize(PROMPT_REPEAT)
+    assert len(res.logprobs) == len(res.tokens)
+    # recompute: one batch of prompt + generated tokens on a fresh context, logits at every position
+    seq = toks + res.tokens[:-1]
+    with Context(chat_model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=1, n_threads_batch=1) as ctx:
+        from pyspec.core.batch import Batch
+
+        b = Batch(len(seq))
+        for i, t in enumerate(seq):
+            b.add(t, i, 0, i >= len(toks) - 1)
+        ctx.decode(b)
+        rows = ctx.get_logits(len(res.tokens)).astype(np.float64)
+    ref = rows - (rows.max(1, keepdims=True) + np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1, keepdims=True)))
+    for k, lp in enumerate(res.logprobs):
+        assert lp.id == res.tokens[k]
+        assert lp.logprob == pytest.approx(ref[k, lp.id], abs=1e-3)
+        assert [i for i, *_ in lp.top] == list(np.argsort(-ref[k], kind="stable")[:3])
+        assert [v for *_, v in lp.top] == pytest.approx(np.sort(ref[k])[::-1][:3], abs=1e-3)
+        assert lp.top[0][0] == lp.id  # greedy picks the most likely token
+
+
+def test_stop_strings_are_never_streamed_and_end_the_request(chat_model):
+    full = alone(chat_model, PROMPTS[1], 24)
+    with make_engine(chat_model, 1) as eng:
+        text = eng.vocab.detokenize(full)
+        word = text[len(text) // 2 : len(text) // 2 + 3]
+        assert word.strip()
+        h = eng.submit(Request(prompt=PROMPTS[1], n_predict=24, stop=[word]))
+        eng.run_until_idle()
+        streamed = "".join(d.text for d in h.pending())
+        res = h.result()
+    assert res.stop_reason == "stop" and res.stopping_word == word
+    assert res.text == text[: text.index(word)] == streamed
+
+
+def test_a_request_may_turn_speculation_off_while_another_drafts(chat_model):
+    with make_engine(chat_model, 2) as eng:
+        a = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=24, n_draft_max=0))
+        b = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=24))
+        eng.run_until_idle()
+        ra, rb = a.result(), b.result()
+    assert ra.stats.n_drafted == 0 and rb.stats.n_drafted > 0
+    assert ra.tokens == rb.tokens
+
+
+def test_bad_requests_raise_and_queue_nothing(chat_model):
+    with make_engine(chat_model, 2) as eng:
+        bad = [
+            (Request(), "exactly one"),
+            (Request(prompt="x", messages=[{"role": "user", "content": "x"}]), "exactly one"),
+            (Request(prompt=[]), "empty prompt"),
+            (Request(prompt="", add_special=False), "empty prompt"),
+            (Request(prompt=[1, 10**6]), "outside the vocabulary"),
+            (Request(prompt=[5] * 400), "does not fit"),
+            (Request(prompt="x", n_predict=0), "n_predict"),
+            (Request(prompt="x", n_probs=-1), "n_probs"),
+            (Request(prompt="x", n_draft_max=-2), "n_draft_max"),
+            (Request(prompt="x", slot_id=5), "slot_id"),
+            (Request(prompt="x", sampling=greedy_sampling().__class__(logit_bias=[(10**6, 1.0)])), "vocabulary"),
+            (Request(prompt="x", sampling=greedy_sampling().__class__(grammar="root ::= (")), "grammar"),
+        ]
+        for req, msg in bad:
+            with pytest.raises(ValueError, match=msg):
+                eng.submit(req)
+        assert not eng.busy() and not eng.step()
+
+
+def test_a_slot_saved_to_a_file_is_reused_after_restore(chat_model, tmp_path):
+    path = tmp_path / "slot0.bin"
+    base = PROMPTS[0] * 3
+    with make_engine(chat_model, 1) as eng:
+        h = eng.submit(Request(prompt=base, n_predict=4))
+        eng.run_until_idle()
+        n = eng.save_slot(0, path)
+        assert n == len(eng.slots[0].tokens) > 0
+        assert eng.erase_slot(0) == n and eng.slots[0].tokens == []
+        assert eng.restore_slot(0, path) == n
+        h2 = eng.submit(Request(prompt=base + " next", n_predict=4))
+        eng.run_until_idle()
+        assert h2.result().stats.n_cached >= len(h.result().prompt_tokens) - 1
+        (tmp_path / "junk.bin").write_bytes(b"not a slot file")
+        with pytest.raises(ValueError, match="not a pyspec slot file"):
+            eng.restore_slot(0, tmp_path / "junk.bin")
