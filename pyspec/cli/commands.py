@@ -265,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine.load(args.model, types=args.types, draft=args.draft, tiny=args.tiny,
                              n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
                              n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
-                             slot_similarity=args.slot_prompt_similarity, **_spec_kw(args))
+                             slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
+                             batch_invariant=args.batch_invariant, **_spec_kw(args))
         name = args.alias or (Path(args.model).stem if args.model else
                               ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
         defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
@@ -415,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
     p.add_argument("--engine", choices=("python", "cpp"), default="python",
                    help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
     _add_model_args(p)
     _add_spec_args(p, "none")
     p.set_defaults(func=cmd_serve)
