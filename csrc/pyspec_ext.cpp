@@ -1,14 +1,21 @@
-// C linkage for the staging API of llama.cpp's src/llama-ext.h.
+// C linkage for the staging API of llama.cpp's src/llama-ext.h, and the struct
+// layout probe.
 //
-// libllama exports these functions with C++ linkage (mangled names), which
+// libllama exports the staging API with C++ linkage (mangled names), which
 // cffi cannot declare; each wrapper below forwards one call unchanged.
 
+#include "llama.h"
 #include "llama-ext.h"
 #include "llama-context.h"
 
 #include "ggml-backend.h"
 
+#include <cstddef>
+
 extern "C" {
+
+// the declarations cffi reads, so the compiler checks them against the definitions below
+#include "../pyspec/decl/pyspec_ext.h"
 
 void pyspec_set_embeddings_nextn(llama_context * ctx, bool value, bool masked) {
     llama_set_embeddings_nextn(ctx, value, masked);
@@ -88,13 +95,16 @@ int32_t pyspec_context_set_cpu_use_ref(llama_context * ctx, bool value, int32_t 
     return n_cpu;
 }
 
-// Sizes of the structs that cffi lays out from our declarations: pyspec
-// compares them at load time, so a layout drift fails loudly instead of
-// corrupting memory.
-size_t pyspec_sizeof_context_params(void) { return sizeof(llama_context_params); }
-size_t pyspec_sizeof_model_params(void)   { return sizeof(llama_model_params); }
-size_t pyspec_sizeof_batch(void)          { return sizeof(llama_batch); }
-size_t pyspec_sizeof_token_data_array(void) { return sizeof(llama_token_data_array); }
-size_t pyspec_sizeof_perf_context_data(void) { return sizeof(llama_perf_context_data); }
+// The layout of every struct that pyspec/decl declares for a llama.cpp header,
+// as this compiler sees it: pyspec.ffi compares it with cffi's layout of the
+// same declarations when it opens the libraries. The table is generated from
+// the declarations at build time (csrc/gen_layout_probe.py).
+static const pyspec_layout_entry pyspec_layout[] = {
+#include "pyspec_layout_table.inc"
+};
+
+size_t pyspec_layout_count(void) { return sizeof(pyspec_layout) / sizeof(pyspec_layout[0]); }
+
+const pyspec_layout_entry * pyspec_layout_table(void) { return pyspec_layout; }
 
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AdapterError",
     "BadRequest",
     "BatchFullError",
     "ChatTemplateError",
@@ -20,11 +21,14 @@ __all__ = [
     "NoChatTemplateError",
     "ParityError",
     "PyspecError",
+    "QuantizeError",
     "RefError",
     "RpcConnectionError",
     "RpcError",
     "RpcUnavailableError",
+    "SamplerCallbackError",
     "SpeculativeError",
+    "StateFileError",
     "decode_error",
     "ref_error",
 ]
@@ -47,6 +51,26 @@ class ModelLoadError(PyspecError):
         super().__init__(f"{msg}: {reason}" if reason else msg)
 
 
+class AdapterError(PyspecError):
+    """llama.cpp refused a LoRA adapter or a control vector (wrong model, bad file, bad shape)."""
+
+
+class QuantizeError(PyspecError):
+    """llama_model_quantize failed (the reason is in the message)."""
+
+
+class StateFileError(PyspecError):
+    """A context or sequence state (a file, or bytes) could not be saved or loaded."""
+
+
+class SamplerCallbackError(PyspecError):
+    """A custom Python sampler raised inside a llama.cpp callback.
+
+    The exception was caught at the C boundary (it never unwinds through llama.cpp) and
+    is re-raised from the Python call that ran the sampler; ``__cause__`` is the original.
+    """
+
+
 class MissingModelPackage(PyspecError):
     """The real model's PyPI package is not installed."""
 
@@ -64,7 +88,8 @@ class ConcurrentUseError(PyspecError):
 
 
 class ChatTemplateError(PyspecError, ValueError):
-    """A chat template failed to render the messages (the template raised, or the messages do not fit it)."""
+    """A chat template failed to render the messages (the template raised, or the messages do not fit it),
+    or llama_chat_apply_template does not know it (no built-in name, no Jinja source it recognises)."""
 
 
 class NoChatTemplateError(ChatTemplateError):

@@ -12,10 +12,23 @@ C++ reference library is opened only by code that calls it.
 ``llama`` (libllama), ``ggml`` (libggml), ``ext`` (our staging-API shim) and
 ``ref`` (the C++ reference and loop) behave as the cffi library objects
 themselves; ``open_library(name)`` returns the real one.
+
+Before the first call into any library, the ext library is opened and its
+struct layout probe (sizeof / offsetof of every declared struct, as the
+compiler saw the headers) is compared with cffi's layout of the declarations:
+a declaration that drifted from the headers fails with ImportError there,
+instead of corrupting memory later.
+
+``ffi`` is the FFI the build parsed (cffi out-of-line ABI mode, see
+csrc/gen_ffi_module.py) when it was made from these declaration files, so that
+importing pyspec runs no C parser; otherwise the files are parsed here. (With
+the prebuilt FFI, reading ``.fields`` of an opaque struct type aborts inside
+cffi 2.0: use :func:`pyspec.decl.is_opaque` first.)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -26,15 +39,12 @@ from typing import Any
 
 import cffi
 
+from pyspec import decl
 from pyspec.errors import LibraryNotFoundError
 
-__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "lib_dir", "llama", "on_open",
-           "open_library", "ref"]
+__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "layout_mismatches", "lib_dir", "llama",
+           "on_open", "open_library", "ref"]
 
-_DECL_DIR = Path(__file__).with_name("decl")
-# order matters: later files use the types of earlier ones
-_DECL_FILES = ("ggml.h", "ggml-backend-devices.h", "llama.h", "common.h", "pyspec_ext.h", "pyspec_rpc.h",
-               "pyspec_ref.h", "pyspec_loop.h")
 # handle name -> shared library stem (lib<stem>.so)
 LIBRARIES = {"ggml": "ggml", "llama": "llama", "ext": "pyspec_ext", "ref": "pyspec_ref"}
 
@@ -56,25 +66,72 @@ def lib_dir() -> Path:
     return Path(__file__).with_name("lib")
 
 
-def _make_ffi() -> tuple[cffi.FFI, dict[str, int]]:
+_ENUM_BODY = re.compile(r"^\s*(?:typedef\s+)?enum\s+(\w+)\s*\{(.*?)\}", re.M | re.S)
+PREBUILT_MODULE = "_pyspec_ffi.py"  # csrc/gen_ffi_module.py, installed beside the libraries
+
+
+def _scan(texts: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+    """The integer #defines, and the enum that declares each enumerator (c_const reads
+    enum values from cffi when asked: each ffi.typeof of a parsed FFI costs a parse)."""
+    defines: dict[str, int] = {}
+    enum_of: dict[str, str] = {}
+    for text in texts.values():
+        defines.update(decl.define_values(text))
+        for enum, body in _ENUM_BODY.findall(re.sub(r"/\*.*?\*/", "", text, flags=re.S)):
+            for member in body.split(","):
+                m = re.match(r"\s*(\w+)", member)
+                if m:
+                    enum_of[m.group(1)] = enum
+    return defines, enum_of
+
+
+def _make_ffi(texts: dict[str, str] | None = None) -> tuple[cffi.FFI, dict[str, int], dict[str, str]]:
+    """One FFI parsed from every declaration file, in load order (``texts`` replaces files, for tests).
+
+    Also returns the #defines and the enum of each enumerator (see _scan).
+    """
     f = cffi.FFI()
-    enums: list[str] = []
-    for name in _DECL_FILES:
-        text = (_DECL_DIR / name).read_text()
+    all_texts = {name: texts[name] if texts and name in texts else decl.read(name) for name, _header in decl.FILES}
+    for text in all_texts.values():
         f.cdef(text)
-        enums += re.findall(r"^\s*(?:typedef\s+)?enum\s+(\w+)\s*\{", text, re.M)
-    consts: dict[str, int] = {}
-    for enum in enums:
-        consts.update(f.typeof(f"enum {enum}").relements)
-    return f, consts
+    return f, *_scan(all_texts)
 
 
-ffi, _CONSTS = _make_ffi()
+def _prebuilt_ffi() -> Any:
+    """The FFI the build parsed (cffi out-of-line ABI mode), if it is there and was made from
+    exactly these declaration files; None otherwise (a source tree whose declarations changed
+    since the build, a library folder without it): then pyspec parses them itself."""
+    path = lib_dir() / PREBUILT_MODULE
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("pyspec._prebuilt_ffi", path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:  # another cffi version's tables, a damaged file: parse instead
+        return None
+    return module.ffi if getattr(module, "DECL_DIGEST", None) == decl.digest() else None
+
+
+def _load_ffi() -> tuple[Any, dict[str, int], dict[str, str]]:
+    prebuilt = _prebuilt_ffi()
+    if prebuilt is None:
+        return _make_ffi()
+    return prebuilt, *_scan({name: decl.read(name) for name, _header in decl.FILES})
+
+
+ffi, _DEFINES, _ENUM_OF = _load_ffi()
 
 
 def c_const(name: str) -> int:
-    """The value of a declared enum constant, e.g. ``c_const("PYSPEC_REF_E_RANGE")``."""
-    return _CONSTS[name]
+    """The value of a declared enum constant or ``#define``, e.g. ``c_const("PYSPEC_REF_E_RANGE")``."""
+    if name in _DEFINES:
+        return _DEFINES[name]
+    if name not in _ENUM_OF:
+        raise KeyError(f"{name} is not a declared enum constant or #define")
+    return ffi.typeof(f"enum {_ENUM_OF[name]}").relements[name]
 
 
 def c_enum(ctype: str, prefix: str) -> dict[str, int]:
@@ -104,21 +161,59 @@ def is_open(name: str) -> bool:
     return name in _opened
 
 
+def layout_mismatches(f: cffi.FFI, ext_lib: Any) -> list[str]:
+    """Where cffi's layout of the declarations in ``f`` differs from the compiler's.
+
+    The compiler's view is the probe table compiled into the ext library
+    (csrc/gen_layout_probe.py): sizeof and alignof of every struct declared for a
+    llama.cpp header, offsetof and sizeof of every field. Driven by the table, so
+    that it costs one ffi.typeof per probed struct.
+    """
+    table = ext_lib.pyspec_layout_table()
+    compiled: dict[str, dict[str, tuple[int, int, int]]] = {}
+    for i in range(ext_lib.pyspec_layout_count()):
+        e = table[i]
+        ctype = f.string(e.type).decode()
+        compiled.setdefault(ctype, {})[f.string(e.field).decode()] = (int(e.offset), int(e.size), int(e.align))
+    problems = []
+    typedefs, structs, _unions = f.list_types()
+    declared = {f"struct {name}" for name in structs} | set(typedefs)
+    for name in structs:
+        # pyspec_*: our own ABI, compiled from these files; _IO_FILE: cffi's own FILE
+        if f"struct {name}" not in compiled and not name.startswith(("pyspec_", "_")):
+            problems.append(f"struct {name} is declared but not in the layout probe (rebuild the libraries)")
+    for ctype, entries in compiled.items():
+        if ctype not in declared:
+            problems.append(f"{ctype} is in the layout probe but not declared")
+            continue
+        t = f.typeof(ctype)
+        opaque_in_c = entries[""][1] == 0
+        opaque = decl.is_opaque(f, t)
+        if opaque or opaque_in_c:
+            if opaque != opaque_in_c:
+                state = "opaque" if opaque else "with fields"
+                problems.append(f"{ctype} is declared {state}, the layout probe has it the other way (rebuild?)")
+            continue
+        if (0, f.sizeof(t), f.alignof(t)) != entries[""]:
+            problems.append(f"{ctype}: size/alignment {(f.sizeof(t), f.alignof(t))} in the declarations, "
+                            f"{entries[''][1:]} in C")
+        mine = {path: (offset, size, 0) for path, offset, size in decl.field_layout(f, t)}
+        for path in sorted(set(mine) | set(entries) - {""}):
+            if path not in entries:
+                problems.append(f"{ctype}.{path} is declared but not in the layout probe (rebuild the libraries)")
+            elif path not in mine:
+                problems.append(f"{ctype}.{path} is in the layout probe but not declared (the declaration lost it)")
+            elif mine[path] != entries[path]:
+                problems.append(f"{ctype}.{path}: offset/size {mine[path][:2]} in the declarations, "
+                                f"{entries[path][:2]} in C")
+    return problems
+
+
 def _check_layouts(ext_lib: Any) -> None:
-    # cffi lays out structs from our declarations; compare with the compiler's view
-    pairs = {
-        "struct llama_context_params": ext_lib.pyspec_sizeof_context_params(),
-        "struct llama_model_params": ext_lib.pyspec_sizeof_model_params(),
-        "struct llama_batch": ext_lib.pyspec_sizeof_batch(),
-        "llama_token_data_array": ext_lib.pyspec_sizeof_token_data_array(),
-        "struct llama_perf_context_data": ext_lib.pyspec_sizeof_perf_context_data(),
-    }
-    for ctype, c_size in pairs.items():
-        if ffi.sizeof(ctype) != c_size:
-            raise ImportError(
-                f"pyspec: declaration of {ctype} does not match the library "
-                f"({ffi.sizeof(ctype)} != {c_size} bytes); pyspec/decl is out of date"
-            )
+    problems = layout_mismatches(ffi, ext_lib)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ImportError(f"pyspec: the declarations in pyspec/decl do not match the libraries: {shown}")
 
 
 def open_library(name: str) -> Any:
@@ -128,6 +223,10 @@ def open_library(name: str) -> Any:
         return lib
     if name not in LIBRARIES:
         raise ValueError(f"unknown library {name!r}; one of {sorted(LIBRARIES)}")
+    if name != "ext" and "ext" not in _opened:
+        # the ext library carries the struct layout probe: check the declarations
+        # before the first call into any library that takes or returns those structs
+        open_library("ext")
     with _open_lock:
         lib = _opened.get(name)
         if lib is not None:

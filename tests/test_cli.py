@@ -164,3 +164,15 @@ def test_eagle3_without_a_draft_model_is_an_error(tmp_path, capsys):
 def test_unknown_bench_engine_is_an_error(capsys):
     assert cli.main(["bench", "--tiny", "--engines", "python,rust", "--n-predict", "4"]) == 1
     assert "unknown engine rust" in capsys.readouterr().err
+
+
+def test_run_says_how_draft_lengths_are_chosen_and_which_numerics_it_used(capsys):
+    assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "-p", "hello world", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert _stat(out, "draft length").startswith("cost-aware; verify cost per batch size")
+    assert _stat(out, "numerics") == "default"
+    assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "-p", "hello world", "--quiet", "--fixed-draft",
+                     "--batch-invariant"]) == 0
+    out = capsys.readouterr().out
+    assert _stat(out, "draft length").startswith("fixed")
+    assert _stat(out, "numerics").startswith("batch-invariant")

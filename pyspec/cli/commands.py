@@ -168,11 +168,14 @@ class _Progress:
                 print(file=sys.stderr)
 
 
-def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) -> str:
-    """The statistics block printed after the text."""
+def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str, draft_ctl: Any = None,
+                 batch_invariant: bool = False) -> str:
+    """The statistics block printed after the text (``draft_ctl``: the generator's DraftLengthController)."""
     lines = [
         "--- statistics ---",
         f"types         {types} (engine {engine})",
+        "numerics      " + ("batch-invariant (speculation gives plain decoding's tokens)" if batch_invariant
+                             else "default"),
         f"prompt        {stats.n_prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s",
         f"generated     {stats.n_gen_tokens} tokens, {stats.gen_tps:.1f} tok/s, {stats.n_steps} steps "
         f"(stop: {', '.join(r.stop_reason for r in results)})",
@@ -182,6 +185,14 @@ def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) ->
         + (" (the C++ draft model's decoding included)" if engine == "cpp" and any(
             i.name.startswith("draft-") for i in stats.impls) else ""),
     ]
+    if draft_ctl is not None:
+        if draft_ctl.fixed:
+            lines.append("draft length  fixed (llama.cpp's n_max / n_min)")
+        else:
+            curve = draft_ctl.curve
+            rel = "  ".join(f"{n}:{v:.2f}" for n, v in curve.relative().items()) if curve.ready else "not measured"
+            lines.append(f"draft length  cost-aware; verify cost per batch size, x one-token decode "
+                         f"({curve.cost(1) * 1e3 if curve.ready else 0:.2f} ms): {rel}")
     for imp in stats.impls:
         counters = " ".join(f"{k}={v}" for k, v in vars(imp).items() if k != "name")
         lines.append(f"impl {imp.name:<8} {counters}")
@@ -234,7 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     for r in results:
                         print(f"--- sequence {r.seq_id} ---")
                         print(r.text)
-                print(format_stats(gen.stats, results, common_speculative_type_name_str(types), args.engine))
+                print(format_stats(gen.stats, results, common_speculative_type_name_str(types), args.engine,
+                                   gen.draft_ctl, cs.ctx_tgt.batch_invariant))
     return 0
 
 

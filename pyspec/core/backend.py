@@ -11,8 +11,8 @@ from pyspec.core import log
 from pyspec.errors import LibraryNotFoundError
 from pyspec.ffi import c_enum, ffi, ggml, lib_dir, llama
 
-__all__ = ["Device", "default_offload_devices", "devices", "ensure_backend", "find_device", "load_backends",
-           "local_devices", "system_info"]
+__all__ = ["Device", "buffer_types", "default_offload_devices", "devices", "ensure_backend", "find_device",
+           "load_backends", "local_devices", "numa_init", "system_info"]
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -46,7 +46,8 @@ def load_backends() -> None:
         return
     folder = lib_dir()
     ggml.ggml_backend_load_all_from_path(os.fsencode(folder))
-    if ggml.ggml_backend_reg_count() == 0:
+    # other modules (RPC, a GPU) may load while no CPU variant does: llama.cpp needs the CPU one
+    if ggml.ggml_backend_reg_by_name(b"CPU") == ffi.NULL:
         raise LibraryNotFoundError(
             f"pyspec: no ggml backend in {folder} runs on this machine (a CPU backend is libggml-cpu*.so); "
             "reinstall pyspec, or build it here with -DGGML_NATIVE=ON"
@@ -170,6 +171,36 @@ def find_device(spec: int | str | Device, among: list[Device] | None = None) -> 
             return d
     names = ", ".join(f"{d.index}: {d.name}" for d in devs)
     raise ValueError(f"no device {spec!r}; the devices are {names}")
+
+
+def buffer_types() -> dict[str, Any]:
+    """{name: ggml_backend_buffer_type_t} of each device's default buffer type ("CPU", "CUDA0", ...).
+
+    These are the names a tensor buffer-type override may use, as llama.cpp's
+    ``--override-tensor`` lists them (common/arg.cpp).
+    """
+    ensure_backend()
+    out = {}
+    for i in range(ggml.ggml_backend_dev_count()):
+        buft = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_get(i))
+        if buft != ffi.NULL:
+            out[ffi.string(ggml.ggml_backend_buft_name(buft)).decode()] = buft
+    return out
+
+
+_DEV_TYPE_CPU = c_enum("enum ggml_backend_dev_type", "GGML_BACKEND_DEVICE_TYPE_")["cpu"]
+_NUMA = {k: v for k, v in c_enum("enum ggml_numa_strategy", "GGML_NUMA_STRATEGY_").items() if k != "count"}
+
+
+def numa_init(strategy: str = "distribute") -> None:
+    """Mirrors llama_numa_init (llama.h): NUMA placement, one of "disabled", "distribute",
+    "isolate", "numactl", "mirror". Call it once, before loading a model."""
+    if strategy not in _NUMA:
+        raise ValueError(f"strategy must be one of {sorted(_NUMA)}, not {strategy!r}")
+    ensure_backend()
+    if strategy != "disabled" and ggml.ggml_backend_dev_by_type(_DEV_TYPE_CPU) == ffi.NULL:
+        raise RuntimeError("no CPU backend is loaded")  # llama_numa_init asserts on that
+    llama.llama_numa_init(_NUMA[strategy])
 
 
 def system_info() -> str:

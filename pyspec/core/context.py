@@ -12,10 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.core import adapters as _adapters
+from pyspec.core import state as _state
 from pyspec.core.batch import Batch, BatchView
 from pyspec.core.handle import Handle
 from pyspec.core.memory import Memory
 from pyspec.core.model import Model
+from pyspec.core.threadpool import ThreadPool
 from pyspec.errors import ConcurrentUseError, ContextError, decode_error
 from pyspec.ffi import c_enum, ext, ffi, llama
 
@@ -28,7 +31,10 @@ AnyBatch = Batch | BatchView
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
 _FLASH_ATTN.update({False: _FLASH_ATTN["disabled"], True: _FLASH_ATTN["enabled"]})
-_KV_TYPES = c_enum("enum ggml_type", "GGML_TYPE_")
+# the K/V cache types llama.cpp offers (common/arg.cpp kv_cache_types); the other
+# ggml types are not cache types and may abort inside llama.cpp
+_KV_TYPES = {k: v for k, v in c_enum("enum ggml_type", "GGML_TYPE_").items()
+             if k in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")}
 # fields set through a converter below rather than copied as they are
 _SPECIAL = {"ctx_type", "flash_attn_type", "type_k", "type_v", "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
@@ -435,6 +441,7 @@ class Context(Handle):
     def set_n_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         if n_threads <= 0 or (n_threads_batch is not None and n_threads_batch <= 0):
             raise ValueError("thread counts must be positive")
+        self._check_pool_threads(n_threads, n_threads_batch or n_threads)
         llama.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
     @property
@@ -497,5 +504,115 @@ class Context(Handle):
             raise ConcurrentUseError("cannot close a context while another thread is decoding on it")
         try:
             super().close()
+        finally:
+            self._busy.release()
+
+    # --- state to bytes and files (pyspec.core.state) ---------------------------
+
+    def state_get(self) -> bytes:
+        """Mirrors llama_state_get_data: a copy of the whole context state (its memory, see pyspec.core.state)."""
+        return _state.state_get(self)
+
+    def state_set(self, data: bytes) -> None:
+        """Mirrors llama_state_set_data: restore a state from state_get."""
+        _state.state_set(self, data)
+
+    def state_save_file(self, path: str | os.PathLike[str], tokens: Any = ()) -> None:
+        """Mirrors llama_state_save_file: the whole state and the tokens it stands for, to a file."""
+        _state.save_file(self, path, tokens)
+
+    def state_load_file(self, path: str | os.PathLike[str]) -> list[int]:
+        """Mirrors llama_state_load_file: restore the whole state from a file; returns its tokens."""
+        return _state.load_file(self, path)
+
+    def state_seq_save_file(self, path: str | os.PathLike[str], seq_id: int, tokens: Any = ()) -> int:
+        """Mirrors llama_state_seq_save_file: one sequence's state and tokens; returns the bytes written."""
+        return _state.seq_save_file(self, path, seq_id, tokens)
+
+    def state_seq_load_file(self, path: str | os.PathLike[str], seq_id: int) -> list[int]:
+        """Mirrors llama_state_seq_load_file: restore a sequence state into seq_id; returns its tokens."""
+        return _state.seq_load_file(self, path, seq_id)
+
+    # --- LoRA adapters and control vectors (pyspec.core.adapters) ---------------
+
+    def set_lora_adapters(self, adapters: _adapters.LoraScales) -> None:
+        """Mirrors llama_set_adapters_lora: apply ``{adapter: scale}`` (replacing the previous set)."""
+        _adapters.set_lora_adapters(self, adapters)
+
+    def clear_lora_adapters(self) -> None:
+        """Remove every LoRA adapter from this context."""
+        _adapters.set_lora_adapters(self, {})
+
+    @property
+    def lora_adapters(self) -> dict[_adapters.LoraAdapter, float]:
+        """The adapters applied to this context, with their scales."""
+        return _adapters.applied_lora_adapters(self)
+
+    def set_control_vector(self, directions: Any, il_start: int | None = None, il_end: int | None = None) -> None:
+        """Mirrors llama_set_adapter_cvec: ``{layer: vector}`` added after those layers (see pyspec.core.adapters)."""
+        _adapters.set_control_vector(self, directions, il_start, il_end)
+
+    def clear_control_vector(self) -> None:
+        """Mirrors llama_set_adapter_cvec with no data: remove the control vector."""
+        _adapters.set_control_vector(self, None)
+
+    # --- threadpools (pyspec.core.threadpool) -----------------------------------
+
+    @property
+    def n_threads_batch(self) -> int:
+        """Mirrors llama_n_threads_batch: threads for batches of more than one token."""
+        return int(llama.llama_n_threads_batch(self.ptr))
+
+    def attach_threadpool(self, threadpool: ThreadPool, threadpool_batch: ThreadPool | None = None) -> None:
+        """Mirrors llama_attach_threadpool: decode on these pools (the second for batches); keeps them alive.
+
+        The context's thread counts become the pools' sizes: an OpenMP build of ggml
+        indexes the pool's workers by thread number without a bound, so a context
+        asking for more threads than its pool has would crash (set_n_threads refuses it).
+        A pool serves one context at a time: two contexts decoding on one pool from two
+        threads would run two graphs on the same workers.
+        """
+        pools = [threadpool]
+        if threadpool_batch is not None and threadpool_batch is not threadpool:
+            pools.append(threadpool_batch)
+        for pool in pools:
+            if not isinstance(pool, ThreadPool):
+                raise TypeError(f"{pool!r} is not a pyspec ThreadPool")
+            _ = pool.ptr  # raises ClosedError first
+            user = pool.user()
+            if user is not None and user is not self and not user.closed:
+                raise ValueError(f"{pool!r} is attached to another context; detach it there first")
+        self.detach_threadpool()
+        self._enter()
+        try:
+            for pool in pools:
+                self._hold(pool)
+                pool.set_user(self)
+            llama.llama_attach_threadpool(self.ptr, threadpool.ptr, pools[-1].ptr)
+            llama.llama_set_n_threads(self.ptr, threadpool.n_threads, pools[-1].n_threads)
+            self._threadpools = pools
+        finally:
+            self._busy.release()
+
+    def _check_pool_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        pools = getattr(self, "_threadpools", [])
+        if pools and (n_threads > pools[0].n_threads or n_threads_batch > pools[-1].n_threads):
+            raise ValueError(
+                f"the attached threadpools have {pools[0].n_threads} and {pools[-1].n_threads} threads; "
+                f"{n_threads} / {n_threads_batch} would overrun them (detach_threadpool first)"
+            )
+
+    def detach_threadpool(self) -> None:
+        """Mirrors llama_detach_threadpool: back to llama.cpp's own threads."""
+        pools = getattr(self, "_threadpools", [])
+        if not pools:
+            return
+        self._enter()
+        try:
+            llama.llama_detach_threadpool(self.ptr)
+            self._threadpools = []
+            for pool in pools:
+                pool.set_user(None)
+                self._unhold(pool)
         finally:
             self._busy.release()

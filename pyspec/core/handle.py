@@ -69,6 +69,21 @@ class Handle:
         if free_now:
             self._destroy()
 
+    def _hold(self, dep: Handle) -> None:
+        """Keep ``dep`` alive while this object may use it (a C pointer to it was handed over
+        after creation: an attached LoRA adapter, a threadpool); released by _unhold or the free."""
+        dep._retain()
+        self._deps.append(dep)
+
+    def _unhold(self, dep: Handle) -> None:
+        """Undo one _hold(dep): the C side no longer points at it."""
+        for i, d in enumerate(self._deps):
+            if d is dep:
+                del self._deps[i]
+                dep._release()
+                return
+        raise ValueError(f"{dep._kind} is not held by this {self._kind}")
+
     def _destroy(self) -> None:
         ptr, free = self._ptr, self._free
         self._ptr, self._free = ffi.NULL, None

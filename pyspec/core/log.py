@@ -6,7 +6,9 @@ The logger is quiet by default (ERROR); a user raises verbosity with
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from pyspec.ffi import c_enum, ffi, ggml, is_open, llama, on_open, open_library
@@ -54,6 +56,38 @@ def install() -> None:
     """
     llama.llama_log_set(_on_log, ffi.NULL)
     ggml.ggml_log_set(_on_log, ffi.NULL)
+
+
+class ErrorLines(logging.Handler):
+    """Collects llama.cpp's error lines while a call runs, so the exception can say why."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def reason(self, marker: str = "") -> str:
+        """The text after ``marker`` on the first line that has it, else the first two lines."""
+        for line in self.lines:
+            if marker and marker in line:
+                return line.split(marker, 1)[1].strip()
+        return "; ".join(line.strip() for line in self.lines[:2])
+
+
+@contextlib.contextmanager
+def capture_errors() -> Iterator[ErrorLines]:
+    """``with capture_errors() as errors: <call>``: llama.cpp's error lines land in ``errors.lines``.
+
+    (The ``pyspec.llama`` logger passes error lines at its default level, ERROR.)
+    """
+    errors = ErrorLines()
+    logger.addHandler(errors)
+    try:
+        yield errors
+    finally:
+        logger.removeHandler(errors)
 
 
 _common_verbosity = -1  # llama.cpp's common log writes to stderr: quiet unless asked

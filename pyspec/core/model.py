@@ -6,24 +6,34 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device, system_info
 from pyspec.core.backend import devices as list_devices
+from pyspec.core.cstrings import c_text, read_str
 from pyspec.core.handle import Handle
+from pyspec.core.log import capture_errors
+from pyspec.core.model_params import KvValue, kv_override_array, tensor_buft_override_array
 from pyspec.core.rpc import RpcLink, RpcServer, connect, device_memory, endpoint_of_device
 from pyspec.core.vocab import Vocab
 from pyspec.errors import ModelLoadError, RpcConnectionError
 from pyspec.ffi import c_enum, ext, ffi, llama
 
-__all__ = ["Model"]
+__all__ = ["Model", "ModelPath"]
+
+ModelPath = str | os.PathLike[str]
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
 # general.file_type of GGUFs whose weights are mostly float: all F32, mostly F16, mostly BF16
 _FLOAT_FILE_TYPES = {"0", "1", "32"}
+_ROPE_TYPES = {v: k for k, v in c_enum("enum llama_rope_type", "LLAMA_ROPE_TYPE_").items()}
+_META_KEYS = c_enum("enum llama_model_meta_key", "LLAMA_MODEL_META_KEY_")
+_RANK_POOLING = c_enum("enum llama_pooling_type", "LLAMA_POOLING_TYPE_")["rank"]
 
 
 def _gguf_problem(path: Path) -> str:
@@ -81,29 +91,16 @@ def _offload_devices(
     return chosen, (RpcLink(endpoints) if endpoints else None)
 
 
-class _ErrorLines(logging.Handler):
-    """Collects llama.cpp's error lines while a model loads, so the exception can say why."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def reason(self) -> str:
-        # llama_model_load logs "error loading model: <what>"; the line after it is generic
-        for line in self.lines:
-            if "error loading model:" in line:
-                return line.split("error loading model:", 1)[1].strip()
-        return "; ".join(self.lines[:2])
-
-
 class Model(Handle):
-    """Mirrors llama_model_load_from_file / llama_model_free (llama.h).
+    r"""Mirrors llama_model_load_from_file / llama_model_load_from_splits / llama_model_free (llama.h).
 
-    Closing a model that contexts still use is safe: it is freed when the
-    last of them closes.
+    ``path`` is one GGUF file, or the first of a split set named
+    ``<prefix>-00001-of-0000N.gguf`` (llama.cpp finds the others), or a sequence
+    of the split files in order whatever their names. ``kv_overrides`` replaces
+    metadata values at load (``{"llama.context_length": 2048}``);
+    ``tensor_buft_overrides`` places tensors whose name matches a regular
+    expression in a named buffer type (``[(r"blk\.[0-3]\.", "CPU")]``, names
+    from :func:`pyspec.core.backend.buffer_types`).
 
     Where the layers go (the fields of llama_model_params): ``n_gpu_layers``
     layers (-1: all) are offloaded to the offload devices, the rest stay on the
@@ -121,13 +118,16 @@ class Model(Handle):
     ``batch_invariant`` loads the weights in their file layout (no repacking): the
     model's half of batch-invariant mode, which its contexts then take (see
     :func:`pyspec.core.context.batch_invariant_params`).
+
+    Closing a model that contexts or adapters still use is safe: it is freed
+    when the last of them closes.
     """
 
     _kind = "model"
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: ModelPath | Sequence[ModelPath],
         *,
         n_gpu_layers: int = -1,
         split_mode: str = "layer",
@@ -141,16 +141,24 @@ class Model(Handle):
         vocab_only: bool = False,
         check_tensors: bool = False,
         batch_invariant: bool = False,
+        kv_overrides: Mapping[str, KvValue] | None = None,
+        tensor_buft_overrides: Sequence[tuple[str, str]] | Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"model file not found: {self.path}")
+        paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]  # type: ignore[arg-type]
+        if not paths:
+            raise ValueError("no model file given (an empty list of splits)")
+        self.path = paths[0]
+        self.paths = paths
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"model file not found: {p}")
         if split_mode not in _SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {sorted(_SPLIT_MODES)}, not {split_mode!r}")
-        problem = _gguf_problem(self.path)
-        if problem:
-            raise ModelLoadError(str(self.path), problem)
+        for p in paths:
+            problem = _gguf_problem(p)
+            if problem:
+                raise ModelLoadError(str(p), problem)
         ensure_backend()
 
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or n_gpu_layers < -1:
@@ -193,19 +201,30 @@ class Model(Handle):
             params.tensor_split = arr_split
             self._tensor_split = arr_split
 
-        errors = _ErrorLines()
-        llama_log = logging.getLogger("pyspec.llama")
-        llama_log.addHandler(errors)
-        try:
+        # the C side reads these during the load; kept for the model's life all the same
+        self._keep: list[Any] = []
+        if kv_overrides:
+            kv = kv_override_array(kv_overrides)
+            params.kv_overrides = kv
+            self._keep.append(kv)
+        if tensor_buft_overrides:
+            tb, patterns = tensor_buft_override_array(tensor_buft_overrides)
+            params.tensor_buft_overrides = tb
+            self._keep += [tb, patterns]
+
+        with capture_errors() as errors:
             if self.rpc is not None:
+                if len(paths) > 1:
+                    raise ValueError("a model split into several files loads only locally, not with rpc_servers")
                 ptr = self.rpc.load_model(str(self.path), params)
+            elif len(paths) == 1:
+                ptr = llama.llama_model_load_from_file(os.fsencode(paths[0]), params)
             else:
-                ptr = llama.llama_model_load_from_file(str(self.path).encode(), params)
-        finally:
-            llama_log.removeHandler(errors)
+                c_paths = [ffi.new("char[]", os.fsencode(p)) for p in paths]
+                ptr = llama.llama_model_load_from_splits(ffi.new("const char *[]", c_paths), len(c_paths), params)
         if ptr == ffi.NULL:
-            raise ModelLoadError(str(self.path),
-                                 errors.reason() or "llama.cpp rejected the file (see the pyspec.llama log)")
+            reason = errors.reason("error loading model:") or "llama.cpp rejected the file (see the pyspec.llama log)"
+            raise ModelLoadError(str(self.path), reason)
         self._own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
         self.vocab = Vocab(self)
         if batch_invariant and self.meta("general.file_type") in _FLOAT_FILE_TYPES \
@@ -281,26 +300,89 @@ class Model(Handle):
     def is_hybrid(self) -> bool:
         return bool(llama.llama_model_is_hybrid(self.ptr))
 
+    # --- metadata (the GGUF key/values, as llama.cpp reads them) -------------
+
     def meta(self, key: str) -> str | None:
-        """Mirrors llama_model_meta_val_str (llama.h); None when the key is absent."""
-        buf = ffi.new("char[]", 1024)
-        n = llama.llama_model_meta_val_str(self.ptr, key.encode(), buf, 1024)
-        if n < 0:
-            return None
-        if n >= 1024:
-            buf = ffi.new("char[]", n + 1)
-            llama.llama_model_meta_val_str(self.ptr, key.encode(), buf, n + 1)
-        return ffi.string(buf).decode("utf-8", "replace")
+        """Mirrors llama_model_meta_val_str (llama.h): a scalar value as text; None when absent.
+
+        (Arrays are not exposed by llama.cpp's metadata API.)
+        """
+        raw = c_text(key, "metadata key")
+        return read_str(partial(llama.llama_model_meta_val_str, self.ptr, raw))
+
+    def meta_count(self) -> int:
+        """Mirrors llama_model_meta_count: the number of scalar key/value pairs."""
+        return int(llama.llama_model_meta_count(self.ptr))
 
     def meta_dict(self) -> dict[str, str]:
+        """Every scalar metadata pair {key: value as text}, in llama.cpp's order."""
         out = {}
-        buf = ffi.new("char[]", 4096)
-        for i in range(llama.llama_model_meta_count(self.ptr)):
-            llama.llama_model_meta_key_by_index(self.ptr, i, buf, 4096)
-            key = ffi.string(buf).decode("utf-8", "replace")
-            llama.llama_model_meta_val_str_by_index(self.ptr, i, buf, 4096)
-            out[key] = ffi.string(buf).decode("utf-8", "replace")
+        for i in range(self.meta_count()):
+            key = read_str(partial(llama.llama_model_meta_key_by_index, self.ptr, i))
+            value = read_str(partial(llama.llama_model_meta_val_str_by_index, self.ptr, i))
+            if key is not None:
+                out[key] = value if value is not None else ""
         return out
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The scalar metadata as {key: text} (see meta_dict)."""
+        return self.meta_dict()
+
+    def sampling_defaults(self) -> dict[str, str]:
+        """The model's recommended sampling values (general.sampling.* keys it has), by name.
+
+        Mirrors llama_model_meta_key_str over enum llama_model_meta_key.
+        """
+        out = {}
+        for name, value in _META_KEYS.items():
+            key = ffi.string(llama.llama_model_meta_key_str(value)).decode()
+            text = self.meta(key)
+            if text is not None:
+                out[name] = text
+        return out
+
+    def chat_template(self, name: str | None = None) -> str | None:
+        """Mirrors llama_model_chat_template: the model's (named) chat template source, or None."""
+        raw = ffi.NULL if name is None else ffi.new("char[]", c_text(name, "template name"))
+        p = llama.llama_model_chat_template(self.ptr, raw)
+        return None if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace")
+
+    @property
+    def n_swa(self) -> int:
+        return int(llama.llama_model_n_swa(self.ptr))
+
+    @property
+    def rope_type(self) -> str:
+        """Mirrors llama_model_rope_type: "none", "norm", "neox", "mrope", "imrope" or "vision"."""
+        return _ROPE_TYPES.get(int(llama.llama_model_rope_type(self.ptr)), "?")
+
+    @property
+    def rope_freq_scale_train(self) -> float:
+        return float(llama.llama_model_rope_freq_scale_train(self.ptr))
+
+    @property
+    def is_diffusion(self) -> bool:
+        return bool(llama.llama_model_is_diffusion(self.ptr))
+
+    @property
+    def decoder_start_token(self) -> int:
+        """Mirrors llama_model_decoder_start_token: the decoder's first token (encoder-decoder models), else -1."""
+        return int(llama.llama_model_decoder_start_token(self.ptr))
+
+    def classifier_labels(self) -> list[str]:
+        """The labels of a classifier's outputs (llama_model_cls_label); [] for other models.
+
+        llama_model_n_cls_out is only defined for classifier models, so it is read
+        only when the model pools with RANK (the classifier head).
+        """
+        if self.meta(f"{self.meta('general.architecture')}.pooling_type") != str(_RANK_POOLING):
+            return []
+        labels = []
+        for i in range(int(llama.llama_model_n_cls_out(self.ptr))):
+            p = llama.llama_model_cls_label(self.ptr, i)
+            labels.append("" if p == ffi.NULL else ffi.string(p).decode("utf-8", "replace"))
+        return labels
 
     def target_layer_ids(self) -> np.ndarray:
         """Mirrors llama_model_target_layer_ids[_n] (llama-ext.h): EAGLE3 extract layers."""

@@ -60,6 +60,28 @@ class Vocab:
     def add_eos(self) -> bool:
         return bool(llama.llama_vocab_get_add_eos(self.ptr))
 
+    @property
+    def add_sep(self) -> bool:
+        return bool(llama.llama_vocab_get_add_sep(self.ptr))
+
+    @property
+    def sep(self) -> int:
+        """Mirrors llama_vocab_sep: the sentence separator, or -1 (LLAMA_TOKEN_NULL)."""
+        return int(llama.llama_vocab_sep(self.ptr))
+
+    @property
+    def pad(self) -> int:
+        return int(llama.llama_vocab_pad(self.ptr))
+
+    @property
+    def mask(self) -> int:
+        return int(llama.llama_vocab_mask(self.ptr))
+
+    def fim_tokens(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens {pre, suf, mid, pad, rep, sep} (-1 where the model has none)."""
+        return {name: int(getattr(llama, f"llama_vocab_fim_{name}")(self.ptr))
+                for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
+
     def check_token(self, token: int) -> int:
         """Return token as int, or raise ValueError if it is outside the vocabulary."""
         t = int(token)

@@ -16,9 +16,17 @@ int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, i
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
 
-/* struct sizes as the C++ compiler sees them (checked at load time) */
-size_t pyspec_sizeof_context_params(void);
-size_t pyspec_sizeof_model_params(void);
-size_t pyspec_sizeof_batch(void);
-size_t pyspec_sizeof_token_data_array(void);
-size_t pyspec_sizeof_perf_context_data(void);
+/* The struct layout probe: one entry per struct (field "", its size and alignment)
+   and per field (its offset and size) of the structs declared for llama.cpp's
+   headers, as the compiler sees them; pyspec.ffi checks them when it opens the
+   libraries. */
+typedef struct pyspec_layout_entry {
+    const char * type;
+    const char * field;
+    size_t       offset;
+    size_t       size;
+    size_t       align;
+} pyspec_layout_entry;
+
+size_t                      pyspec_layout_count(void);
+const pyspec_layout_entry * pyspec_layout_table(void);

@@ -19,12 +19,13 @@ for, from three things it measures on the machine it runs on:
   q1 * qn ** (k - 1) (:class:`Acceptance`);
 - the **draft cost** d(n) = d0 + d1 * n of each implementation (n-gram lookups
   cost next to nothing, a draft model a decode per token) and the loop's own
-  time per step o.
+  time per step o(b) = o0 + o1 * b, b the rows verified (each is sampled: on a
+  large vocabulary that is most of it).
 
 For a sequence that shares the step with ``n_active - 1`` others (one token
 each), a draft of n tokens is worth
 
-    rate(n) = (n_active + sum_{k=1..n} P(k accepted)) / (c(n_active + n) + d(n) + o)
+    rate(n) = (n_active + sum_{k=1..n} P(k accepted)) / (c(b) + d(n) + o(b)),  b = n_active + n
 
 and the controller picks the n in {0} U [n_lo, cap] with the highest rate; n = 0
 is plain decoding. A sequence held at 0 is probed now and then with a short
@@ -50,8 +51,8 @@ from typing import Any
 __all__ = [
     "Acceptance",
     "CostCurve",
-    "DraftCost",
     "DraftLengthController",
+    "LinearCost",
     "expected_tokens",
     "oracle_speedup",
     "shared_cost_curve",
@@ -66,12 +67,16 @@ class CostCurve:
 
     Sizes never measured are interpolated linearly between the nearest measured
     ones, and extrapolated beyond the largest with the slope of the last two.
+    The curve never falls: a size measured cheaper than a smaller one (noise on a
+    busy machine) counts as costing what the smaller one costs, so that noise
+    cannot make long drafts look free.
     """
 
     def __init__(self, window: int = 9) -> None:
         self.window = window
         self._obs: dict[int, deque[float]] = {}
-        self._median: dict[int, float] = {}
+        self._raw: dict[int, float] = {}  # the median of each size's decodes
+        self._median: dict[int, float] = {}  # the same made non-decreasing in size
         self._sizes: list[int] = []
         self._cache: dict[int, float] = {}  # cost() of any size, cleared when a median changes
 
@@ -84,7 +89,10 @@ class CostCurve:
             obs = self._obs[n_tokens] = deque(maxlen=self.window)
             self._sizes = sorted(self._obs)
         obs.append(seconds)
-        self._median[n_tokens] = statistics.median(obs)
+        self._raw[n_tokens] = statistics.median(obs)
+        prev = 0.0
+        for n in self._sizes:  # the running maximum of the medians
+            prev = self._median[n] = max(prev, self._raw[n])
         self._cache.clear()
 
     @property
@@ -252,8 +260,12 @@ class Acceptance:
 
 
 @dataclass
-class DraftCost:
-    """Seconds one draft call costs: d0 per drafting sequence plus d1 per drafted token (decayed least squares)."""
+class LinearCost:
+    """Seconds as d0 * calls + d1 * tokens (decayed least squares, never negative).
+
+    A draft call: d0 per drafting sequence plus d1 per drafted token. The loop's
+    own time in a step: d0 per step plus d1 per verified row.
+    """
 
     decay: float = 0.9
     prior_d0: float = 0.0
@@ -337,12 +349,11 @@ class DraftLengthController:
         self.curve = curve if curve is not None else CostCurve()
         self.n_min = max(0, n_min)  # a draft shorter than this is discarded by the implementation
         self.impl = impl  # the type set: its draft calls are timed together
-        self.draft_cost = DraftCost(prior_d1=draft_d1)
+        self.draft_cost = LinearCost(prior_d1=draft_d1)
+        self.step_cost = LinearCost(decay=0.95)  # the loop's own time: per step, per verified row
         self._impl: dict[tuple[str, bool | None], Acceptance] = {}
         self._seqs: dict[int, _Seq] = {}
         self._last_impl: dict[int, str] = {}
-        self.overhead_s = 0.0  # the loop's own time per step (running mean, then EWMA)
-        self._n_overhead = 0
 
     # --- what the generator reports ------------------------------------------------
 
@@ -372,13 +383,15 @@ class DraftLengthController:
             s.acc[bucket].record(n_drafted, n_accepted)
         self._last_impl[seq_id] = name
 
-    def record_overhead(self, seconds: float) -> None:
-        """The loop's own time in one step (outside the target decode and the draft call)."""
-        if seconds < 0:
-            return
-        self._n_overhead += 1
-        a = max(0.1, 1.0 / self._n_overhead)
-        self.overhead_s += a * (seconds - self.overhead_s)
+    def record_overhead(self, n_rows: int, seconds: float) -> None:
+        """The loop's own time in one step that verified ``n_rows`` rows (outside the target decode and the
+        draft call)."""
+        self.step_cost.record(1, n_rows, seconds)
+
+    def overhead(self, n_rows: int) -> float:
+        """The loop's own seconds in a step that verifies ``n_rows`` rows."""
+        o0, o1 = self.step_cost.params()
+        return o0 + o1 * n_rows
 
     # --- the decision -------------------------------------------------------------------
 
@@ -406,8 +419,11 @@ class DraftLengthController:
         rate(n) = (n_active + expected accepted tokens) / (c(n_active + n) + o [+ d(n)]): the
         expected tokens per second of the step; ``draft_cost=False`` once the draft is made.
         """
-        cost, o = self.curve.cost, self.overhead_s
+        cost = self.curve.cost
+        o0, o1 = self.step_cost.params()
+        o = o0 + o1 * n_active  # the loop's time in a step of n_active rows; each draft row adds o1
         d0, d1 = self.draft_cost.params() if draft_cost else (0.0, 0.0)
+        d1 += o1
         r0 = n_active / (cost(n_active) + o)
         best_n, best_r = 0, r0 * self.MARGIN
         tokens, p = float(n_active), q1  # n_active - 1 + expected_tokens(q1, qn, n), built up as n grows
@@ -468,7 +484,8 @@ class DraftLengthController:
 
     def summary(self) -> dict[str, Any]:
         """The measured curve (relative to one token), acceptance and draft cost."""
-        out: dict[str, Any] = {"fixed": self.fixed, "overhead_ms": round(self.overhead_s * 1e3, 3),
+        out: dict[str, Any] = {"fixed": self.fixed,
+                               "overhead_ms": [round(x * 1e3, 3) for x in self.step_cost.params()],
                                "draft_cost_ms": [round(x * 1e3, 3) for x in self.draft_cost.params()]}
         if self.curve.ready:
             out["cost_1_ms"] = round(self.curve.cost(1) * 1e3, 3)

@@ -932,7 +932,7 @@ class Engine:
         if ctl is not None and batch.n_tokens == n_verify > 0:
             # a step of verify rows only (prompt rows need no logits and cost less): the cost curve's
             ctl.record_verify(batch.n_tokens, t_verify)
-            ctl.record_overhead(time.perf_counter() - t_step - t_verify - t_draft)
+            ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft)
 
     def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
         job = s.job
