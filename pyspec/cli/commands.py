@@ -294,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pyspec.cli import bench
-    from pyspec.generation.contexts import load_models, parse_types
+    from pyspec.generation.contexts import parse_types
 
     type_sets = [parse_types(n) for n in args.types.split(",")]
     all_types = sorted({t for ts in type_sets for t in ts})
@@ -308,15 +308,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.n_prompts is not None:
         prompts = prompts[: max(1, args.n_prompts)]
 
+    log = logging.getLogger("pyspec")
+    level = log.level
     if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
-        logging.getLogger("pyspec").setLevel(logging.ERROR)
+        log.setLevel(logging.ERROR)
+    try:
+        report = _bench_report(args, type_sets, all_types, engines, prompts)
+    finally:
+        log.setLevel(level)
+    return _print_bench(args, report, prompts)
+
+
+def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_types: list[Any], engines: list[str],
+                  prompts: list[str]) -> Any:
+    from pyspec.cli import bench
+    from pyspec.generation.contexts import load_models
+
     with bench.common_log(args.verbose), load_models(
             all_types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
-        report = bench.run_bench(
+        return bench.run_bench(
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
         )
+
+
+def _print_bench(args: argparse.Namespace, report: Any, prompts: list[str]) -> int:
+    """The table (and the files asked for); the exit status."""
+    from pyspec.cli import bench
+
     mode = "batch-invariant" if args.batch_invariant else "default numerics"
     print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, greedy, {mode}, "
           f"{args.threads or 'all'} thread(s), median of {args.repeat} ({report.wall_s:.0f} s)")

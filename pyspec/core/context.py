@@ -59,10 +59,14 @@ def batch_invariant_params(model: Model, params: dict[str, Any]) -> dict[str, An
       reuses cells; the mode keeps one stream per sequence (``kv_unified=False``) and
       full-size sliding-window caches (``swa_full=True``).
 
-    Matrix products on file-layout weights compute each output element with one dot
-    product whatever the batch or thread count, and llama.cpp's tinyBLAS path (from
-    two rows on) gives the same bits as the one-row path for these types: nothing to
-    fix there (checked by the tests on the tiny models and scripts/lossless.py on Gemma).
+    Matrix products on file-layout quantized weights compute each output element with
+    one dot product whatever the batch or thread count, and llama.cpp's tinyBLAS path
+    (from two rows on) gives the same bits as the one-row path for them (checked by the
+    tests on Q8_0 copies of the tiny models and scripts/lossless.py on Gemma's Q4_K_M).
+    Float weights (F32/F16/BF16) are the exception: tinyBLAS sums their products in
+    another order than the one-row dot product, so the last bits of a row still depend
+    on its batch unless the build has no llamafile kernels (``-DGGML_LLAMAFILE=OFF``);
+    :class:`~pyspec.core.model.Model` warns when that is the case.
     """
     if not model.batch_invariant:
         raise ValueError("batch-invariant mode needs the model loaded with Model(path, batch_invariant=True): "

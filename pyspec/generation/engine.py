@@ -244,6 +244,15 @@ class Engine:
                 n_min=spec.draft.n_min if CommonSpeculativeType.DRAFT_SIMPLE in spec.types else 0,
                 impl=common_speculative_type_name_str(spec.types))
             self._calibrate()
+        # draft-simple keeps its draft context in step with the target by decoding every target batch
+        # on it (process), a decode per step even where the controller drafts nothing. With cost-aware
+        # lengths the draft context instead catches up on what the target holds just before it drafts:
+        # the same tokens at the same positions (the rejected rows never reach it), no cost while idle
+        self._draft_catch_up = (self.draft_ctl is not None and not self.draft_ctl.fixed
+                                and spec is not None and list(spec.types) == [CommonSpeculativeType.DRAFT_SIMPLE]
+                                and self.ctx_dft is not None
+                                and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.PART)
+        self._dft_batch = Batch(self.ctx_dft.n_batch, 0, 1) if self._draft_catch_up and self.ctx_dft else None
         self.slots = [_Slot(i) for i in range(self.n_parallel)]
         # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
         self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
@@ -837,6 +846,8 @@ class Engine:
                 drafting.append(s)
             if requests:
                 t0 = time.perf_counter()
+                if self._draft_catch_up:
+                    self._catch_up_draft(drafting)
                 drafts = eng.draft(requests)
                 t_draft = time.perf_counter() - t0
                 for s in drafting:
@@ -902,9 +913,10 @@ class Engine:
         ctx_tgt.decode(batch)
         t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
-        if not eng.process(batch):
-            raise PyspecError("failed to process speculative batch")
-        self._event("process", n_tokens=batch.n_tokens)
+        if not self._draft_catch_up:
+            if not eng.process(batch):
+                raise PyspecError("failed to process speculative batch")
+            self._event("process", n_tokens=batch.n_tokens)
 
         # slots whose prompt ended begin speculation; slots without a draft sample
         for s in self.slots:
@@ -933,6 +945,24 @@ class Engine:
             # a step of verify rows only (prompt rows need no logits and cost less): the cost curve's
             ctl.record_verify(batch.n_tokens, t_verify)
             ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft)
+
+    def _catch_up_draft(self, slots: Sequence[_Slot]) -> None:
+        """Decode on the draft context what the target holds of each slot's sequence and it does not yet."""
+        ctx_dft, batch = self.ctx_dft, self._dft_batch
+        assert ctx_dft is not None and batch is not None
+        mem, n_batch = ctx_dft.memory, ctx_dft.n_batch
+        batch.clear()
+        for s in slots:
+            pos = mem.seq_pos_max(s.id) + 1
+            while pos < len(s.tokens):
+                if batch.n_tokens >= n_batch:
+                    ctx_dft.decode(batch)
+                    batch.clear()
+                n = min(len(s.tokens) - pos, n_batch - batch.n_tokens)
+                batch.add_sequence(s.tokens[pos : pos + n], pos, s.id, logits_last=False)
+                pos += n
+        if batch.n_tokens:
+            ctx_dft.decode(batch)
 
     def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
         job = s.job
