@@ -253,9 +253,9 @@ def test_n_min_is_respected():
 REPEATING = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2
 
 
-def frozen(points: dict[int, float]) -> CostCurve:
+def frozen(points: dict[int, float], unit: float = 0.01) -> CostCurve:
     """A hand-made cost curve that the engine's measurements do not move."""
-    c = curve(points)
+    c = curve(points, unit)
     c.record = lambda n_tokens, seconds: None  # type: ignore[method-assign]
     return c
 
@@ -342,3 +342,23 @@ def test_engine_load_takes_the_draft_length_and_numerics_switches(adaptive):
         assert eng.draft_ctl.fixed is not adaptive
         assert eng.draft_ctl.curve.ready is adaptive  # measured at start-up only where it is used
         assert eng.ctx_tgt.batch_invariant is not adaptive
+
+
+def test_a_cheap_draft_model_catches_up_before_it_drafts(cyclic):
+    # cost-aware draft-simple does not decode every target batch on the draft context; before each
+    # draft it decodes what it missed, so its drafts continue the right text and are accepted
+    plain, _ = generate_with(cyclic, None, 32)
+    spec = spec_params([T.DRAFT_SIMPLE], n_max=4)
+    # a target decode of a second (a large model on a GPU): the tiny draft model costs next to nothing
+    ctl = DraftLengthController(curve=frozen(FLAT_CURVE, unit=1.0), impl="draft-simple")
+    with Model(tm.make_cyclic_draft()) as draft, \
+            Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            Context(draft, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx_dft:
+        spec.draft.ctx_dft = ctx_dft
+        with SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as g:
+            assert g.engine._draft_catch_up
+            (r,) = g.generate([REPEATING], 32)
+            stats = g.stats
+    assert stats.n_drafted > 8
+    assert stats.n_accepted == stats.n_drafted
+    assert r.tokens == plain

@@ -819,7 +819,7 @@ class Engine:
     def _update(self, batch: Batch) -> None:
         ctx_tgt, ctx_dft, eng, ctl = self.ctx_tgt, self.ctx_dft, self.backend, self.draft_ctl
         t_step = time.perf_counter()
-        t_draft = 0.0
+        t_draft = t_skip = 0.0
         generating = [s for s in self.slots if s.generating]
         use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
         use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
@@ -846,8 +846,10 @@ class Engine:
                 drafting.append(s)
             if requests:
                 t0 = time.perf_counter()
-                if self._draft_catch_up:
-                    self._catch_up_draft(drafting)
+                if self._draft_catch_up and self._catch_up_draft(drafting) > len(drafting) * (self._spec_n_max + 1):
+                    # a prompt (or a long pause) caught up: no part of what a draft costs from step to step
+                    t_skip = time.perf_counter() - t0
+                    t0 += t_skip
                 drafts = eng.draft(requests)
                 t_draft = time.perf_counter() - t0
                 for s in drafting:
@@ -944,25 +946,30 @@ class Engine:
         if ctl is not None and batch.n_tokens == n_verify > 0:
             # a step of verify rows only (prompt rows need no logits and cost less): the cost curve's
             ctl.record_verify(batch.n_tokens, t_verify)
-            ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft)
+            ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft - t_skip)
 
-    def _catch_up_draft(self, slots: Sequence[_Slot]) -> None:
-        """Decode on the draft context what the target holds of each slot's sequence and it does not yet."""
+    def _catch_up_draft(self, slots: Sequence[_Slot]) -> int:
+        """Decode on the draft context what the target holds of each slot's sequence and it does not yet;
+        returns the number of tokens decoded."""
         ctx_dft, batch = self.ctx_dft, self._dft_batch
         assert ctx_dft is not None and batch is not None
         mem, n_batch = ctx_dft.memory, ctx_dft.n_batch
         batch.clear()
+        n_done = 0
         for s in slots:
             pos = mem.seq_pos_max(s.id) + 1
             while pos < len(s.tokens):
                 if batch.n_tokens >= n_batch:
                     ctx_dft.decode(batch)
+                    n_done += batch.n_tokens
                     batch.clear()
                 n = min(len(s.tokens) - pos, n_batch - batch.n_tokens)
                 batch.add_sequence(s.tokens[pos : pos + n], pos, s.id, logits_last=False)
                 pos += n
         if batch.n_tokens:
             ctx_dft.decode(batch)
+            n_done += batch.n_tokens
+        return n_done
 
     def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
         job = s.job
