@@ -70,7 +70,8 @@ def test_greedy_speculation_equals_plain_greedy_decoding(models, t, n_seq):
     base = [ctx.model.vocab.tokenize(text) for text in PROMPTS[:n_seq]]
     prompts = [b + w for b, w in zip(base, plain_greedy(ctx, base, 20), strict=False)]
     expected = plain_greedy(ctx, prompts, 32)
-    with SpeculativeGenerator(ctx, p, greedy_sampling()) as g:
+    # llama.cpp's fixed draft lengths, so that drafts are verified whatever this machine's costs
+    with SpeculativeGenerator(ctx, p, greedy_sampling(), adaptive_draft=False) as g:
         results = g.generate(prompts, 32)
         stats = g.stats
     assert [len(r.tokens) for r in results] == [32] * n_seq
