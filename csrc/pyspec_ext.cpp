@@ -6,6 +6,9 @@
 
 #include "llama.h"
 #include "llama-ext.h"
+#include "llama-context.h"
+
+#include "ggml-backend.h"
 
 #include <cstddef>
 
@@ -54,6 +57,42 @@ void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_
     for (llama_token token_id = 0; token_id < n_vocab; token_id++) {
         dst[token_id] = llama_token_data{token_id, logits[token_id], 0.0f};
     }
+}
+
+// Batch-invariant mode (pyspec.core.context): ggml-cpu's reference switch
+// (ggml_backend_cpu_set_use_ref) on every CPU backend of a context. With it,
+// flash attention runs one kernel whatever the batch (no query tiling from 64
+// rows on, no KV splitting across threads for a single query) and no ops are
+// fused, so a row's result does not depend on the batch it was computed in.
+// llama.h does not expose a context's backends; the scheduler does. Returns the
+// number of CPU backends switched; *n_other receives the number of backends
+// of other kinds (GPU, accelerators), which the switch does not reach.
+int32_t pyspec_context_set_cpu_use_ref(llama_context * ctx, bool value, int32_t * n_other) {
+    ggml_backend_sched_t sched  = ctx->get_sched();
+    int32_t              n_cpu  = 0;
+    int32_t              n_rest = 0;
+    const int            n      = sched != nullptr ? ggml_backend_sched_get_n_backends(sched) : 0;
+    for (int i = 0; i < n; ++i) {
+        ggml_backend_t     backend = ggml_backend_sched_get_backend(sched, i);
+        ggml_backend_dev_t dev     = ggml_backend_get_device(backend);
+        if (dev == nullptr || ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            n_rest++;
+            continue;
+        }
+        using set_use_ref_t = void (*)(ggml_backend_t, bool);
+        auto set_use_ref    = (set_use_ref_t) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                                "ggml_backend_cpu_set_use_ref");
+        if (set_use_ref == nullptr) {
+            n_rest++;
+            continue;
+        }
+        set_use_ref(backend, value);
+        n_cpu++;
+    }
+    if (n_other != nullptr) {
+        *n_other = n_rest;
+    }
+    return n_cpu;
 }
 
 // The layout of every struct that pyspec/decl declares for a llama.cpp header,

@@ -370,8 +370,12 @@ struct loop {
                 continue;
             }
             const int32_t n_draft = (int32_t) s->spec_draft.size();
-            sampler_ptr saved(pyspec_ref_sampler_clone(smpls[s->id].get()));
-            if (!saved) {
+            // the server clones the sampler before every verification; only a checkpoint restore
+            // uses the copy, which a target that can drop part of a sequence never needs
+            const bool may_restore = use_ckpt_tgt_full ||
+                (tgt_seq_rm_type == COMMON_CONTEXT_SEQ_RM_TYPE_RS && (uint32_t) n_draft > llama_n_rs_seq(ctx_tgt));
+            sampler_ptr saved(may_restore ? pyspec_ref_sampler_clone(smpls[s->id].get()) : nullptr);
+            if (may_restore && !saved) {
                 fail(PYSPEC_REF_E_EXCEPTION, "common_sampler_clone failed");
             }
             accept_buf.resize((size_t) n_draft + 1);

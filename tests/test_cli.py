@@ -93,16 +93,22 @@ def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys
     assert rc == 0
     data = json.loads(js.read_text())
     rows = {(r["type"], r["engine"]): r for r in data["rows"]}
-    assert set(rows) == {(t, e) for t in ("none", "ngram-simple") for e in ("python", "cpp", "loop")}
+    assert set(rows) == {(t, e) for t in ("none", "ngram-simple") for e in ("python", "fixed", "loop")}
     for r in data["rows"]:
-        assert {"acceptance", "gen_tps", "speedup", "cpp_ratio", "overhead_us_per_step", "identical",
-                "n_drafted", "n_accepted"} <= set(r)
+        assert {"acceptance", "gen_tps", "speedup", "speedup_prompts", "speedup_min", "bound", "cpp_ratio",
+                "overhead_us_per_step", "same_as_plain", "identical", "n_drafted", "n_accepted"} <= set(r)
         assert r["gen_tps"] > 0
-        assert r["identical"] is True
+    # the fixed engine makes llama.cpp's decisions: the C++ loop's tokens, its drafts
+    assert rows[("ngram-simple", "fixed")]["identical"] is True
+    assert rows[("ngram-simple", "fixed")]["n_drafted"] == rows[("ngram-simple", "loop")]["n_drafted"]
     assert rows[("none", "python")]["speedup"] == pytest.approx(1.0)
-    assert rows[("ngram-simple", "python")]["n_accepted"] > 0
+    assert rows[("ngram-simple", "fixed")]["n_accepted"] > 0
+    assert rows[("ngram-simple", "fixed")]["bound"] > 0
+    assert rows[("ngram-simple", "python")]["bound"] == rows[("ngram-simple", "fixed")]["bound"]
     assert rows[("ngram-simple", "python")]["cpp_ratio"] > 0
     assert rows[("ngram-simple", "loop")]["cpp_ratio"] is None
+    assert len(rows[("ngram-simple", "python")]["speedup_prompts"]) == 1
+    assert set(data["cost_curve"]) >= {"1", "2"}
     assert data["n_predict"] == 16 and data["repeat"] == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ngram-simple" in out and "speed-up" in out
@@ -158,3 +164,15 @@ def test_eagle3_without_a_draft_model_is_an_error(tmp_path, capsys):
 def test_unknown_bench_engine_is_an_error(capsys):
     assert cli.main(["bench", "--tiny", "--engines", "python,rust", "--n-predict", "4"]) == 1
     assert "unknown engine rust" in capsys.readouterr().err
+
+
+def test_run_says_how_draft_lengths_are_chosen_and_which_numerics_it_used(capsys):
+    assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "-p", "hello world", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert _stat(out, "draft length").startswith("cost-aware; verify cost per batch size")
+    assert _stat(out, "numerics") == "default"
+    assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "-p", "hello world", "--quiet", "--fixed-draft",
+                     "--batch-invariant"]) == 0
+    out = capsys.readouterr().out
+    assert _stat(out, "draft length").startswith("fixed")
+    assert _stat(out, "numerics").startswith("batch-invariant")

@@ -88,7 +88,7 @@ def _outcome(rs: list[SequenceResult]) -> tuple:
 
 def _driver(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], engine: str,
             n_predict: int) -> tuple:
-    with SpeculativeGenerator(ctx, spec, n_seq=len(prompts), engine=engine) as gen:
+    with SpeculativeGenerator(ctx, spec, n_seq=len(prompts), engine=engine, adaptive_draft=False) as gen:
         return _outcome(gen.generate(prompts, n_predict))
 
 

@@ -1,16 +1,25 @@
 """Benchmark: plain decoding, each speculative type, and the C++ reference loop on the same models.
 
-Every run gets fresh contexts and greedy sampling. Three engines run each type:
+Every run gets fresh contexts and greedy sampling. The engines:
 
-- ``python``: the generation driver over the Python port;
-- ``cpp``: the same driver over the C++ reference implementation;
-- ``loop``: the whole loop in C++ (:func:`pyspec.reference.loop.cpp_generate`), the baseline.
+- ``python``: the generation driver over the Python port, with the cost-aware
+  draft length (:mod:`pyspec.generation.draft_length`), as pyspec runs by default;
+- ``fixed``: the same driver with llama.cpp's fixed draft lengths;
+- ``cpp``: the driver over the C++ reference implementation (fixed draft lengths);
+- ``loop``: the whole loop in C++ (:func:`pyspec.reference.loop.cpp_generate`,
+  fixed draft lengths), the baseline of the Python layer's cost.
 
-The report gives, per type and engine, the acceptance rate, the generation
-speed (median of the repeats; each repeat sums all prompts), the speed-up over
-plain decoding on the same engine, the ratio to the C++ loop, the wall time per
-step outside llama_decode / llama_encode, and whether the tokens equal the C++
-loop's for every prompt.
+Configurations are interleaved (repeats outermost, then prompts, types, engines),
+so a change in the machine's speed touches all of them alike. The report gives,
+per type and engine: the acceptance; the generation speed (median over repeats;
+each repeat sums all prompts); the speed-up over plain decoding on the same
+engine, over all prompts and for the worst prompt (median over repeats of the
+paired ratio); the **bound**, the most any choice of draft lengths could gain
+with the drafts the implementation made (from a fixed-length run, on the verify
+cost curve measured in this run: :func:`~pyspec.generation.draft_length.oracle_speedup`);
+the ratio to the C++ loop; the wall time per step outside llama_decode /
+llama_encode; whether the tokens equal plain decoding's, and the C++ loop's, for
+every prompt and repeat.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Any
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_type_to_str
 from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
+from pyspec.generation.draft_length import CostCurve, oracle_speedup
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.statistics import GenerationStats, SequenceResult
 
@@ -35,7 +45,9 @@ __all__ = [
     "run_once", "write_json", "write_plot",
 ]
 
-ENGINES = ("python", "cpp", "loop")
+ENGINES = ("python", "fixed", "cpp", "loop")
+# engines that run the port with llama.cpp's fixed draft lengths, whose drafts give the bound
+_FIXED = ("fixed", "cpp")
 
 # continuations with repeated structure, where n-gram drafts have something to find
 BUILTIN_PROMPTS: tuple[str, ...] = (
@@ -119,6 +131,12 @@ class Run:
     n_steps: int
     n_drafted: int
     n_accepted: int
+    t_draft_s: float = 0.0
+    drafts: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def tps(self) -> float:
+        return self.n_gen_tokens / self.t_gen_s if self.t_gen_s > 0 else 0.0
 
 
 @dataclass
@@ -133,10 +151,18 @@ class Row:
     acceptance: float
     gen_tps: float  # median over repeats of (tokens of all prompts / their generation time)
     gen_tps_runs: list[float]
-    speedup: float | None  # over plain decoding (type none) on the same engine
+    speedup: float | None  # over plain decoding (type none) on the same engine, all prompts
+    speedup_prompts: list[float]  # per prompt: median over repeats of the paired ratio to plain decoding
+    bound: float | None  # the most draft lengths chosen with foresight could gain (all prompts)
+    bound_prompts: list[float]
     cpp_ratio: float | None  # gen_tps / the C++ loop's gen_tps for the type
     overhead_us_per_step: float
+    same_as_plain: bool | None  # tokens equal plain decoding's for every prompt and repeat
     identical: bool | None  # tokens equal the C++ loop's (or, without it, the other engine's) for every prompt
+
+    @property
+    def speedup_min(self) -> float | None:
+        return min(self.speedup_prompts) if self.speedup_prompts else None
 
 
 @dataclass
@@ -147,6 +173,7 @@ class Report:
     prompts: list[str]
     params: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
+    cost_curve: dict[int, float] = field(default_factory=dict)  # verify seconds per batch size (medians)
     wall_s: float = 0.0
 
     def row(self, type_name: str, engine: str) -> Row | None:
@@ -156,7 +183,10 @@ class Report:
         return None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for row, out in zip(self.rows, d["rows"], strict=True):
+            out["speedup_min"] = row.speedup_min
+        return d
 
 
 def run_once(
@@ -167,8 +197,12 @@ def run_once(
     n_predict: int,
     spec_kw: dict[str, Any],
     ctx_kw: dict[str, Any],
+    curve: CostCurve | None = None,
 ) -> tuple[SequenceResult, GenerationStats]:
-    """One greedy generation on fresh contexts; returns the result and the statistics."""
+    """One greedy generation on fresh contexts; returns the result and the statistics.
+
+    ``curve``, when given, receives the verify cost curve the run measured (or shared).
+    """
     spec = spec_params(types, **spec_kw)
     with open_contexts(models, spec, **ctx_kw) as cs:
         if engine == "loop":
@@ -176,8 +210,13 @@ def run_once(
 
             (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
             return res, st
-        with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1, engine=engine) as gen:
+        with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1,
+                                  engine="cpp" if engine == "cpp" else "python",
+                                  adaptive_draft=engine == "python") as gen:
             (res,) = gen.generate([prompt], n_predict)
+            if curve is not None and gen.draft_ctl is not None:
+                for n, c in gen.draft_ctl.curve.as_dict().items():
+                    curve.record(n, c)
             return res, gen.stats
 
 
@@ -189,7 +228,7 @@ def run_bench(
     models: ModelSet,
     type_sets: Sequence[Sequence[T]],
     *,
-    engines: Sequence[str] = ENGINES,
+    engines: Sequence[str] = ("python", "fixed", "loop"),
     prompts: Sequence[str] = BUILTIN_PROMPTS,
     n_predict: int = 96,
     repeat: int = 3,
@@ -204,68 +243,106 @@ def run_bench(
     t_start = time.perf_counter()
     sets = [[T.NONE]] + [list(ts) for ts in type_sets if list(ts) != [T.NONE]]
     report = Report(model_name, n_predict, repeat, list(prompts), {**spec_kw, **ctx_kw, "engines": list(engines)})
+    curve = CostCurve(window=999)
 
     # warm-up: page the weights in, so the first timed run is not the slowest
     run_once(models, [T.NONE], "python", prompts[0], min(8, n_predict), spec_kw, ctx_kw)
 
+    def plan(types: list[T]) -> list[str]:
+        # plain decoding is the same for python and fixed: run it once
+        if types == [T.NONE] and "python" in engines:
+            return [e for e in engines if e != "fixed"]
+        return list(engines)
+
     runs: list[Run] = []
-    total = repeat * len(prompts) * len(sets) * len(engines)
+    total = repeat * len(prompts) * sum(len(plan(ts)) for ts in sets)
     done = 0
     # repeats outermost, so drift in the machine's speed touches every configuration alike
     for rep in range(repeat):
         for ip, prompt in enumerate(prompts):
             for types in sets:
-                for engine in engines:
-                    res, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw)
+                for engine in plan(types):
+                    res, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw, curve)
                     runs.append(Run(_type_key(types), engine, ip, rep, list(res.tokens), st.n_gen_tokens,
-                                    st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted))
+                                    st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted,
+                                    st.t_draft_s, list(st.drafts)))
                     done += 1
                     if progress is not None:
                         progress(f"[{done}/{total}] repeat {rep + 1} prompt {ip + 1} {_type_key(types):<14} "
                                  f"{engine:<6} {st.gen_tps:7.1f} tok/s  accepted {st.n_accepted}/{st.n_drafted}")
+    if "fixed" in engines and "python" in engines:  # the plain runs stand for both
+        runs += [Run(**{**asdict(r), "engine": "fixed"}) for r in runs if r.type == "none" and r.engine == "python"]
+    report.cost_curve = curve.as_dict()
+    _summarise(report, runs, sets, engines, repeat, len(prompts), curve)
+    report.wall_s = time.perf_counter() - t_start
+    return report
 
+
+def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Sequence[str], repeat: int,
+               n_prompts: int, curve: CostCurve) -> None:
+    def select(type_key: str, engine: str, prompt: int | None = None, rep: int | None = None) -> list[Run]:
+        return [r for r in runs if r.type == type_key and r.engine == engine
+                and (prompt is None or r.prompt == prompt) and (rep is None or r.repeat == rep)]
+
+    def tps(rr: list[Run]) -> float:
+        t = sum(r.t_gen_s for r in rr)
+        return sum(r.n_gen_tokens for r in rr) / t if t > 0 else 0.0
+
+    def bound(rr: list[Run]) -> float | None:
+        if not rr or not curve.ready:
+            return None
+        return oracle_speedup(curve, [d for r in rr for d in r.drafts], sum(r.n_steps for r in rr),
+                              sum(r.n_gen_tokens for r in rr), sum(r.t_draft_s for r in rr))
+
+    fixed_engine = next((e for e in _FIXED if e in engines), None)
     for types in sets:
         key = _type_key(types)
         for engine in engines:
-            mine = [r for r in runs if r.type == key and r.engine == engine]
-            per_rep = []
-            for rep in range(repeat):
-                rr = [r for r in mine if r.repeat == rep]
-                t = sum(r.t_gen_s for r in rr)
-                per_rep.append(sum(r.n_gen_tokens for r in rr) / t if t > 0 else 0.0)
+            mine = select(key, engine)
+            per_rep = [tps(select(key, engine, rep=k)) for k in range(repeat)]
+            plain_rep = [tps(select("none", engine, rep=k)) for k in range(repeat)]
+            per_prompt = []
+            for ip in range(n_prompts):
+                ratios = [tps(select(key, engine, ip, k)) / p for k in range(repeat)
+                          if (p := tps(select("none", engine, ip, k))) > 0]
+                per_prompt.append(statistics.median(ratios) if ratios else 0.0)
+            spec = key != "none"
+            src = select(key, fixed_engine) if spec and fixed_engine else []
             n_steps = sum(r.n_steps for r in mine)
             outside = sum(max(0.0, r.t_gen_s - r.t_decode_gen_s) for r in mine)
             n_drafted = sum(r.n_drafted for r in mine) // repeat
             n_accepted = sum(r.n_accepted for r in mine) // repeat
+            plains = {(r.prompt, r.repeat): r.tokens for r in select("none", engine)}
             report.rows.append(Row(
                 type=key, engine=engine,
                 n_gen_tokens=sum(r.n_gen_tokens for r in mine) // repeat,
                 n_drafted=n_drafted, n_accepted=n_accepted,
                 acceptance=n_accepted / n_drafted if n_drafted else 0.0,
                 gen_tps=statistics.median(per_rep), gen_tps_runs=per_rep,
-                speedup=None, cpp_ratio=None,
+                speedup=statistics.median([a / b for a, b in zip(per_rep, plain_rep, strict=True) if b > 0] or [0.0]),
+                speedup_prompts=per_prompt,
+                bound=bound(src) if spec else None,
+                bound_prompts=[b for ip in range(n_prompts) if (b := bound([r for r in src if r.prompt == ip]))]
+                if spec else [],
+                cpp_ratio=None,
                 overhead_us_per_step=outside / n_steps * 1e6 if n_steps else 0.0,
+                same_as_plain=all(plains.get((r.prompt, r.repeat)) == r.tokens for r in mine) if spec else None,
                 identical=None,
             ))
 
-    # speed-ups, ratios to the C++ loop, token identity
+    # ratios to the C++ loop (same draft lengths for fixed and cpp), token identity with it
     baseline = "loop" if "loop" in engines else ("cpp" if "cpp" in engines else None)
     for row in report.rows:
-        plain = report.row("none", row.engine)
-        if plain is not None and plain.gen_tps > 0:
-            row.speedup = row.gen_tps / plain.gen_tps
         if baseline is None:
             continue
-        other = "python" if row.engine == baseline else baseline
         base = report.row(row.type, baseline)
         if row.engine != "loop" and "loop" in engines and base is not None and base.gen_tps > 0:
             row.cpp_ratio = row.gen_tps / base.gen_tps
-        if other in engines and other != row.engine:
-            mine_toks = {(r.prompt, r.repeat): r.tokens for r in runs if r.type == row.type and r.engine == row.engine}
-            theirs = {(r.prompt, r.repeat): r.tokens for r in runs if r.type == row.type and r.engine == other}
-            row.identical = all(mine_toks[k] == theirs.get(k) for k in mine_toks)
-    report.wall_s = time.perf_counter() - t_start
-    return report
+        other = baseline if row.engine != baseline else next((e for e in engines if e != baseline), None)
+        if other is not None:
+            mine_t = {(r.prompt, r.repeat): r.tokens for r in select(row.type, row.engine)}
+            theirs = {(r.prompt, r.repeat): r.tokens for r in select(row.type, other)}
+            row.identical = all(mine_t[k] == theirs.get(k) for k in mine_t)
 
 
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:
@@ -273,9 +350,11 @@ def _fmt(x: float | None, spec: str, none: str = "-") -> str:
 
 
 def format_table(report: Report) -> str:
-    """The report as a text table."""
-    head = ("type", "engine", "accept", "drafted", "gen tok/s", "speed-up", "vs C++", "overhead", "same tokens")
-    lines = [head, ("", "", "", "", "(median)", "vs plain", "loop", "µs/step", "as C++ loop")]
+    """The report as a text table, then the measured verify cost curve."""
+    yn = {None: "-", True: "yes", False: "NO"}
+    head = ("type", "engine", "accept", "drafted", "gen tok/s", "speed-up", "worst", "bound", "vs C++", "overhead",
+            "same as", "same as")
+    lines = [head, ("", "", "", "", "(median)", "vs plain", "prompt", "", "loop", "µs/step", "plain", "C++ loop")]
     for r in report.rows:
         spec = r.type != "none"
         lines.append((
@@ -284,23 +363,31 @@ def format_table(report: Report) -> str:
             f"{r.n_accepted}/{r.n_drafted}" if spec else "-",
             f"{r.gen_tps:.1f}",
             _fmt(r.speedup, ".2f") + ("x" if r.speedup is not None else ""),
+            _fmt(r.speedup_min, ".2f") + ("x" if r.speedup_min is not None else "") if spec else "-",
+            _fmt(r.bound, ".2f") + ("x" if r.bound is not None else ""),
             _fmt(r.cpp_ratio, ".3f"),
             f"{r.overhead_us_per_step:.0f}",
-            {None: "-", True: "yes", False: "NO"}[r.identical],
+            yn[r.same_as_plain], yn[r.identical],
         ))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = []
     for k, line in enumerate(lines):
         cells = (str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                 for i, (c, w) in enumerate(zip(line, widths, strict=False)))
+                 for i, (c, w) in enumerate(zip(line, widths, strict=True)))
         out.append("  ".join(cells))
         if k == 1:
             out.append("  ".join("-" * w for w in widths))
-    if any(r.type != "none" and r.engine != "python" for r in report.rows) and any(
+    out.append("bound: the speed-up if every step verified exactly the draft tokens that get accepted (the drafts "
+               "of the fixed-length run,\non the verify cost curve below); worst prompt: the lowest per-prompt "
+               "speed-up (median over repeats of the paired ratio).")
+    if report.cost_curve:
+        c1 = report.cost_curve.get(1) or min(report.cost_curve.values())
+        pts = "  ".join(f"{n}:{v / c1:.2f}" for n, v in sorted(report.cost_curve.items()))
+        out.append(f"verify cost per batch size, x one-token decode ({c1 * 1e3:.2f} ms): {pts}")
+    if any(r.engine in ("cpp", "loop") for r in report.rows) and any(
             t in r.type for r in report.rows for t in ("draft-simple", "draft-eagle3", "draft-mtp")):
-        out.append("overhead: wall time per target step outside the timed llama_decode/llama_encode calls; "
-                   "a draft model's decoding runs\ninside C++ on the cpp and loop engines, so there it counts "
-                   "as overhead (on python it does not).")
+        out.append("overhead: a draft model's decoding runs inside C++ on the cpp and loop engines, so there it "
+                   "counts as overhead (on python and fixed it does not).")
     return "\n".join(out)
 
 
@@ -309,7 +396,7 @@ def write_json(report: Report, path: str | Path) -> None:
 
 
 def write_plot(report: Report, path: str | Path) -> None:
-    """A PNG with two panels: acceptance per type, and speed-up over plain decoding per type and engine."""
+    """A PNG: measured speed-up against the bound per type, and each prompt's speed-up beside its bound."""
     try:
         import matplotlib
 
@@ -318,28 +405,41 @@ def write_plot(report: Report, path: str | Path) -> None:
     except ImportError:
         raise ImportError("--plot needs matplotlib: pip install matplotlib") from None
 
-    types = [t for t in dict.fromkeys(r.type for r in report.rows) if t != "none"]
-    engines = list(dict.fromkeys(r.engine for r in report.rows))
-    fig, (ax_acc, ax_spd) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = list(range(len(types)))
-    first = engines[0] if engines else "python"
-    acc = [(report.row(t, first) or report.rows[0]).acceptance * 100 for t in types]
-    ax_acc.bar(xs, acc, color="tab:blue")
-    ax_acc.set_xticks(xs, types, rotation=20, ha="right")
-    ax_acc.set_ylabel("draft tokens accepted (%)")
-    ax_acc.set_ylim(0, 105)
-    ax_acc.set_title("acceptance")
-    width = 0.8 / max(1, len(engines))
-    for k, eng in enumerate(engines):
-        vals = [((report.row(t, eng) or report.rows[0]).speedup or 0.0) for t in types]
-        ax_spd.bar([x + (k - (len(engines) - 1) / 2) * width for x in xs], vals, width, label=eng)
-    ax_spd.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax_spd.set_xticks(xs, types, rotation=20, ha="right")
-    ax_spd.set_ylabel("generation speed / plain decoding")
-    ax_spd.set_title("speed-up over plain decoding")
-    ax_spd.legend(title="engine", fontsize=8)
-    fig.suptitle(f"{Path(report.model).name or 'model'}: {len(report.prompts)} prompts, "
-                 f"n_predict {report.n_predict}, median of {report.repeat}", fontsize=10)
+    engine = "python" if report.row("none", "python") else report.rows[0].engine
+    rows = [r for r in report.rows if r.engine == engine and r.type != "none"]
+    fig, (ax_b, ax_p) = plt.subplots(1, 2, figsize=(12, 4.6))
+    top = max([1.2] + [x for r in rows for x in (r.bound or 0, r.speedup or 0)]) * 1.08
+    ax_b.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle=":", label="speed-up = bound")
+    ax_b.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    for r in rows:
+        if r.bound is None or r.speedup is None:
+            continue
+        ax_b.scatter([r.bound], [r.speedup], s=30)
+        ax_b.annotate(r.type, (r.bound, r.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax_b.set_xlim(0, top)
+    ax_b.set_ylim(0, top)
+    ax_b.set_xlabel("bound: best draft lengths with foresight (x plain)")
+    ax_b.set_ylabel(f"measured speed-up ({engine}, x plain)")
+    ax_b.set_title("speed-up against the bound")
+    ax_b.legend(fontsize=8, loc="upper left")
+
+    n_p = len(report.prompts)
+    xs = list(range(len(rows)))
+    width = 0.8 / max(1, n_p)
+    for ip in range(n_p):
+        off = (ip - (n_p - 1) / 2) * width
+        vals = [r.speedup_prompts[ip] if ip < len(r.speedup_prompts) else 0.0 for r in rows]
+        ax_p.bar([x + off for x in xs], vals, width, label=f"prompt {ip + 1}")
+        bounds = [r.bound_prompts[ip] if ip < len(r.bound_prompts) else None for r in rows]
+        ax_p.scatter([x + off for x, b in zip(xs, bounds, strict=True) if b],
+                     [b for b in bounds if b], marker="_", s=120, color="black")
+    ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax_p.set_xticks(xs, [r.type for r in rows], rotation=20, ha="right")
+    ax_p.set_ylabel("speed-up over plain decoding")
+    ax_p.set_title("per prompt (black: its bound)")
+    ax_p.legend(fontsize=8)
+    fig.suptitle(f"{Path(report.model).name or 'model'}: {n_p} prompts, n_predict {report.n_predict}, "
+                 f"median of {report.repeat}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)

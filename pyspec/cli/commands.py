@@ -72,6 +72,9 @@ def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = No
     g.add_argument("--main-gpu", "-mg", type=int, default=0, help="the offload device of --split-mode none")
     g.add_argument("--draft-device", "-devd",
                    help="offload devices of the draft model ('none': the CPU; default: as the target)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="lossless mode: every row's logits independent of its batch (no weight repacking, "
+                        "one attention kernel), so speculative output equals plain decoding's")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
@@ -99,7 +102,7 @@ def _device_list(text: str | None) -> list[str] | None:
 def _models_kw(args: argparse.Namespace) -> dict[str, Any]:
     """load_models keywords for the placement options."""
     kw: dict[str, Any] = {"n_gpu_layers": args.n_gpu_layers, "split_mode": args.split_mode, "main_gpu": args.main_gpu,
-                          "devices": _device_list(args.device)}
+                          "devices": _device_list(args.device), "batch_invariant": args.batch_invariant}
     if args.rpc:
         kw["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
     if args.tensor_split:
@@ -165,11 +168,14 @@ class _Progress:
                 print(file=sys.stderr)
 
 
-def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) -> str:
-    """The statistics block printed after the text."""
+def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str, draft_ctl: Any = None,
+                 batch_invariant: bool = False) -> str:
+    """The statistics block printed after the text (``draft_ctl``: the generator's DraftLengthController)."""
     lines = [
         "--- statistics ---",
         f"types         {types} (engine {engine})",
+        "numerics      " + ("batch-invariant (speculation gives plain decoding's tokens)" if batch_invariant
+                             else "default"),
         f"prompt        {stats.n_prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s",
         f"generated     {stats.n_gen_tokens} tokens, {stats.gen_tps:.1f} tok/s, {stats.n_steps} steps "
         f"(stop: {', '.join(r.stop_reason for r in results)})",
@@ -179,6 +185,14 @@ def format_stats(stats: Any, results: Sequence[Any], types: str, engine: str) ->
         + (" (the C++ draft model's decoding included)" if engine == "cpp" and any(
             i.name.startswith("draft-") for i in stats.impls) else ""),
     ]
+    if draft_ctl is not None:
+        if draft_ctl.fixed:
+            lines.append("draft length  fixed (llama.cpp's n_max / n_min)")
+        else:
+            curve = draft_ctl.curve
+            rel = "  ".join(f"{n}:{v:.2f}" for n, v in curve.relative().items()) if curve.ready else "not measured"
+            lines.append(f"draft length  cost-aware; verify cost per batch size, x one-token decode "
+                         f"({curve.cost(1) * 1e3 if curve.ready else 0:.2f} ms): {rel}")
     for imp in stats.impls:
         counters = " ".join(f"{k}={v}" for k, v in vars(imp).items() if k != "name")
         lines.append(f"impl {imp.name:<8} {counters}")
@@ -210,7 +224,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             load_models(types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
-            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine) as gen:
+            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine,
+                                      adaptive_draft=not args.fixed_draft) as gen:
                 stream = n_seq == 1 and not args.quiet
                 progress = _Progress(enabled=not stream)
 
@@ -230,7 +245,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     for r in results:
                         print(f"--- sequence {r.seq_id} ---")
                         print(r.text)
-                print(format_stats(gen.stats, results, common_speculative_type_name_str(types), args.engine))
+                print(format_stats(gen.stats, results, common_speculative_type_name_str(types), args.engine,
+                                   gen.draft_ctl, cs.ctx_tgt.batch_invariant))
     return 0
 
 
@@ -261,7 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine.load(args.model, types=args.types, draft=args.draft, tiny=args.tiny,
                              n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
                              n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
-                             slot_similarity=args.slot_prompt_similarity, **_spec_kw(args))
+                             slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
+                             batch_invariant=args.batch_invariant, **_spec_kw(args))
         name = args.alias or (Path(args.model).stem if args.model else
                               ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
         defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
@@ -277,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pyspec.cli import bench
-    from pyspec.generation.contexts import load_models, parse_types
+    from pyspec.generation.contexts import parse_types
 
     type_sets = [parse_types(n) for n in args.types.split(",")]
     all_types = sorted({t for ts in type_sets for t in ts})
@@ -288,21 +305,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeat <= 0 or args.n_predict <= 0:
         raise CliError("--repeat and --n-predict must be positive")
     prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
-    n_prompts = args.n_prompts if args.n_prompts is not None else (None if args.prompt_file else 2)
-    if n_prompts is not None:
-        prompts = prompts[: max(1, n_prompts)]
+    if args.n_prompts is not None:
+        prompts = prompts[: max(1, args.n_prompts)]
 
+    log = logging.getLogger("pyspec")
+    level = log.level
     if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
-        logging.getLogger("pyspec").setLevel(logging.ERROR)
+        log.setLevel(logging.ERROR)
+    try:
+        report = _bench_report(args, type_sets, all_types, engines, prompts)
+    finally:
+        log.setLevel(level)
+    return _print_bench(args, report, prompts)
+
+
+def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_types: list[Any], engines: list[str],
+                  prompts: list[str]) -> Any:
+    from pyspec.cli import bench
+    from pyspec.generation.contexts import load_models
+
     with bench.common_log(args.verbose), load_models(
             all_types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
-        report = bench.run_bench(
+        return bench.run_bench(
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
         )
-    print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, "
-          f"greedy, median of {args.repeat} ({report.wall_s:.0f} s)")
+
+
+def _print_bench(args: argparse.Namespace, report: Any, prompts: list[str]) -> int:
+    """The table (and the files asked for); the exit status."""
+    from pyspec.cli import bench
+
+    mode = "batch-invariant" if args.batch_invariant else "default numerics"
+    print(f"model {report.model}: {len(prompts)} prompts, n_predict {args.n_predict}, greedy, {mode}, "
+          f"{args.threads or 'all'} thread(s), median of {args.repeat} ({report.wall_s:.0f} s)")
     print(bench.format_table(report))
     if args.json:
         bench.write_json(report, args.json)
@@ -310,6 +347,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         bench.write_plot(report, args.plot)
         print(f"wrote {args.plot}")
+    if any(r.same_as_plain is False for r in report.rows) and not args.batch_invariant:
+        print("note: some speculative outputs differ from plain decoding: a token's logits depend on its batch "
+              "in the default numerics (--batch-invariant makes them equal)", file=sys.stderr)
     if any(r.identical is False for r in report.rows):
         print("warning: some outputs differ from the C++ loop's", file=sys.stderr)
         return EXIT_ERROR if args.strict else 0
@@ -339,7 +379,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pyspec.cli.demo import demo
 
-    return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, verbose=args.verbose)
+    if args.repeat <= 0:
+        raise CliError("--repeat must be positive")
+    return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, repeat=args.repeat,
+                verbose=args.verbose)
 
 
 def cmd_rpc_server(args: argparse.Namespace) -> int:
@@ -375,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-seq", type=int, default=1, help="parallel sequences (the prompts are cycled)")
     p.add_argument("--engine", choices=("python", "cpp"), default="python",
                    help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k when --temp > 0")
     p.add_argument("--seed", type=int, default=42, help="sampling seed when --temp > 0")
@@ -403,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
     p.add_argument("--engine", choices=("python", "cpp"), default="python",
                    help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
     _add_model_args(p)
     _add_spec_args(p, "none")
     p.set_defaults(func=cmd_serve)
@@ -410,14 +457,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
     p.add_argument("--n-prompts", type=int, default=None,
-                   help="use only the first N prompts (default: 2 of the 3 built-in ones, all of a --prompt-file)")
+                   help="use only the first N prompts (default: all, the 3 built-in ones or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
     p.add_argument("--repeat", "-r", type=int, default=3,
                    help="runs per configuration; the median is shown (default 3)")
-    p.add_argument("--engines", default="python,cpp,loop",
-                   help="python (driver over the port), cpp (driver over the C++ reference), loop (all C++)")
+    p.add_argument("--engines", default="python,fixed,loop",
+                   help="python (driver over the port, cost-aware draft length), fixed (the same with llama.cpp's "
+                        "fixed draft lengths), cpp (driver over the C++ reference), loop (all C++)")
     p.add_argument("--json", help="write the numbers to this JSON file")
-    p.add_argument("--plot", help="write a PNG of acceptance and speed-up")
+    p.add_argument("--plot", help="write a PNG of the speed-up against its bound, per type and per prompt")
     p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from the C++ loop's")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-run progress lines")
     _add_model_args(p, 1, "CPU threads per context (default 1: steadier timings on a shared machine; "
@@ -434,10 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-real", action="store_true", help="skip the real model")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("demo", help="plain vs n-gram vs draft-simple on a code prompt, with the measured speed-up")
-    p.add_argument("--n-predict", "-n", type=int, default=None, help="tokens to generate")
+    p = sub.add_parser("demo", help="plain vs n-gram vs draft-simple on a code prompt, lossless, with the measured "
+                                    "speed-up and cost curve")
+    p.add_argument("--n-predict", "-n", type=int, default=None, help="tokens to generate (default 160)")
     p.add_argument("--model", "-m", help="target GGUF (default: the real model)")
-    p.add_argument("--threads", "-t", type=int, default=1, help="CPU threads per context (default 1; 0 = all cores)")
+    p.add_argument("--threads", "-t", type=int, default=2, help="CPU threads per context (default 2; 0 = all cores)")
+    p.add_argument("--repeat", "-r", type=int, default=3, help="interleaved runs per configuration (default 3)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("rpc-server", help="lend this machine's devices to another one (llama.cpp's rpc-server)")

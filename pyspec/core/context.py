@@ -15,6 +15,7 @@ Safety rules (docs/audit.toml lists every llama.cpp site they keep out of reach)
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -34,7 +35,9 @@ from pyspec.core.threadpool import ThreadPool
 from pyspec.errors import ConcurrentUseError, ContextError, decode_error
 from pyspec.ffi import c_enum, ext, ffi, llama
 
-__all__ = ["MAX_THREADS", "AnyBatch", "Context"]
+__all__ = ["MAX_THREADS", "AnyBatch", "Context", "batch_invariant_params"]
+
+logger = logging.getLogger("pyspec")
 
 AnyBatch = Batch | BatchView | EmbdBatch
 
@@ -67,6 +70,41 @@ _KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 
              "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
 
 
+def batch_invariant_params(model: Model, params: dict[str, Any]) -> dict[str, Any]:
+    """The context parameters of batch-invariant mode, checked against what the caller asked for.
+
+    Where a row's result may depend on its batch on the CPU backend, and what the mode does:
+
+    - repacked weights (llama.cpp's extra buffer types; their kernels change with the
+      batch size): the model must be loaded with ``Model(..., batch_invariant=True)``;
+    - flash attention tiles the queries from 64 rows on, and splits the KV cache across
+      threads for a single query from 512 cells on: ggml-cpu's reference switch
+      (``ggml_backend_cpu_set_use_ref``, set after creation) keeps one kernel for all;
+    - the KV cells a token lands in set the order attention sums in: with a unified
+      cache several sequences share (and reorder) cells, and a sliding-window cache
+      reuses cells; the mode keeps one stream per sequence (``kv_unified=False``) and
+      full-size sliding-window caches (``swa_full=True``).
+
+    Matrix products on file-layout quantized weights compute each output element with
+    one dot product whatever the batch or thread count, and llama.cpp's tinyBLAS path
+    (from two rows on) gives the same bits as the one-row path for them (checked by the
+    tests on Q8_0 copies of the tiny models and scripts/lossless.py on Gemma's Q4_K_M).
+    Float weights (F32/F16/BF16) are the exception: tinyBLAS sums their products in
+    another order than the one-row dot product, so the last bits of a row still depend
+    on its batch unless the build has no llamafile kernels (``-DGGML_LLAMAFILE=OFF``);
+    :class:`~pyspec.core.model.Model` warns when that is the case.
+    """
+    if not model.batch_invariant:
+        raise ValueError("batch-invariant mode needs the model loaded with Model(path, batch_invariant=True): "
+                         "repacked CPU weights are multiplied by kernels that change with the batch size")
+    if params.get("swa_full") is False:
+        raise ValueError("batch-invariant mode needs swa_full=True (a sliding-window cache reuses its cells)")
+    if params.get("kv_unified") and params.get("n_seq_max", 1) > 1:
+        raise ValueError("batch-invariant mode needs kv_unified=False with several sequences "
+                         "(sequences sharing a cache reorder each other's cells)")
+    return {**params, "swa_full": True, "kv_unified": bool(params.get("kv_unified", False))}
+
+
 def _convert(table: dict[Any, int], name: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value in table.values():
         return value
@@ -93,6 +131,10 @@ class Context(Handle):
     of their enum, ``ctx_other`` another Context, which this one keeps alive,
     and ``samplers`` a {seq_id: SamplerChain} of backend samplers, which this
     context keeps alive while it uses them.
+
+    ``batch_invariant`` (default: the model's) makes every output row independent of
+    the batch it is computed in on the CPU backend, so speculative decoding gives
+    exactly the tokens of plain decoding: see :func:`batch_invariant_params`.
     """
 
     _kind = "context"
@@ -104,6 +146,7 @@ class Context(Handle):
         self._claim_owner: int | None = None  # the thread holding the claim: others are refused meanwhile
         self._fork_gen = fork.child_generation()
         self.t_decode_ns = 0  # wall time spent in llama_decode / llama_encode, for statistics
+        batch_invariant = params.pop("batch_invariant", None)
         unknown = set(params) - _FIELDS - {"samplers"}
         if unknown:
             raise TypeError(f"unknown llama_context_params field(s): {', '.join(sorted(unknown))}")
@@ -115,6 +158,9 @@ class Context(Handle):
                 f"{model.path.name} was loaded with vocab_only=True: it has no weights to compute with "
                 "(tokenize with model.vocab, or load it again without vocab_only to create a Context)"
             )
+        self.batch_invariant = model.batch_invariant if batch_invariant is None else bool(batch_invariant)
+        if self.batch_invariant:
+            params = batch_invariant_params(model, params)
         cparams = llama.llama_context_default_params()
         n_cpu = min(os.cpu_count() or 1, MAX_THREADS)
         cparams.n_threads = n_cpu
@@ -194,6 +240,12 @@ class Context(Handle):
         for seq, chain in samplers.items():
             chain._attached(self)
             self._samplers[seq] = chain
+        if self.batch_invariant:
+            n_other = ffi.new("int32_t *")
+            ext.pyspec_context_set_cpu_use_ref(ptr, True, n_other)
+            if n_other[0]:
+                logger.warning("batch-invariant mode covers the CPU backend; %d other backend(s) of this context "
+                               "(GPU, accelerators) may still compute a row differently in another batch", n_other[0])
         self.params = cparams
         self.n_vocab = model.vocab.n_tokens
         self.n_seq_max = int(llama.llama_n_seq_max(ptr))

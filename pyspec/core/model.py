@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device
+from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device, system_info
 from pyspec.core.backend import devices as list_devices
 from pyspec.core.cstrings import c_text, read_str
 from pyspec.core.handle import Handle
@@ -28,6 +29,8 @@ __all__ = ["Model", "ModelPath"]
 ModelPath = str | os.PathLike[str]
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
+# general.file_type of GGUFs whose weights are mostly float: all F32, mostly F16, mostly BF16
+_FLOAT_FILE_TYPES = {"0", "1", "32"}
 _ROPE_TYPES = {v: k for k, v in c_enum("enum llama_rope_type", "LLAMA_ROPE_TYPE_").items()}
 _META_KEYS = c_enum("enum llama_model_meta_key", "LLAMA_MODEL_META_KEY_")
 _RANK_POOLING = c_enum("enum llama_pooling_type", "LLAMA_POOLING_TYPE_")["rank"]
@@ -112,6 +115,10 @@ class Model(Handle):
     off the CPU backend's weight repacking, which makes a token's logits depend
     on its batch. ``model.devices`` lists the offload devices used.
 
+    ``batch_invariant`` loads the weights in their file layout (no repacking): the
+    model's half of batch-invariant mode, which its contexts then take (see
+    :func:`pyspec.core.context.batch_invariant_params`).
+
     Closing a model that contexts or adapters still use is safe: it is freed
     when the last of them closes.
     """
@@ -133,6 +140,7 @@ class Model(Handle):
         use_mlock: bool = False,
         vocab_only: bool = False,
         check_tensors: bool = False,
+        batch_invariant: bool = False,
         kv_overrides: Mapping[str, KvValue] | None = None,
         tensor_buft_overrides: Sequence[tuple[str, str]] | Mapping[str, str] | None = None,
     ) -> None:
@@ -183,9 +191,10 @@ class Model(Handle):
         params.use_mlock = use_mlock
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
-        # False: no repacked weight layouts (llama.cpp's --no-repack), whose CPU kernels make a
-        # token's logits depend on the batch it is computed in
-        params.use_extra_bufts = use_extra_bufts
+        # repacked CPU weights (llama.cpp's "extra buffer types") are multiplied by kernels that
+        # change with the batch size, so a row's result would depend on its batch
+        params.use_extra_bufts = use_extra_bufts and not batch_invariant
+        self.batch_invariant = bool(batch_invariant)
         self._devices_arr = None
         if devices is not None or rpc_servers:
             arr = ffi.new("ggml_backend_dev_t[]", len(offload) + 1)  # NULL-terminated
@@ -232,6 +241,14 @@ class Model(Handle):
         self._own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
         self.vocab_only = bool(vocab_only)
         self.vocab = Vocab(self)
+        if batch_invariant and self.meta("general.file_type") in _FLOAT_FILE_TYPES \
+                and "LLAMAFILE = 1" in system_info():
+            # llamafile's tinyBLAS multiplies float weights from two rows on, ggml's dot
+            # products below that, and the two sum in different orders
+            logging.getLogger("pyspec").warning(
+                "batch-invariant mode: %s has float weights and this build has llamafile kernels, whose "
+                "results differ in the last bits between one-row and larger batches; build with "
+                "CMAKE_ARGS=-DGGML_LLAMAFILE=OFF for rows that are identical in every batch", self.path.name)
 
     # --- information -------------------------------------------------------
 

@@ -9,6 +9,10 @@ struct llama_context * pyspec_get_ctx_other(struct llama_context * ctx);
 const int32_t * pyspec_model_target_layer_ids(const struct llama_model * model);
 uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model);
 
+/* batch-invariant mode: ggml-cpu's reference kernels on the context's CPU backends;
+   returns how many were switched, *n_other the backends of other kinds */
+int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, int32_t * n_other);
+
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
 

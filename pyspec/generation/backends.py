@@ -47,6 +47,8 @@ class SpeculativeBackend(Protocol):
     def restore_sampler(self, seq_id: int, saved: Any) -> None: ...
     def drop_saved(self, saved: Any) -> None: ...
     def impl_stats(self) -> list[ImplStats]: ...
+    def last_impl(self, seq_id: int) -> str | None:
+        """Name of the implementation whose draft ``seq_id`` used last (None before any)."""
     def close(self) -> None: ...
 
 
@@ -159,6 +161,10 @@ class PortBackend(_SamplerSlots):
             return []
         return [ImplStats.from_fields(sp.common_speculative_type_to_str(i.type), i) for i in self.spec.impls]
 
+    def last_impl(self, seq_id: int) -> str | None:
+        impl = self.spec.impl_last[seq_id] if self.spec is not None else None
+        return None if impl is None else sp.common_speculative_type_to_str(impl.type)
+
 
 class RefBackend(_SamplerSlots):
     """The C++ reference: common_speculative_* and common_sampler_* through libpyspec_ref."""
@@ -212,6 +218,10 @@ class RefBackend(_SamplerSlots):
         if self.spec is None:
             return []
         return [ImplStats.from_fields(d["name"], d) for d in self.spec.impl_stats()]
+
+    def last_impl(self, seq_id: int) -> str | None:
+        t = self.spec.last_impl_type(seq_id) if self.spec is not None else None
+        return None if t is None else sp.common_speculative_type_to_str(CommonSpeculativeType(t))
 
 
 BACKENDS: dict[str, type[PortBackend] | type[RefBackend]] = {"python": PortBackend, "cpp": RefBackend}

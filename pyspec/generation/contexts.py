@@ -243,7 +243,9 @@ def _eagle3_dft_params(n_batch: int, n_ubatch_dft: int | None) -> dict[str, Any]
     # stream) reads the wrong rows, partly past the end of the buffer: garbage, NaN logits, drafts
     # that change from run to run on both sides alike. One ubatch per decode (n_ubatch = n_batch)
     # over a unified KV cache (split_simple) keeps the EAGLE3 decoder on the path that works.
-    return {"n_ubatch": n_ubatch_dft or n_batch, "kv_unified": True}
+    # That shared cache is outside batch-invariant mode (its sequences reorder each other's cells);
+    # the draft's numerics change only which drafts are made, never the tokens the target accepts.
+    return {"n_ubatch": n_ubatch_dft or n_batch, "kv_unified": True, "batch_invariant": False}
 
 
 def open_contexts(

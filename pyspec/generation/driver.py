@@ -10,7 +10,10 @@ recurrent and hybrid targets, as the llama.cpp server does.
 
 The loop runs either implementation (``engine="python"`` for the port,
 ``engine="cpp"`` for the C++ reference), so the two can be compared; the
-``on_event`` trace reports every call into the implementation.
+``on_event`` trace reports every call into the implementation. The draft
+length of each step is the engine's cost-aware choice
+(:mod:`pyspec.generation.draft_length`); ``adaptive_draft=False`` keeps
+llama.cpp's fixed one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError
+from pyspec.generation.draft_length import DraftLengthController
 from pyspec.generation.engine import Engine, EventCallback, greedy_sampling
 from pyspec.generation.requests import Request, RequestHandle
 from pyspec.generation.statistics import GenerationStats, SequenceResult
@@ -53,6 +57,8 @@ class SpeculativeGenerator:
         n_seq: int | None = None,
         engine: str = "python",
         on_event: EventCallback | None = None,
+        adaptive_draft: bool = True,
+        draft_controller: DraftLengthController | None = None,
     ) -> None:
         n = ctx_tgt.n_seq_max if n_seq is None else n_seq
         if not 1 <= n <= ctx_tgt.n_seq_max:
@@ -60,7 +66,9 @@ class SpeculativeGenerator:
         self.n_seq = n
         self.sampling = sampling if sampling is not None else greedy_sampling()
         self.spec_params = spec
-        self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=engine, on_event=on_event)
+        self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=engine, on_event=on_event,
+                             adaptive_draft=adaptive_draft, draft_controller=draft_controller)
+        self.draft_ctl = self.engine.draft_ctl
         self.ctx_tgt = ctx_tgt
         self.ctx_dft = self.engine.ctx_dft
         self.ctx_tgt_seq_rm_type = self.engine.ctx_tgt_seq_rm_type
@@ -166,6 +174,8 @@ class SpeculativeGenerator:
         st.n_drafted = sum(r.stats.n_drafted for r in results)
         st.n_accepted = sum(r.stats.n_accepted for r in results)
         st.n_checkpoint_restores = eng.n_checkpoint_restores - restores0
+        st.t_draft_s = sum(r.stats.t_draft_s for r in results)
+        st.drafts = [d for r in results for d in r.stats.drafts]
         st.impls = eng.backend.impl_stats()
         for i, r in enumerate(results):
             yield SequenceResult(i, list(r.prompt_tokens), list(r.tokens), r.text, r.stop_reason,
@@ -192,9 +202,10 @@ def generate(
     stop: Sequence[str] = (),
     engine: str = "python",
     on_piece: Callable[[str], Any] | None = None,
+    adaptive_draft: bool = True,
 ) -> tuple[SequenceResult, GenerationStats]:
     """Generate for one prompt; returns its result and the run's statistics."""
     cb = (lambda _seq, text: on_piece(text)) if on_piece is not None else None
-    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, engine=engine) as gen:
+    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, engine=engine, adaptive_draft=adaptive_draft) as gen:
         (res,) = gen.generate([prompt], n_predict, stop=stop, on_piece=cb)
         return res, gen.stats

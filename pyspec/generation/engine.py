@@ -62,12 +62,13 @@ from pyspec.common.params import (
     CommonSamplerType,
     CommonSpeculativeType,
 )
-from pyspec.common.speculative import DraftRequest
+from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
+from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, RequestStats, TokenLogprob
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
@@ -130,6 +131,8 @@ class _Slot:
         self.spec_draft: list[int] = []
         self.spec_i_batch: list[int] = []
         self.spec_ckpt = CommonPromptCheckpoint()
+        self.spec_cap = 0  # the most draft tokens asked for this step
+        self.spec_full = False  # whether the draft came back as long as asked
         self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
         self.t_last_used = 0.0
 
@@ -167,6 +170,13 @@ class Engine:
     how the contexts roll back, which clears their memory. Contexts given here
     stay the caller's; ``owned`` handles (e.g. from :meth:`load`) are closed
     with the engine (anything with a close()).
+
+    Each step's draft lengths are the cost-aware choice of a
+    :class:`~pyspec.generation.draft_length.DraftLengthController` (measured
+    verify cost, acceptance, draft cost; its first creation for a model and
+    settings measures the verify cost curve, which clears nothing: the memory is
+    empty then); ``adaptive_draft=False`` keeps llama.cpp's fixed lengths.
+    ``draft_controller`` passes a controller of the caller's.
     """
 
     def __init__(
@@ -180,6 +190,8 @@ class Engine:
         on_event: EventCallback | None = None,
         slot_similarity: float = 0.1,
         owned: Sequence[Any] = (),
+        adaptive_draft: bool = True,
+        draft_controller: DraftLengthController | None = None,
     ) -> None:
         self.ctx_tgt = ctx_tgt
         self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
@@ -220,6 +232,27 @@ class Engine:
         self.n_vocab = self.vocab.n_tokens
         self.n_ctx_seq = ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
+        # the draft length of each step: llama.cpp's fixed n_max, or the cost-aware choice
+        self.draft_ctl: DraftLengthController | None = None
+        self._multi_impl = False
+        self._spec_n_max = 0
+        if spec is not None and self.backend.has_spec:
+            self._multi_impl = len(spec.types) > 1
+            self._spec_n_max = common_speculative_n_max(spec)
+            self.draft_ctl = draft_controller or DraftLengthController(
+                fixed=not adaptive_draft, curve=shared_cost_curve(ctx_tgt),
+                n_min=spec.draft.n_min if CommonSpeculativeType.DRAFT_SIMPLE in spec.types else 0,
+                impl=common_speculative_type_name_str(spec.types))
+            self._calibrate()
+        # draft-simple keeps its draft context in step with the target by decoding every target batch
+        # on it (process), a decode per step even where the controller drafts nothing. With cost-aware
+        # lengths the draft context instead catches up on what the target holds just before it drafts:
+        # the same tokens at the same positions (the rejected rows never reach it), no cost while idle
+        self._draft_catch_up = (self.draft_ctl is not None and not self.draft_ctl.fixed
+                                and spec is not None and list(spec.types) == [CommonSpeculativeType.DRAFT_SIMPLE]
+                                and self.ctx_dft is not None
+                                and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.PART)
+        self._dft_batch = Batch(self.ctx_dft.n_batch, 0, 1) if self._draft_catch_up and self.ctx_dft else None
         self.slots = [_Slot(i) for i in range(self.n_parallel)]
         # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
         self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
@@ -265,6 +298,7 @@ class Engine:
         sampling: CommonParamsSampling | None = None,
         backend: str = "python",
         slot_similarity: float = 0.1,
+        adaptive_draft: bool = True,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
@@ -282,7 +316,8 @@ class Engine:
             raise
         try:
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
-                       n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs])
+                       n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
+                       adaptive_draft=adaptive_draft)
         except BaseException:
             cs.close()
             raise
@@ -290,6 +325,21 @@ class Engine:
     @property
     def model(self) -> Any:
         return self.ctx_tgt.model
+
+    def _calibrate(self) -> None:
+        """Measure what the draft-length choice needs and is not known yet (once per model and settings)."""
+        ctl = self.draft_ctl
+        if ctl is None or ctl.fixed:
+            return
+        if not ctl.curve.ready:
+            ctl.curve.calibrate(self.ctx_tgt)
+        if self.ctx_dft is not None and self.spec_params is not None \
+                and CommonSpeculativeType.DRAFT_SIMPLE in self.spec_params.types:
+            # a draft model decodes one token per drafted token: its one-token cost is the first guess
+            dcurve = shared_cost_curve(self.ctx_dft)
+            if 1 not in dcurve.sizes():
+                dcurve.calibrate(self.ctx_dft, sizes=(1,))
+            ctl.draft_cost.prior_d1 = dcurve.cost(1)
 
     # --- submitting --------------------------------------------------------------------
 
@@ -731,6 +781,8 @@ class Engine:
             job.sampler = None
             self.backend.set_sampler(s.id, sampler)
             self.backend.reset_sampler(s.id)
+            if self.draft_ctl is not None:
+                self.draft_ctl.reset_seq(s.id)
             for t in job.prompt:
                 self.backend.accept_token(s.id, t, False)
         except BaseException as e:
@@ -741,11 +793,19 @@ class Engine:
     def n_draft_max(self, s: _Slot, n_active: int) -> int:
         """THE place where a sequence's draft length for this step is decided.
 
-        What fits the context (one token kept spare), the request's remaining
-        budget and its own cap, and a share of the batch so that every
-        generating slot fits one target decode. A draft-length controller
-        plugs in here.
+        Within the limits (:meth:`_n_draft_room`), what the draft-length controller
+        finds worth verifying (possibly 0); with a fixed controller (llama.cpp's
+        behaviour) all of it.
         """
+        n = self._n_draft_room(s, n_active)
+        ctl = self.draft_ctl
+        if ctl is None or ctl.fixed or n <= 0:
+            return n
+        return ctl.choose(s.id, min(n, self._spec_n_max), n_active)
+
+    def _n_draft_room(self, s: _Slot, n_active: int) -> int:
+        """What fits the context (one token kept spare), the request's remaining budget and its own cap,
+        and a share of the batch so that every generating slot fits one target decode."""
         n = self.n_ctx_seq - len(s.tokens) - 2
         job = s.job
         if job is not None:
@@ -771,7 +831,9 @@ class Engine:
         return True
 
     def _update(self, batch: Batch) -> None:
-        ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
+        ctx_tgt, ctx_dft, eng, ctl = self.ctx_tgt, self.ctx_dft, self.backend, self.draft_ctl
+        t_step = time.perf_counter()
+        t_draft = t_skip = 0.0
         generating = [s for s in self.slots if s.generating]
         use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
         use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
@@ -781,12 +843,12 @@ class Engine:
         if eng.has_spec and generating:
             requests: list[DraftRequest] = []
             for s in generating:
-                n_draft_max = self.n_draft_max(s, len(generating))
                 if s.spec_draft:
                     # a previous (partial) draft is reused after a checkpoint restore; more slots may
                     # generate now than when it was made, so it keeps only its share of the batch
-                    del s.spec_draft[max(0, n_draft_max) :]
+                    del s.spec_draft[max(0, self._n_draft_room(s, len(generating))) :]
                     continue
+                n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0:
                     continue  # no room
                 mem = ctx_tgt.memory
@@ -794,11 +856,27 @@ class Engine:
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
+                s.spec_cap = n_draft_max
                 drafting.append(s)
             if requests:
+                t0 = time.perf_counter()
+                if self._draft_catch_up and self._catch_up_draft(drafting) > len(drafting) * (self._spec_n_max + 1):
+                    # a prompt (or a long pause) caught up: no part of what a draft costs from step to step
+                    t_skip = time.perf_counter() - t0
+                    t0 += t_skip
                 drafts = eng.draft(requests)
+                t_draft = time.perf_counter() - t0
                 for s in drafting:
                     s.spec_draft = drafts.get(s.id, [])
+                    assert s.job is not None
+                    s.job.stats.t_draft_s += t_draft / len(drafting)
+                if ctl is not None:
+                    ctl.record_draft_call(len(requests), sum(len(s.spec_draft) for s in drafting), t_draft)
+                    for s in drafting:  # how much of each draft is worth verifying, now that it is known
+                        n = len(s.spec_draft)
+                        s.spec_full = n >= s.spec_cap
+                        if n:
+                            del s.spec_draft[ctl.trim(s.id, n, s.spec_cap, len(generating)) :]
                 self._event("draft", drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part
@@ -837,6 +915,7 @@ class Engine:
 
         # then prompt tokens of the slots still reading theirs, up to n_batch (continuous batching)
         n_batch = ctx_tgt.n_batch
+        n_verify = batch.n_tokens
         for s in self.slots:
             if batch.n_tokens >= n_batch:
                 break
@@ -846,11 +925,14 @@ class Engine:
 
         if batch.n_tokens == 0:
             return
+        t_dec = ctx_tgt.t_decode_ns
         ctx_tgt.decode(batch)
+        t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
-        if not eng.process(batch):
-            raise PyspecError("failed to process speculative batch")
-        self._event("process", n_tokens=batch.n_tokens)
+        if not self._draft_catch_up:
+            if not eng.process(batch):
+                raise PyspecError("failed to process speculative batch")
+            self._event("process", n_tokens=batch.n_tokens)
 
         # slots whose prompt ended begin speculation; slots without a draft sample
         for s in self.slots:
@@ -874,6 +956,34 @@ class Engine:
             if s.job is None or not s.spec_draft:
                 continue
             self._verify(s)
+
+        if ctl is not None and batch.n_tokens == n_verify > 0:
+            # a step of verify rows only (prompt rows need no logits and cost less): the cost curve's
+            ctl.record_verify(batch.n_tokens, t_verify)
+            ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft - t_skip)
+
+    def _catch_up_draft(self, slots: Sequence[_Slot]) -> int:
+        """Decode on the draft context what the target holds of each slot's sequence and it does not yet;
+        returns the number of tokens decoded."""
+        ctx_dft, batch = self.ctx_dft, self._dft_batch
+        assert ctx_dft is not None and batch is not None
+        mem, n_batch = ctx_dft.memory, ctx_dft.n_batch
+        batch.clear()
+        n_done = 0
+        for s in slots:
+            pos = mem.seq_pos_max(s.id) + 1
+            while pos < len(s.tokens):
+                if batch.n_tokens >= n_batch:
+                    ctx_dft.decode(batch)
+                    n_done += batch.n_tokens
+                    batch.clear()
+                n = min(len(s.tokens) - pos, n_batch - batch.n_tokens)
+                batch.add_sequence(s.tokens[pos : pos + n], pos, s.id, logits_last=False)
+                pos += n
+        if batch.n_tokens:
+            ctx_dft.decode(batch)
+            n_done += batch.n_tokens
+        return n_done
 
     def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
         job = s.job
@@ -912,7 +1022,11 @@ class Engine:
         assert job is not None
         n_draft = len(s.spec_draft)
         idxs = s.spec_i_batch
-        saved = eng.save_sampler(s.id)
+        # the server clones the sampler before every verification; only a checkpoint restore
+        # uses the copy, which a target that can drop part of a sequence never needs
+        may_restore = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
+            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_draft > ctx_tgt.n_rs_seq)
+        saved = eng.save_sampler(s.id) if may_restore else None
         accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
         n_rollback = n_draft + 1 - len(accepted)
@@ -932,11 +1046,17 @@ class Engine:
             del s.tokens[ckpt.n_tokens :]
             eng.restore_sampler(s.id, saved)
             self.n_checkpoint_restores += 1
+            s.spec_cap = 0  # the reused draft is no new evidence of acceptance
             return
-        eng.drop_saved(saved)
+        if saved is not None:
+            eng.drop_saved(saved)
 
         eng.accept(s.id, len(accepted) - 1)
         job.stats.n_accepted += len(accepted) - 1
+        job.stats.drafts.append((n_draft, len(accepted) - 1))
+        if self.draft_ctl is not None and s.spec_cap > 0:
+            self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
+                                             n_draft, len(accepted) - 1, s.spec_full)
         self._event("accept", seq_id=s.id, accepted=list(accepted))
 
         # the memory keeps the prompt, the sampled token and the accepted draft tokens

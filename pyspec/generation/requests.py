@@ -93,6 +93,9 @@ class RequestStats:
     t_prompt_ms: float = 0.0  # slot taken -> first token sampled
     t_gen_ms: float = 0.0  # first token -> end
     t_first_token_ms: float = 0.0  # submit -> first token
+    t_draft_s: float = 0.0  # this request's share of the draft calls' wall time
+    # (drafted, accepted) of every verified draft, in order: what a draft-length policy had to work with
+    drafts: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:

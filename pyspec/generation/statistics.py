@@ -66,6 +66,9 @@ class GenerationStats:
     n_checkpoint_restores: int = 0  # partial acceptances undone through a checkpoint (recurrent / hybrid targets)
     t_decode_s: float = 0.0  # wall time inside llama_decode / llama_encode of the target (and draft) contexts
     t_decode_gen_s: float = 0.0  # the same, after the prompt
+    t_draft_s: float = 0.0  # wall time in the implementations' draft calls (a draft model decodes there)
+    # (drafted, accepted) of every verified draft, in order: what a draft-length policy had to work with
+    drafts: list[tuple[int, int]] = field(default_factory=list)
     impls: list[ImplStats] = field(default_factory=list)
 
     @property

