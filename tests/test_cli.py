@@ -158,3 +158,18 @@ def test_eagle3_without_a_draft_model_is_an_error(tmp_path, capsys):
 def test_unknown_bench_engine_is_an_error(capsys):
     assert cli.main(["bench", "--tiny", "--engines", "python,rust", "--n-predict", "4"]) == 1
     assert "unknown engine rust" in capsys.readouterr().err
+
+
+def test_every_console_script_of_pyproject_names_a_callable():
+    # `pip install` writes bin/pyspec from [project.scripts]: a stale module path there breaks the
+    # installed command while `python -m pyspec` keeps working (read from the file: Python 3.10 has no tomllib)
+    import importlib
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    scripts = dict(re.findall(r'^(\S+)\s*=\s*"([^"]+)"', section, flags=re.M))
+    assert scripts.get("pyspec"), section
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), f"{name} = {target}"
