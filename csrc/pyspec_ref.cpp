@@ -7,19 +7,49 @@
 // header it includes is included first at global scope (so the #pragma once
 // guards skip them inside the namespace), except speculative.h, whose
 // declarations therefore land in the namespace too. The result is our own
-// build of the unchanged reference code, whose structs we may read; the
-// functions it calls (common_sampler_*, ngram maps, logging, llama_*) stay the
-// global ones of libllama-common and libllama.
+// build of the reference code, whose structs we may read; the functions it
+// calls (common_sampler_*, ngram maps, logging, llama_*) stay the global ones
+// of libllama-common and libllama.
+//
+// ---- Patches: where this build differs from upstream's speculative.cpp -------
+//
+// 1. eagle3-batch-rows: a namespace-local llama_batch_init (below), found first by
+//    the unqualified calls inside the namespace, gives every batch with embeddings
+//    room for 4 x n_tokens rows and zeroes it. Why: the EAGLE3 implementation
+//    allocates its decoder batch with n_embd_dec floats per row, but
+//    llama_context::decode strides embedding rows by n_embd_inp (3 x n_embd_tgt
+//    for EAGLE3) once a draft decode splits into several ubatches (n_ubatch <
+//    n_batch, or per-sequence ubatches over separate KV streams), so upstream
+//    reads past the end of its allocation there (valgrind: invalid reads) and its
+//    drafts depend on whatever lies beyond. With the patch those reads stay in
+//    bounds and read zeros; the Python port over-allocates its zeroed batch the
+//    same way, so both sides stay token-identical in that ill-defined case. It
+//    changes nothing where upstream is well defined (one ubatch per draft decode:
+//    n_ubatch >= n_batch on a unified KV cache). MTP's batch gets the same extra
+//    zeroed room, which its decodes never read (its rows are as wide as
+//    llama_decode strides them); draft-simple's batch has no embeddings.
+//
+// No other line of the reference is changed. Building with -DPYSPEC_REF_NO_PATCH
+// (CMake target pyspec_ref_nopatch, installed as pyspec/lib/nopatch/libpyspec_ref.so)
+// leaves out every patch: the reference is then upstream's code exactly, and
+// tests/test_parity_nopatch.py shows the port equal to it where upstream is well
+// defined. pyspec_ref_patches() names the patches compiled in.
+//
+// ---- Wrapper behaviour (this file's C ABI, not upstream's) -------------------
 //
 // Every entry point catches C++ exceptions and checks, before calling in, the
 // conditions the reference GGML_ASSERTs/ABORTs on, so that no input from
-// Python can abort the process through this API. Left unguarded (they depend
-// on state libllama keeps private): EAGLE3 process() before the target
-// decoded with layer extraction on (llama_get_embeddings_layer_inp asserts),
-// MTP draft() with a ctx_dft that yields no nextn embeddings (not an MTP
-// context), a corrupt ngram-cache file, a sampler configuration that selects
-// no token, backend sampling on a context whose sampler conflicts with a
-// grammar.
+// Python can abort the process through this API; such a refusal is the
+// wrapper's, not upstream's behaviour (tests name them as wrapper tests).
+// pyspec_ref_spec_draft marks only the requested sequences as drafting (it
+// clears the flag of every other sequence first), as a caller of
+// common_speculative_draft sets the draft params it wants. Left unguarded
+// (they depend on state libllama keeps private): EAGLE3 process() before the
+// target decoded with layer extraction on (llama_get_embeddings_layer_inp
+// asserts), MTP draft() with a ctx_dft that yields no nextn embeddings (not an
+// MTP context), a corrupt ngram-cache file, a sampler configuration that
+// selects no token, backend sampling on a context whose sampler conflicts with
+// a grammar.
 
 #include "common.h"
 #include "ggml.h"
@@ -49,15 +79,8 @@
 
 namespace pyspec_ref_impl {
 
-// Memory-safety shim around an upstream bug, leaving the reference's logic as it is.
-// speculative.cpp's EAGLE3 implementation allocates its decoder batch with
-// llama_batch_init(n_b, n_embd_dec, 1), but llama_context::decode strides embedding
-// rows by n_embd_inp (3 x n_embd_tgt for EAGLE3) once a decode splits into several
-// ubatches, reading past the end of that allocation (valgrind: invalid reads). This
-// overload, found first by the unqualified calls inside this namespace, gives every
-// batch room for 4 x n_tokens rows and zeroes it, so those reads stay in bounds and
-// read zeros. The Python port over-allocates its zeroed batch the same way, so both
-// sides read the same values and stay token-identical.
+#ifndef PYSPEC_REF_NO_PATCH
+// patch 1, eagle3-batch-rows (see the list at the top of this file)
 static llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max) {
     constexpr int32_t pad = 4;
     llama_batch batch = ::llama_batch_init(embd ? n_tokens * pad : n_tokens, embd, n_seq_max);
@@ -66,6 +89,7 @@ static llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_se
     }
     return batch;
 }
+#endif
 
 #include "speculative.cpp"
 } // namespace pyspec_ref_impl
@@ -185,10 +209,61 @@ static std::string check_spec_params(const common_params_speculative & p) {
 
 static const char * spec_type_names[COMMON_SPECULATIVE_TYPE_COUNT + 1] = {};
 
+// the values the compiler gave the enum constants that decl/common.h declares, by name
+// (stringified from the identifiers, so no value is retyped here)
+#define PYSPEC_REF_ENUM(x) { #x, (int32_t) (x) }
+static const struct {
+    const char * name;
+    int32_t      value;
+} enum_values[] = {
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NONE),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_DRAFT_MTP),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K4V),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NGRAM_MOD),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_NGRAM_CACHE),
+    PYSPEC_REF_ENUM(COMMON_SPECULATIVE_TYPE_COUNT),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_NONE),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_DRY),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_TOP_K),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_TOP_P),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_MIN_P),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_TYPICAL_P),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_TEMPERATURE),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_XTC),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_INFILL),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_PENALTIES),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_TOP_N_SIGMA),
+    PYSPEC_REF_ENUM(COMMON_SAMPLER_TYPE_ADAPTIVE_P),
+};
+#undef PYSPEC_REF_ENUM
+
 extern "C" {
 
 const char * pyspec_ref_last_error(void) {
     return g_last_error.c_str();
+}
+
+const char * pyspec_ref_patches(void) {
+#ifdef PYSPEC_REF_NO_PATCH
+    return "";
+#else
+    return "eagle3-batch-rows";
+#endif
+}
+
+int pyspec_ref_enum_value(const char * name, int32_t * out) {
+    REQUIRE(name != nullptr && out != nullptr, PYSPEC_REF_E_NULL, "name or out is NULL");
+    for (const auto & e : enum_values) {
+        if (std::strcmp(e.name, name) == 0) {
+            *out = e.value;
+            return PYSPEC_REF_OK;
+        }
+    }
+    return set_error(PYSPEC_REF_E_RANGE, "no enum constant %s in the reference", name);
 }
 
 void pyspec_ref_spec_params_default(pyspec_ref_spec_params * out) {
@@ -234,6 +309,50 @@ const char * pyspec_ref_spec_type_str(int32_t type) {
         spec_type_names[type] = names[type].c_str();
     }
     return spec_type_names[type];
+}
+
+int32_t pyspec_ref_spec_types_from_names(const char * const * names, int32_t n_names, int32_t * out, int32_t out_cap) {
+    REQUIRE(n_names >= 0 && (n_names == 0 || names != nullptr), PYSPEC_REF_E_NULL, "invalid names");
+    REQUIRE(out_cap >= 0 && (out_cap == 0 || out != nullptr), PYSPEC_REF_E_NULL, "invalid output buffer");
+    for (int32_t i = 0; i < n_names; ++i) {
+        REQUIRE(names[i] != nullptr, PYSPEC_REF_E_NULL, "name %d is NULL", (int) i);
+    }
+    return guarded([&] {
+        const std::vector<std::string> v(names, names + n_names);
+        const auto types = ref::common_speculative_types_from_names(v); // throws for an unknown name
+        for (size_t i = 0; i < types.size() && i < (size_t) out_cap; ++i) {
+            out[i] = (int32_t) types[i];
+        }
+        return (int) types.size();
+    });
+}
+
+int32_t pyspec_ref_spec_type_from_name(const char * name) {
+    REQUIRE(name != nullptr, PYSPEC_REF_E_NULL, "name is NULL");
+    return guarded([&] { return (int) ref::common_speculative_type_from_name(name); });
+}
+
+const char * pyspec_ref_spec_all_types_str(void) {
+    return ref::common_speculative_all_types_str();
+}
+
+int32_t pyspec_ref_spec_type_name_str(const int32_t * types, int32_t n_types, char * out, size_t out_cap) {
+    REQUIRE(n_types >= 0 && (n_types == 0 || types != nullptr), PYSPEC_REF_E_NULL, "invalid types");
+    REQUIRE(out_cap == 0 || out != nullptr, PYSPEC_REF_E_NULL, "invalid output buffer");
+    std::vector<common_speculative_type> v;
+    for (int32_t i = 0; i < n_types; ++i) {
+        // COUNT is in range: common_speculative_type_to_str names it "unknown"
+        REQUIRE(types[i] >= 0 && types[i] <= COMMON_SPECULATIVE_TYPE_COUNT, PYSPEC_REF_E_RANGE,
+                "type %d out of range [0, %d]", (int) types[i], (int) COMMON_SPECULATIVE_TYPE_COUNT);
+        v.push_back((common_speculative_type) types[i]);
+    }
+    return guarded([&] {
+        const std::string str = ref::common_speculative_type_name_str(v);
+        if (out_cap > 0) {
+            snprintf(out, out_cap, "%s", str.c_str());
+        }
+        return (int) str.size();
+    });
 }
 
 pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq,
@@ -457,7 +576,7 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
         }
         for (int32_t r = 0; r < n_reqs; ++r) {
             const auto & q = reqs[r];
-            auto & dp = dparams[q.seq_id];
+            auto & dp = ref::common_speculative_get_draft_params(spec->spec, q.seq_id);
 
             spec->prompts[q.seq_id].assign(q.prompt, q.prompt + q.n_prompt);
             spec->results[q.seq_id].clear();

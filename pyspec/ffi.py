@@ -42,8 +42,8 @@ import cffi
 from pyspec import decl
 from pyspec.errors import LibraryNotFoundError
 
-__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "layout_mismatches", "lib_dir", "llama",
-           "on_open", "open_library", "ref"]
+__all__ = ["LIBRARIES", "c_const", "c_enum", "ext", "ffi", "ggml", "is_open", "layout_mismatches", "lib_dir",
+           "lib_path", "llama", "on_open", "open_library", "ref"]
 
 # handle name -> shared library stem (lib<stem>.so)
 LIBRARIES = {"ggml": "ggml", "llama": "llama", "ext": "pyspec_ext", "ref": "pyspec_ref"}
@@ -64,6 +64,13 @@ def lib_dir() -> Path:
         if (candidate / f"lib{LIBRARIES['llama']}.so").is_file():
             return candidate
     return Path(__file__).with_name("lib")
+
+
+def lib_path(name: str) -> Path:
+    """The file library ``name`` is opened from. ``$PYSPEC_REF_LIB`` names another build of the
+    C++ reference (the no-patch build, a coverage build); it shares the other libraries."""
+    override = os.environ.get("PYSPEC_REF_LIB") if name == "ref" else None
+    return Path(override) if override else lib_dir() / f"lib{LIBRARIES[name]}.so"
 
 
 _ENUM_BODY = re.compile(r"^\s*(?:typedef\s+)?enum\s+(\w+)\s*\{(.*?)\}", re.M | re.S)
@@ -216,6 +223,20 @@ def _check_layouts(ext_lib: Any) -> None:
         raise ImportError(f"pyspec: the declarations in pyspec/decl do not match the libraries: {shown}")
 
 
+def _check_ref_enums(ref_lib: Any) -> None:
+    # the Python enums are built from decl/common.h; an upstream renumbering must not pass silently
+    out = ffi.new("int32_t *")
+    for enum in ("common_speculative_type", "common_sampler_type"):
+        for const, value in sorted(ffi.typeof(f"enum {enum}").relements.items(), key=lambda kv: kv[1]):
+            name = const.encode()
+            if ref_lib.pyspec_ref_enum_value(name, out) != 0 or out[0] != value:
+                compiled = "absent" if ref_lib.pyspec_ref_enum_value(name, out) != 0 else out[0]
+                raise ImportError(
+                    f"pyspec: {const} is {value} in pyspec/decl/common.h but {compiled} in the C++ reference; "
+                    "the vendored common.h changed: update decl/common.h and review pyspec/common"
+                )
+
+
 def open_library(name: str) -> Any:
     """The cffi library object for ``name`` (one of LIBRARIES), opened once per process."""
     lib = _opened.get(name)
@@ -231,7 +252,7 @@ def open_library(name: str) -> Any:
         lib = _opened.get(name)
         if lib is not None:
             return lib
-        path = lib_dir() / f"lib{LIBRARIES[name]}.so"
+        path = lib_path(name)
         if not path.exists():
             raise LibraryNotFoundError(
                 f"pyspec: {path} not found; build and install the package first "
@@ -242,6 +263,9 @@ def open_library(name: str) -> Any:
         if name == "llama":
             # before any struct crosses into libllama: the declarations must match its layouts
             _check_layouts(open_library("ext"))
+        if name == "ref":
+            # before any enum value crosses into the C++ reference: decl/common.h must match it
+            _check_ref_enums(lib)
         for hook in _on_open.get(name, ()):
             hook(lib)
         _opened[name] = lib

@@ -34,3 +34,21 @@ def draft_model(draft_path):
 def target_ctx(target_model):
     with Context(target_model, n_ctx=512, n_batch=128, n_ubatch=128, n_seq_max=2) as ctx:
         yield ctx
+
+
+# lines a test leaves for the end of the run (figures such as the parity property's counts)
+_SUMMARY = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def run_summary(request) -> list[str]:
+    """Append lines here; they are printed after the test results."""
+    return request.config.stash.setdefault(_SUMMARY, [])
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    lines = config.stash.get(_SUMMARY, [])
+    if lines:
+        terminalreporter.write_sep("-", "pyspec figures")
+        for line in lines:
+            terminalreporter.write_line(line)

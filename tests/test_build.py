@@ -57,9 +57,11 @@ def test_each_library_is_stored_once_under_its_plain_name():
     assert "libllama.so" in files and "libggml.so" in files and "libpyspec_ext.so" in files
     links = [p.name for p in folder.iterdir() if p.is_symlink()]
     # llama.cpp's rpc-server is the one program there (next to the backend modules it loads),
-    # beside the parsed declarations (csrc/gen_ffi_module.py)
-    versioned = [name for name in files if not name.endswith(".so") and name not in ("rpc-server", ffi.PREBUILT_MODULE)]
+    # beside the parsed declarations (csrc/gen_ffi_module.py) and the no-patch reference's folder
+    others = ("rpc-server", ffi.PREBUILT_MODULE, "nopatch")
+    versioned = [name for name in files if not name.endswith(".so") and name not in others]
     assert links == [] and versioned == [], (links, versioned)
+    assert sorted(p.name for p in (folder / "nopatch").iterdir()) == ["libpyspec_ref.so"]
 
 
 def test_the_cpu_backend_is_loaded_from_the_package_folder():

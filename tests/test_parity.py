@@ -2,14 +2,21 @@
 
 Every scenario runs the same generation loop over both implementations, each on
 its own identically made contexts, and compares after every call: drafts,
-counters, the draft context's positions and the tokens generated.
+counters, the draft context's positions and the tokens generated. A scenario
+that drafts nothing compares nothing speculative: assert_parity also requires
+every implementation on each side to draft and get drafts accepted (a scenario
+made not to draft says so in its name).
 
-The n-gram types run on the cyclic target (testmodels.make_cyclic_target),
-whose greedy output falls into short cycles, so that they find matches, draft,
-and get drafts accepted; the plain target hardly repeats itself. Some scenarios
-also bias the target's sampling towards the few tokens of a word list (a logit
-bias, applied alike on both sides), which the draft models know nothing about:
-drafts get rejected, p_min cuts them short.
+The models are the tiny cyclic ones (pyspec.generation.contexts.model_paths with
+tiny=True; the tiny qwen35 MTP model for draft-mtp): the target's greedy output
+falls into short cycles of its successor map, and the draft models follow the
+same map, so drafts of every type are made and accepted. Prompts that already run
+round a cycle give the n-gram types history to draft from (ngram-cache drafts
+only from the n-grams of the prompt: upstream updates its context cache with the
+new tokens alone, which adds no n-gram). The bias configurations raise a logit
+bias on the words of a sentence and on all but one token of a cycle (applied alike
+on both sides, unknown to the drafts): the target keeps to that cycle until the
+missing token, where every draft is rejected, and p_min cuts drafts short.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_sav
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.backends import PortBackend
+from pyspec.generation.contexts import model_paths
 from pyspec.generation.driver import greedy_sampling
 from pyspec.reference.parity import (
     ParityError,
@@ -39,25 +47,29 @@ NGRAM_TYPES = [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NG
 
 WORDS = "The quick brown fox jumps over the lazy dog"
 LONG_PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3  # 46 tokens: 3 ubatches of 16, 2 batches of 32
-PROMPTS = [LONG_PROMPT, f"{WORDS}. {WORDS}", "Hello", "x = [1, 2, 3]; y = x[::-1]"]
+# cycles of the cyclic target's successor map, 7 tokens or longer
+CYCLES = [list(c) for c in tm.cyclic_successor()[1] if len(c) >= 7]
+
+
+def cycle_prompt(k: int, rounds: int = 3) -> list[int]:
+    """Token ids running ``rounds`` times round cycle k: the target goes on with it under greedy sampling."""
+    return CYCLES[k] * rounds
+
+
+PROMPTS = [cycle_prompt(0), LONG_PROMPT, cycle_prompt(1, 2), f"{WORDS}. {WORDS}"]
 
 
 @pytest.fixture(scope="session")
 def word_bias(target_model) -> list[tuple[int, float]]:
-    """A logit bias that makes the target speak (mostly) the words of WORDS."""
-    toks = sorted(set(target_model.vocab.tokenize(WORDS, add_special=False)))
-    return [(t, 20.0) for t in toks]
+    """A logit bias on the words of WORDS and on cycle 0 but its last token (see the module docstring)."""
+    toks = set(target_model.vocab.tokenize(WORDS, add_special=False)) | set(CYCLES[0][:-1])
+    return [(t, 20.0) for t in sorted(toks)]
 
 
 def models_for(types: list[T]) -> dict[str, Any]:
-    """ParityScenario's model fields for the types (the tiny models)."""
-    if T.DRAFT_MTP in types:
-        return {"target": str(tm.make_mtp()), "draft": None}
-    if T.DRAFT_EAGLE3 in types:
-        return {"target": str(tm.make_target()), "draft": str(tm.make_eagle3())}
-    if all(t in NGRAM_TYPES for t in types):
-        return {"target": str(tm.make_cyclic_target()), "draft": None}
-    return {"target": str(tm.make_target()), "draft": str(tm.make_draft())}
+    """ParityScenario's model fields for the types: the tiny cyclic models (the MTP model for draft-mtp)."""
+    target, draft = model_paths(types, tiny=True)
+    return {"target": str(target), "draft": str(draft) if draft is not None else None}
 
 
 def scenario(types: list[T], **kw) -> ParityScenario:
@@ -79,17 +91,17 @@ def seeded(temp: float, seed: int, bias: list[tuple[int, float]] | None = None) 
 
 # (name, scenario fields); "bias" is replaced with the word bias
 CONFIGS: dict[str, dict[str, Any]] = {
-    # one sequence, greedy; two requests in a row on one generator, the first prefilled over several ubatches
+    # one sequence, greedy; two requests in a row on one generator, the second prefilled over several ubatches
     "greedy-1seq": dict(n_seq=1, prompts=PROMPTS[:2], n_predict=32, n_max=3, sampling=("greedy", None)),
     # two sequences, seeded stochastic sampling, longer drafts that must have at least 2 tokens
-    "seeded-2seq-nmin": dict(n_seq=2, prompts=PROMPTS[:2], n_predict=32, n_max=5, n_min=2,
+    "seeded-2seq-nmin": dict(n_seq=2, prompts=PROMPTS[:2], n_predict=40, n_max=5, n_min=2,
                              sampling=("seeded", 0.8, 42)),
-    # four sequences, greedy over the word list, drafts cut where the draft model is unsure
+    # four sequences, greedy under the bias, drafts cut where the draft model is unsure
     "bias-greedy-4seq-pmin": dict(n_seq=4, prompts=PROMPTS, n_predict=24, n_max=4, p_min=0.5,
                                   sampling=("greedy", "bias")),
-    # three sequences, hot sampling over the word list: n-gram drafts both accepted and rejected
-    "bias-seeded-3seq": dict(n_seq=3, prompts=PROMPTS[1:] + PROMPTS[:1], n_predict=40, n_max=2,
-                             sampling=("seeded", 2.0, 7, "bias")),
+    # three sequences, hot sampling under the bias: drafts both accepted and rejected; a second request
+    "bias-seeded-3seq": dict(n_seq=3, prompts=PROMPTS, n_predict=40, n_max=2,
+                             sampling=("seeded", 1.5, 7, "bias")),
 }
 
 
@@ -232,12 +244,22 @@ def test_scenario_rejects_an_eagle3_without_its_model():
 def test_cli_prints_a_verdict_per_scenario_and_exits_zero(capsys):
     from pyspec.cli.parity import main
 
-    rc = main(["--tiny", "--types", "ngram-simple,draft-simple+ngram-mod", "--n-predict", "8", "--threads", "1",
+    rc = main(["--tiny", "--types", "ngram-simple,draft-simple+ngram-mod", "--n-predict", "40", "--threads", "1",
                "--prompt", "Hello world"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
     assert [line.split()[0] for line in out] == ["OK", "OK"]
     assert "draft-simple+ngram-mod" in out[1]
+    assert "(ngram-mod " in out[1] and ", draft-simple " in out[1]  # each implementation's accepted/drafted
+
+
+def test_cli_marks_a_scenario_that_drafts_nothing_idle_and_exits_zero(capsys):
+    from pyspec.cli.parity import main
+
+    rc = main(["--tiny", "--types", "ngram-cache", "--n-predict", "4", "--threads", "1", "--prompt", "Hello"])
+    (line,) = capsys.readouterr().out.splitlines()
+    assert rc == 0  # the sides agree; the line says that nothing speculative was compared
+    assert line.startswith("IDLE") and "compares nothing speculative" in line
 
 
 def test_cli_exits_non_zero_on_divergence(monkeypatch, capsys):
@@ -248,3 +270,12 @@ def test_cli_exits_non_zero_on_divergence(monkeypatch, capsys):
     rc = main(["--tiny", "--types", "draft-simple", "--n-predict", "8", "--threads", "1"])
     assert rc == 1
     assert capsys.readouterr().out.startswith("DIVERGE")
+
+
+def test_a_scenario_that_drafts_nothing_fails_unless_it_is_made_not_to_draft():
+    sc = scenario([T.NGRAM_CACHE], prompts=["Hello"], n_predict=4, name="hello")
+    with pytest.raises(ParityError, match="compares nothing speculative: cpp:ngram-cache"):
+        assert_parity(sc)
+    report = assert_parity(dataclasses.replace(sc, expect_drafts=False, name="no-draft hello"))
+    assert report.ok and report.n_drafted == 0
+    assert report.verdict().startswith("OK")

@@ -1,4 +1,8 @@
-"""The C++ reference (libpyspec_ref) driven from Python: pyspec.reference.speculative."""
+"""The C++ reference (libpyspec_ref) driven from Python: pyspec.reference.speculative.
+
+Tests named ``test_wrapper_*`` pin the C ABI's own behaviour (csrc/pyspec_ref.cpp checks
+before calling in, where the C++ would assert, abort or silently drop the input), not
+upstream's."""
 
 from __future__ import annotations
 
@@ -117,13 +121,13 @@ def test_ngram_implementations_need_no_embeddings() -> None:
         assert spec.need_embd_nextn() is False
 
 
-def test_accept_without_a_draft_raises_instead_of_asserting() -> None:
+def test_wrapper_refuses_accept_without_a_draft_where_the_cpp_asserts() -> None:
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
         with pytest.raises(RefError, match="impl_last"):
             spec.accept(0, 1)
 
 
-def test_seq_id_out_of_range_raises() -> None:
+def test_wrapper_refuses_a_seq_id_out_of_range() -> None:
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
         with pytest.raises(ValueError):
             spec.begin(1, PROMPT)
@@ -138,13 +142,13 @@ def test_no_implementation_raises_and_init_returns_none() -> None:
     assert RefSpeculative.init(params, n_seq=1) is None
 
 
-def test_draft_simple_without_contexts_raises() -> None:
+def test_wrapper_refuses_draft_simple_without_contexts_where_the_cpp_would_crash() -> None:
     params = CommonParamsSpeculative(types=[CommonSpeculativeType.DRAFT_SIMPLE])
     with pytest.raises(RuntimeError, match="ctx_tgt and ctx_dft"):
         RefSpeculative(params, n_seq=1)
 
 
-def test_missing_lookup_cache_raises_the_reference_message() -> None:
+def test_wrapper_refuses_a_missing_lookup_cache_with_the_cpp_abort_message() -> None:
     params = CommonParamsSpeculative(
         types=[CommonSpeculativeType.NGRAM_CACHE],
         ngram_cache=CommonParamsSpeculativeNgramCache(lookup_cache_static="/nonexistent/lookup.bin"),
@@ -244,7 +248,7 @@ def test_sample_and_accept_n_stops_at_the_first_mismatch(target: Model) -> None:
         assert smpl.sample_and_accept_n(ctx, [best[1]], idxs=[1, 2]) == [best[1], best[2]]
 
 
-def test_sampler_guards_instead_of_aborting(target: Model) -> None:
+def test_wrapper_sampler_guards_where_the_cpp_aborts(target: Model) -> None:
     with Context(target, n_ctx=128, n_batch=64) as ctx, RefSampler(target, greedy_params()) as smpl:
         with pytest.raises(RefError):
             smpl.last()  # nothing accepted yet: the reference throws
@@ -257,7 +261,9 @@ def test_sampler_guards_instead_of_aborting(target: Model) -> None:
             smpl.accept(target.vocab.n_tokens, True)
 
 
-def test_invalid_sampler_configurations_raise(target: Model) -> None:
+def test_wrapper_refuses_sampler_configurations_the_cpp_would_drop_or_abort_on(target: Model) -> None:
+    # the wrapper's checks: common_sampler_init itself drops a grammar that does not parse (and samples
+    # without it), and asserts on an unknown sampler type or mirostat version
     with pytest.raises(RuntimeError, match="grammar"):
         RefSampler(target, CommonParamsSampling(grammar="root ::= ("))
     with pytest.raises(RuntimeError, match="sampler type"):

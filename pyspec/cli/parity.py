@@ -6,8 +6,9 @@
 
 ``--types`` takes a comma-separated list; each entry is one scenario, and an
 entry may join types with ``+`` to run them together in one dispatcher
-(``ngram-map-k+draft-simple``). One line per scenario; the exit status is 1 when
-any scenario diverges.
+(``ngram-map-k+draft-simple``). One line per scenario: OK, DIVERGE, or IDLE when
+the sides agree but some implementation drafted nothing or had no draft accepted
+(nothing speculative was compared); the exit status is 1 when any scenario diverges.
 """
 
 from __future__ import annotations

@@ -6,16 +6,23 @@ the Python port and the C++ reference can be driven from one description.
 
 from __future__ import annotations
 
+import copy
 import enum
-from dataclasses import dataclass, field
-from typing import Any
+import numbers
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
 
 from pyspec.ffi import c_const
 
 __all__ = [
     "LLAMA_DEFAULT_SEED", "CommonParamsSampling", "CommonParamsSpeculative", "CommonParamsSpeculativeDraft",
     "CommonParamsSpeculativeNgramCache", "CommonParamsSpeculativeNgramMap", "CommonParamsSpeculativeNgramMod",
-    "CommonSamplerType", "CommonSpeculativeType",
+    "CommonSamplerType", "CommonSpeculativeType", "c_bool", "c_copy", "c_float", "c_int32", "c_size_t", "c_uint16",
+    "c_uint32",
 ]
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -24,6 +31,70 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 def _c(name: str) -> int:
     # the values come from the declarations of decl/common.h, checked against the C++ reference
     return c_const(name)
+
+
+def c_int32(x: Any) -> int:
+    """``x`` as an int32_t field holds it: an integer, wrapped modulo 2**32 (TypeError for a non-integer)."""
+    return ((operator.index(x) + 0x80000000) & 0xFFFFFFFF) - 0x80000000
+
+
+def c_uint16(x: Any) -> int:
+    """``x`` as a uint16_t field holds it: an integer, wrapped modulo 2**16 (TypeError for a non-integer)."""
+    return operator.index(x) & 0xFFFF
+
+
+def c_uint32(x: Any) -> int:
+    """``x`` as a uint32_t holds it: an integer, wrapped modulo 2**32 (TypeError for a non-integer)."""
+    return operator.index(x) & 0xFFFFFFFF
+
+
+def c_size_t(x: Any) -> int:
+    """``x`` converted to size_t (64-bit): an integer, wrapped modulo 2**64 (a negative one becomes huge)."""
+    return operator.index(x) & 0xFFFFFFFFFFFFFFFF
+
+
+def c_float(x: Any) -> float:
+    """``x`` as a float field holds it: rounded to float32 (TypeError for a non-number)."""
+    if not isinstance(x, numbers.Real):
+        raise TypeError(f"a float field needs a real number, not {type(x).__name__}")
+    with np.errstate(over="ignore"):  # a double beyond float32's range becomes inf, as in C++
+        return float(np.float32(x))
+
+
+def c_bool(x: Any) -> bool:
+    return bool(x)
+
+
+def _same(x: Any) -> Any:
+    return x  # pointers (the contexts) and strings: the copy refers to the same object
+
+
+_S = TypeVar("_S")
+
+
+def c_copy(struct: _S) -> _S:
+    """A copy of a parameter dataclass as the C++ struct copy holds it: each field converted
+    to its C++ type (``_c_types``: int32_t / uint16_t wrap, float rounds to float32), nested
+    parameter structs copied the same way, the contexts kept as the same objects.
+
+    The C++ implementations copy their parameters at init; the port copies them with this,
+    so a caller who changes its parameter object later changes neither side, and both read
+    the same values (e.g. p_min is compared as a float)."""
+    out = copy.copy(struct)
+    convert: dict[str, Any] = getattr(struct, "_c_types", {})
+    for f in fields(struct):  # type: ignore[arg-type]
+        value = getattr(struct, f.name)
+        if f.name in convert:
+            try:
+                value = convert[f.name](value)
+            except TypeError as e:
+                raise TypeError(f"{type(struct).__name__}.{f.name}: {e}") from None
+        elif hasattr(value, "_c_types"):
+            value = c_copy(value)
+        elif isinstance(value, list):
+            value = list(value)
+        setattr(out, f.name, value)
+    return out
 
 
 class CommonSpeculativeType(enum.IntEnum):
@@ -138,6 +209,10 @@ class CommonParamsSpeculativeDraft:
     ctx_dft: Any = None
     n_gpu_layers: int = -1
 
+    _c_types: ClassVar[dict[str, Callable[[Any], Any]]] = {
+        "n_max": c_int32, "n_min": c_int32, "p_split": c_float, "p_min": c_float,
+        "backend_sampling": c_bool, "ctx_tgt": _same, "ctx_dft": _same, "n_gpu_layers": c_int32}
+
 
 @dataclass
 class CommonParamsSpeculativeNgramMod:
@@ -146,6 +221,8 @@ class CommonParamsSpeculativeNgramMod:
     n_match: int = 24
     n_max: int = 64
     n_min: int = 48
+
+    _c_types: ClassVar[dict[str, Callable[[Any], Any]]] = {"n_match": c_int32, "n_max": c_int32, "n_min": c_int32}
 
 
 @dataclass
@@ -156,6 +233,8 @@ class CommonParamsSpeculativeNgramMap:
     size_m: int = 48
     min_hits: int = 1
 
+    _c_types: ClassVar[dict[str, Callable[[Any], Any]]] = {"size_n": c_uint16, "size_m": c_uint16, "min_hits": c_uint16}
+
 
 @dataclass
 class CommonParamsSpeculativeNgramCache:
@@ -163,6 +242,8 @@ class CommonParamsSpeculativeNgramCache:
 
     lookup_cache_static: str = ""
     lookup_cache_dynamic: str = ""
+
+    _c_types: ClassVar[dict[str, Callable[[Any], Any]]] = {"lookup_cache_static": str, "lookup_cache_dynamic": str}
 
 
 @dataclass
@@ -178,6 +259,10 @@ class CommonParamsSpeculative:
     ngram_cache: CommonParamsSpeculativeNgramCache = field(default_factory=CommonParamsSpeculativeNgramCache)
 
     def need_n_rs_seq(self) -> int:
-        """Mirrors common_params_speculative::need_n_rs_seq (common.h)."""
+        """Mirrors common_params_speculative::need_n_rs_seq (common.h): the int32_t n_max as uint32_t."""
         needs_rs_seq = any(t == CommonSpeculativeType.DRAFT_MTP for t in self.types)
-        return self.draft.n_max if needs_rs_seq else 0
+        return c_uint32(c_int32(self.draft.n_max)) if needs_rs_seq else 0
+
+    def c_copy(self) -> CommonParamsSpeculative:
+        """The parameters as the C++ struct holds them (see :func:`c_copy`)."""
+        return c_copy(self)

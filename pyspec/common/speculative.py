@@ -36,7 +36,14 @@ from pyspec.common.ngram_map import (
     common_ngram_simple_draft,
 )
 from pyspec.common.ngram_mod import CommonNgramMod
-from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
+from pyspec.common.params import (
+    CommonParamsSampling,
+    CommonParamsSpeculative,
+    CommonSamplerType,
+    c_copy,
+    c_size_t,
+    c_uint16,
+)
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.sampling import (
     CommonSampler,
@@ -87,10 +94,14 @@ common_speculative_type_from_name_map: dict[str, T] = {
 
 @dataclass
 class CommonSpeculativeConfig:
-    """Mirrors struct common_speculative_config (speculative.cpp)."""
+    """Mirrors struct common_speculative_config (speculative.cpp): holds a copy of the parameters."""
 
     type: T
     params: CommonParamsSpeculative = field(default_factory=CommonParamsSpeculative)
+
+    def __post_init__(self) -> None:
+        # the C++ constructor copies the struct: later changes to the caller's object do not reach it
+        self.params = self.params.c_copy()
 
 
 def common_speculative_are_compatible(model_tgt: Any, model_dft: Any) -> bool:
@@ -258,7 +269,7 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
         super().__init__(T.DRAFT_SIMPLE, n_seq)
-        self.params = params.draft
+        self.params = c_copy(params.draft)
 
         ctx_dft = _require_ctx(self.params.ctx_dft, "draft-simple ctx_dft")
         ctx_tgt = _require_ctx(self.params.ctx_tgt, "draft-simple ctx_tgt")
@@ -386,7 +397,7 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
             if not dp.drafting:
                 continue
 
-            if len(dp.result) < self.params.n_min:
+            if len(dp.result) < c_size_t(self.params.n_min):  # (size_t) n_min: a negative one is huge
                 dp.result.clear()
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
@@ -447,7 +458,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
         super().__init__(T.DRAFT_EAGLE3, n_seq)
-        self.params = params.draft
+        self.params = c_copy(params.draft)
         logger.info("adding speculative implementation 'draft-eagle3'")
         logger.info("- n_max=%d, n_min=%d, p_min=%f", params.draft.n_max, params.draft.n_min, params.draft.p_min)
 
@@ -741,7 +752,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
             if not dp.drafting:
                 continue
 
-            if len(dp.result) < self.params.n_min:
+            if len(dp.result) < c_size_t(self.params.n_min):  # (size_t) n_min: a negative one is huge
                 dp.result.clear()
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
@@ -775,7 +786,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
         super().__init__(T.DRAFT_MTP, n_seq)
-        self.params = params.draft  # reuses the draft-model params slot (ctx_tgt/ctx_dft)
+        self.params = c_copy(params.draft)  # reuses the draft-model params slot (ctx_tgt/ctx_dft)
 
         ctx_tgt = self.params.ctx_tgt
         ctx_dft = self.params.ctx_dft
@@ -1013,7 +1024,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
             if not dp.drafting:
                 continue
 
-            if len(dp.result) < self.params.n_min:
+            if len(dp.result) < c_size_t(self.params.n_min):  # (size_t) n_min: a negative one is huge
                 dp.result.clear()
 
             self.last_n_drafted[seq_id] = len(dp.result) & 0xFFFF
@@ -1041,7 +1052,7 @@ class CommonSpeculativeImplNgramSimple(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int, config: CommonNgramSimpleConfig) -> None:
         super().__init__(T.NGRAM_SIMPLE, n_seq)
-        self.params = params.ngram_simple
+        self.params = c_copy(params.ngram_simple)
 
         # shared across all sequences
         self.config = config
@@ -1126,9 +1137,10 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
         super().__init__(T.NGRAM_MOD, n_seq)
-        self.params = params.ngram_mod
-        if self.params.n_match <= 0:
-            raise SpeculativeError(f"ngram_mod n_match must be positive, got {self.params.n_match}")
+        self.params = c_copy(params.ngram_mod)
+        # the constructor takes n_match as uint16_t; 0 would index before the buffer in draft_one
+        if c_uint16(self.params.n_match) == 0:
+            raise SpeculativeError(f"ngram_mod n_match must be positive (as uint16_t), got {self.params.n_match}")
         # shared across all sequences
         self.mod = CommonNgramMod(params.ngram_mod.n_match, 4 * 1024 * 1024)
         # enable trace logging if LLAMA_TRACE is set
@@ -1273,7 +1285,7 @@ class CommonSpeculativeImplNgramCache(CommonSpeculativeImpl):
         save_static: bool,
     ) -> None:
         super().__init__(T.NGRAM_CACHE, n_seq)
-        self.params = params.ngram_cache
+        self.params = c_copy(params.ngram_cache)
         self.n_draft = n_draft
         self.save_dynamic = save_dynamic
         self.save_static = save_static
@@ -1449,6 +1461,7 @@ def common_get_enabled_speculative_configs(configs: Sequence[T]) -> int:
 
 def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
     """Mirrors common_speculative_n_max (speculative.cpp)."""
+    spec = spec.c_copy()  # the C++ reads its fields as they are typed (uint16_t sizes)
     n_max = 0
 
     for type in spec.types:

@@ -155,20 +155,25 @@ class Context(Handle):
 
     # --- decode -----------------------------------------------------------
 
+    def _bad_token(self, batch: AnyBatch) -> int | None:
+        """A token of the batch outside the vocabulary (llama_decode refuses such a batch with -1)."""
+        if batch.token is None or batch.n_tokens <= 0:
+            return None
+        toks = batch.token[: batch.n_tokens]
+        lo, hi = int(toks.min()), int(toks.max())
+        if lo < 0 or hi >= self.n_vocab:
+            return lo if lo < 0 else hi
+        return None
+
     def _check_batch(self, batch: AnyBatch) -> None:
+        # what llama_decode would abort on, or read out of bounds for
         self.check_open()
         n = batch.n_tokens
         if n <= 0:
             raise ValueError("batch is empty")
         if n > self.n_batch:
             raise ValueError(f"batch of {n} tokens exceeds n_batch={self.n_batch}")
-        if batch.token is not None:
-            toks = batch.token[:n]
-            lo, hi = int(toks.min()), int(toks.max())
-            if lo < 0 or hi >= self.n_vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
-        elif batch.embd is not None and batch.n_embd != self.model.n_embd_inp_or_embd():
+        if batch.token is None and batch.embd is not None and batch.n_embd != self.model.n_embd_inp_or_embd():
             raise ValueError(
                 f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
             )
@@ -191,13 +196,22 @@ class Context(Handle):
             raise ConcurrentUseError("this context is in use by another thread; give each thread its own Context")
 
     def decode(self, batch: AnyBatch) -> None:
-        """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError."""
+        """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
+        the vocabulary ValueError."""
+        self.check_open()
+        bad = self._bad_token(batch)
+        if bad is not None:
+            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
         rc = self.decode_rc(batch)
         if rc != 0:
             raise decode_error(rc, "llama_decode")
 
     def decode_rc(self, batch: AnyBatch) -> int:
-        """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks."""
+        """llama_decode returning the code, for loops that mirror C++ `ret != 0` checks.
+
+        A batch that llama_decode refuses itself (a token outside the vocabulary) returns its
+        -1, as in the C++, where e.g. a draft context whose vocabulary lacks a target token
+        makes the draft stop; what it would abort on raises ValueError."""
         self._check_batch(batch)
         self._enter()
         t0 = time.perf_counter_ns()

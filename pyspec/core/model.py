@@ -170,6 +170,8 @@ class Model(Handle):
         params.use_mlock = use_mlock
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
+        # False: no repacked weight layouts (llama.cpp's --no-repack), whose CPU kernels make a
+        # token's logits depend on the batch it is computed in
         params.use_extra_bufts = use_extra_bufts
         self._devices_arr = None
         if devices is not None or rpc_servers:

@@ -19,6 +19,14 @@ enum pyspec_ref_status {
 
 const char * pyspec_ref_last_error(void);
 
+/* the patches compiled into this build of the reference, comma-separated;
+ * "" for the no-patch build (upstream's code exactly) */
+const char * pyspec_ref_patches(void);
+
+/* the value the compiler gave the enum constant called name (one of those
+ * decl/common.h declares); PYSPEC_REF_E_RANGE for another name */
+int pyspec_ref_enum_value(const char * name, int32_t * out);
+
 /* ---- common_speculative ------------------------------------------------ */
 
 /* struct common_params_speculative_draft (model-loading fields left out) */
@@ -96,6 +104,16 @@ void pyspec_ref_spec_params_default(pyspec_ref_spec_params * out);
 
 /* common_speculative_type_to_str; "" for an unknown type */
 const char * pyspec_ref_spec_type_str(int32_t type);
+/* common_speculative_types_from_names: the types written to out (up to out_cap), their
+ * number, or a status (an unknown name throws: PYSPEC_REF_E_EXCEPTION with its message) */
+int32_t pyspec_ref_spec_types_from_names(const char * const * names, int32_t n_names, int32_t * out, int32_t out_cap);
+/* common_speculative_type_from_name: COMMON_SPECULATIVE_TYPE_COUNT for an unknown name */
+int32_t pyspec_ref_spec_type_from_name(const char * name);
+/* common_speculative_all_types_str */
+const char * pyspec_ref_spec_all_types_str(void);
+/* common_speculative_type_name_str of types (each in [0, COMMON_SPECULATIVE_TYPE_COUNT]):
+ * its length, and as much of it as fits in out (NUL-terminated); or a status */
+int32_t pyspec_ref_spec_type_name_str(const int32_t * types, int32_t n_types, char * out, size_t out_cap);
 
 /* common_speculative_init. NULL with err set on failure; NULL with err == ""
  * when no implementation was selected (the C++ returns nullptr). */

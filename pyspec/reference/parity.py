@@ -13,6 +13,11 @@ first event that differs.
     sc = ParityScenario(target=path, types=["ngram-simple"], prompts=["...", "..."], n_seq=2)
     report = run_parity(sc)  # report.ok, report.divergence (event, field, python, cpp)
     assert_parity(sc)        # the same, raising ParityError at the first divergence
+
+A scenario that drafts nothing, or whose drafts are never accepted, compares
+nothing speculative: ``assert_parity`` also fails unless every implementation
+on each side drafted and had drafts accepted (``report.idle_impls()``), except
+in a scenario made not to draft (``expect_drafts=False``, named so).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class ParityScenario:
     mtp_checkpoint: bool = False
     sampling: CommonParamsSampling = field(default_factory=greedy_sampling)
     name: str = ""
+    # the scenario is made to draft and get drafts accepted (assert_parity checks it per implementation)
+    expect_drafts: bool = True
 
     def spec_types(self) -> list[T]:
         return parse_types(list(self.types))
@@ -156,11 +163,36 @@ class ParityReport:
     tokens: list[list[int]] = field(default_factory=list)  # the C++ side's generated tokens, per prompt
     n_drafted: int = 0
     n_accepted: int = 0
+    # side ("cpp", "python") -> each implementation's final counters (ImplStats.counters())
+    impls: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    expect_drafts: bool = True
+
+    def idle_impls(self) -> list[str]:
+        """``side:implementation`` for each implementation that drafted nothing or had no draft accepted."""
+        out = []
+        for side in ("cpp", "python"):
+            if side not in self.impls:
+                out.append(f"{side}:<did not finish>")
+            for c in self.impls.get(side, []):
+                if c["n_gen_drafts"] == 0 or c["n_acc_tokens"] == 0:
+                    out.append(f"{side}:{c['name']} (drafts {c['n_gen_drafts']}, accepted tokens {c['n_acc_tokens']})")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        """The sides agree, and (unless the scenario is made not to draft) every implementation speculated."""
+        return self.ok and (not self.expect_drafts or not self.idle_impls())
 
     def verdict(self) -> str:
         if self.ok:
-            return (f"OK    {self.scenario}: {self.n_events} events, {sum(map(len, self.tokens))} tokens, "
-                    f"drafted {self.n_drafted}, accepted {self.n_accepted}")
+            per_impl = ", ".join(f"{c['name']} {c['n_acc_tokens']}/{c['n_gen_tokens']}"
+                                 for c in self.impls.get("cpp", []))
+            head = "OK   " if self.passed else "IDLE "
+            text = (f"{head} {self.scenario}: {self.n_events} events, {sum(map(len, self.tokens))} tokens, "
+                    f"drafted {self.n_drafted}, accepted {self.n_accepted}" + (f" ({per_impl})" if per_impl else ""))
+            if not self.passed:
+                text += "; compares nothing speculative: " + "; ".join(self.idle_impls())
+            return text
         why = str(self.divergence) if self.divergence else "; ".join(f"{k}: {v}" for k, v in self.errors.items())
         return f"DIVERGE {self.scenario}: {why}"
 
@@ -191,19 +223,27 @@ def _first_diff(py: Any, cpp: Any, path: str) -> tuple[str, Any, Any] | None:
     return None if py == cpp else (path, py, cpp)
 
 
-def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> tuple[list[list[int]], int, int]:
-    """Run the scenario on one side; returns the generated tokens per prompt, n_drafted, n_accepted."""
-    tokens: list[list[int]] = []
-    n_drafted = n_accepted = 0
+@dataclass
+class _SideResult:
+    tokens: list[list[int]] = field(default_factory=list)  # per prompt
+    n_drafted: int = 0
+    n_accepted: int = 0
+    impls: list[dict[str, Any]] = field(default_factory=list)  # final counters per implementation
+
+
+def _run_side(sc: ParityScenario, engine: str, on_event: Any) -> _SideResult:
+    """Run the scenario on one side."""
+    out = _SideResult()
     with build_contexts(sc) as cs:
         with SpeculativeGenerator(cs.ctx_tgt, cs.spec, sc.sampling, n_seq=sc.n_seq, engine=engine,
                                   on_event=on_event) as gen:
             for i in range(0, len(sc.prompts), sc.n_seq):
                 for r in gen.generate(list(sc.prompts[i : i + sc.n_seq]), sc.n_predict):
-                    tokens.append(r.tokens)
-                n_drafted += gen.stats.n_drafted
-                n_accepted += gen.stats.n_accepted
-    return tokens, n_drafted, n_accepted
+                    out.tokens.append(r.tokens)
+                out.n_drafted += gen.stats.n_drafted
+                out.n_accepted += gen.stats.n_accepted
+            out.impls = [i.counters() for i in gen.engine.backend.impl_stats()]
+    return out
 
 
 def run_parity(sc: ParityScenario) -> ParityReport:
@@ -211,11 +251,14 @@ def run_parity(sc: ParityScenario) -> ParityReport:
     label = sc.label()
     trace: list[tuple[str, dict]] = []
     errors: dict[str, str] = {}
+    impls: dict[str, list[dict[str, Any]]] = {}
     try:
-        tokens, n_drafted, n_accepted = _run_side(sc, "cpp", lambda name, data: trace.append((name, data)))
+        cpp = _run_side(sc, "cpp", lambda name, data: trace.append((name, data)))
+        impls["cpp"] = cpp.impls
     except Exception as e:  # the reference failed: still see whether the port fails the same way
         errors["cpp"] = f"{type(e).__name__}: {e}"
-        tokens, n_drafted, n_accepted = [], 0, 0
+        cpp = _SideResult()
+    tokens = cpp.tokens
 
     n = 0
     steps = 0
@@ -235,7 +278,9 @@ def run_parity(sc: ParityScenario) -> ParityReport:
         n += 1
 
     try:
-        py_tokens, _, _ = _run_side(sc, "python", compare)
+        py = _run_side(sc, "python", compare)
+        py_tokens: list[list[int]] | None = py.tokens
+        impls["python"] = py.impls
     except _Stop:
         py_tokens = None
     except Exception as e:
@@ -250,13 +295,15 @@ def run_parity(sc: ParityScenario) -> ParityReport:
     if div is None and set(errors) == {"cpp", "python"} and errors["cpp"] != errors["python"]:
         div = Divergence(n, steps, "error", "exception", errors["python"], errors["cpp"])
     return ParityReport(label, ok=div is None and not errors, n_events=n, divergence=div, errors=errors,
-                        tokens=tokens, n_drafted=n_drafted, n_accepted=n_accepted)
+                        tokens=tokens, n_drafted=cpp.n_drafted, n_accepted=cpp.n_accepted, impls=impls,
+                        expect_drafts=sc.expect_drafts)
 
 
 def assert_parity(sc: ParityScenario) -> ParityReport:
-    """run_parity, raising ParityError unless both sides agree on every event; returns the report."""
+    """run_parity, raising ParityError unless both sides agree on every event and (for a scenario
+    made to draft) every implementation on each side drafted and had drafts accepted."""
     report = run_parity(sc)
-    if not report.ok:
+    if not report.passed:
         raise ParityError(report)
     return report
 

@@ -25,12 +25,42 @@ from pyspec.errors import RefError
 from pyspec.ffi import c_const, ffi, ref
 from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, token_array, token_ptr
 
-__all__ = ["RefSpeculative", "spec_params_struct", "spec_type_str"]
+__all__ = ["RefSpeculative", "spec_all_types_str", "spec_params_struct", "spec_type_from_name", "spec_type_name_str",
+           "spec_type_str", "spec_types_from_names"]
 
 
 def spec_type_str(type_: int) -> str:
     """Mirrors common_speculative_type_to_str (speculative.cpp)."""
     return ffi.string(ref.pyspec_ref_spec_type_str(int(type_))).decode()
+
+
+def spec_types_from_names(names: Sequence[str]) -> list[int]:
+    """Mirrors common_speculative_types_from_names (speculative.cpp); RefError for an unknown name."""
+    keep = [ffi.new("char[]", n.encode()) for n in names]
+    arr = ffi.new("char *[]", keep) if keep else ffi.NULL
+    out = ffi.new("int32_t[]", max(len(names), 1))
+    n = check(ref.pyspec_ref_spec_types_from_names(arr, len(names), out, len(names)), "types_from_names")
+    return [int(out[i]) for i in range(n)]
+
+
+def spec_type_from_name(name: str) -> int:
+    """Mirrors common_speculative_type_from_name (speculative.cpp): COMMON_SPECULATIVE_TYPE_COUNT when unknown."""
+    return check(ref.pyspec_ref_spec_type_from_name(name.encode()), "type_from_name")
+
+
+def spec_all_types_str() -> str:
+    """Mirrors common_speculative_all_types_str (speculative.cpp)."""
+    return ffi.string(ref.pyspec_ref_spec_all_types_str()).decode()
+
+
+def spec_type_name_str(types: Sequence[int]) -> str:
+    """Mirrors common_speculative_type_name_str (speculative.cpp)."""
+    arr = np.asarray([int(t) for t in types], dtype=np.int32)
+    ptr = ffi.cast("int32_t *", ffi.from_buffer(arr)) if arr.size else ffi.NULL
+    n = check(ref.pyspec_ref_spec_type_name_str(ptr, arr.size, ffi.NULL, 0), "type_name_str")
+    out = ffi.new("char[]", n + 1)
+    check(ref.pyspec_ref_spec_type_name_str(ptr, arr.size, out, n + 1), "type_name_str")
+    return ffi.string(out).decode()
 
 
 def _fill_ngram_map(dst: Any, src: CommonParamsSpeculativeNgramMap) -> None:
@@ -56,7 +86,12 @@ def _check_eagle3_layers(params: CommonParamsSpeculative) -> None:
 
 
 def spec_params_struct(params: CommonParamsSpeculative) -> tuple[Any, list[Any]]:
-    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive)."""
+    """A ``pyspec_ref_spec_params *`` filled from ``params``, and the buffers it points into (keep them alive).
+
+    The fields are converted to their C++ types first, as the port's copy does (``c_copy``:
+    int32_t / uint16_t wrap, float rounds), so both sides get the same values from one object.
+    """
+    params = params.c_copy()
     _check_eagle3_layers(params)
     types = np.asarray([int(t) for t in params.types], dtype=np.int32)
     cache_static = params.ngram_cache.lookup_cache_static.encode()

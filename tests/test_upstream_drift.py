@@ -1,0 +1,139 @@
+"""The upstream texts the port mirrors are recorded by sha256; a changed vendored tree is caught.
+
+pyspec/common/UPSTREAM.sha256 holds the sha256 of every upstream file (or struct,
+enum, function) that a part of pyspec mirrors line for line, and names the pyspec
+files that mirror it. The enum values the Python side reads from decl/common.h are
+checked against the compiled C++ when the reference library opens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pyspec.testing import upstream
+from pyspec.testing.models import llama_cpp_dir
+
+
+def test_the_vendored_tree_matches_the_recorded_sha256_of_every_mirrored_text():
+    drifts = upstream.check(llama_cpp_dir())
+    assert not drifts, "upstream changed; review, then `python -m pyspec.testing.upstream --update`:\n" + "\n".join(
+        map(str, drifts))
+
+
+def test_the_record_covers_every_file_the_issue_names():
+    names = {s.name for s in upstream.read_record()}
+    for path in ("common/speculative.cpp", "common/speculative.h", "common/sampling.cpp", "common/sampling.h",
+                 "common/ngram-cache.cpp", "common/ngram-cache.h", "common/ngram-map.cpp", "common/ngram-map.h",
+                 "common/ngram-mod.cpp", "common/ngram-mod.h", "include/llama.h"):
+        assert path in names
+    for struct in ("common_params_speculative", "common_params_speculative_draft",
+                   "common_params_speculative_ngram_mod", "common_params_speculative_ngram_map",
+                   "common_params_sampling"):
+        assert f"common/common.h :: struct {struct}" in names
+    assert "common/common.h :: enum common_speculative_type" in names
+    for src in upstream.read_record():
+        for mirror in src.mirrors:
+            assert (Path(__file__).resolve().parents[1] / mirror).exists(), mirror
+
+
+@pytest.fixture
+def tree_copy(tmp_path) -> Path:
+    """The recorded files of the vendored tree, copied (so they can be edited)."""
+    src = llama_cpp_dir()
+    for path in {s.path for s in upstream.read_record()}:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / path, tmp_path / path)
+    return tmp_path
+
+
+def test_a_changed_file_is_reported_with_the_port_modules_to_review(tree_copy):
+    f = tree_copy / "common" / "ngram-mod.cpp"
+    f.write_text(f.read_text().replace("EMPTY", "EMPTY ", 1))
+    drifts = upstream.check(tree_copy)
+    assert [d.source.name for d in drifts] == ["common/ngram-mod.cpp"]
+    assert str(drifts[0]) == "common/ngram-mod.cpp changed: review pyspec/common/ngram_mod.py"
+
+
+def test_a_renumbered_enum_is_reported_by_its_block(tree_copy):
+    f = tree_copy / "common" / "common.h"
+    text = f.read_text()
+    edited = text.replace("    COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE,",
+                          "    COMMON_SPECULATIVE_TYPE_DRAFT_NEW,\n    COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE,", 1)
+    assert edited != text
+    f.write_text(edited)
+    (d,) = upstream.check(tree_copy)
+    assert d.source.name == "common/common.h :: enum common_speculative_type"
+    assert "pyspec/decl/common.h" in d.source.mirrors and "pyspec/common/params.py" in d.source.mirrors
+
+
+def test_a_change_outside_the_recorded_blocks_of_a_file_is_not_drift(tree_copy):
+    f = tree_copy / "common" / "common.h"
+    f.write_text(f.read_text() + "\n// a comment far from the structs the port mirrors\n")
+    g = tree_copy / "common" / "common.cpp"
+    g.write_text(g.read_text() + "\nstatic int unrelated_helper(int x) { return x; }\n")
+    assert upstream.check(tree_copy) == []
+
+
+def test_a_missing_file_or_block_is_reported(tree_copy):
+    (tree_copy / "common" / "ngram-map.h").unlink()
+    f = tree_copy / "common" / "common.cpp"
+    f.write_text(f.read_text().replace("void common_batch_clear(", "void common_batch_reset(", 1))
+    drifts = {d.source.name: d for d in upstream.check(tree_copy)}
+    assert set(drifts) == {"common/ngram-map.h", "common/common.cpp :: common_batch_clear"}
+    assert all(d.found is None and "is missing" in str(d) for d in drifts.values())
+
+
+def test_extract_takes_every_overload_of_a_function_and_skips_declarations():
+    text = (
+        "int f(int x);\n"
+        "int f(int x) {\n    if (x) { return 1; }\n    return 0;\n}\n"
+        "void g() {\n    f(2);\n}\n"
+        "int f(float y) {\n    return 2;\n}\n"
+        "struct s {\n    int a = 1;\n};\n"
+    )
+    assert upstream.extract(text, "f") == (
+        "int f(int x) {\n    if (x) { return 1; }\n    return 0;\n}\nint f(float y) {\n    return 2;\n}")
+    assert upstream.extract(text, "struct s") == "struct s {\n    int a = 1;\n}"
+    assert upstream.extract(text, "h") is None
+
+
+def test_update_rewrites_the_hashes_and_keeps_the_sources(tree_copy, tmp_path):
+    record = tmp_path / "UPSTREAM.sha256"
+    shutil.copyfile(upstream.RECORD, record)
+    f = tree_copy / "common" / "speculative.h"
+    f.write_text(f.read_text() + "\n")
+    assert len(upstream.check(tree_copy, record)) == 1
+    upstream.write_record(tree_copy, record)
+    assert upstream.check(tree_copy, record) == []
+    assert [s.name for s in upstream.read_record(record)] == [s.name for s in upstream.read_record()]
+
+
+def test_the_compiled_reference_has_the_enum_values_of_the_declarations():
+    from pyspec.ffi import c_enum, ffi, ref
+
+    out = ffi.new("int32_t *")
+    declared = {**c_enum("enum common_speculative_type", ""), **c_enum("enum common_sampler_type", "")}
+    assert len(declared) == 10 + 12
+    for name, value in declared.items():
+        assert ref.pyspec_ref_enum_value(name.upper().encode(), out) == 0
+        assert out[0] == value, name
+
+
+def test_a_renumbered_enum_in_the_compiled_reference_is_refused_when_it_opens():
+    from pyspec import ffi as ffi_module
+    from pyspec.ffi import ref
+
+    class Renumbered:
+        """The reference as it would be if upstream inserted a type before the n-gram types."""
+
+        def pyspec_ref_enum_value(self, name: bytes, out):
+            rc = ref.pyspec_ref_enum_value(name, out)
+            if name.startswith(b"COMMON_SPECULATIVE_TYPE_NGRAM") or name == b"COMMON_SPECULATIVE_TYPE_COUNT":
+                out[0] += 1
+            return rc
+
+    with pytest.raises(ImportError, match=r"COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE is 4 in pyspec/decl/common.h but 5"):
+        ffi_module._check_ref_enums(Renumbered())
