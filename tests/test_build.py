@@ -58,7 +58,8 @@ def test_each_library_is_stored_once_under_its_plain_name():
     links = [p.name for p in folder.iterdir() if p.is_symlink()]
     # llama.cpp's rpc-server is the one program there (next to the backend modules it loads),
     # beside the parsed declarations (csrc/gen_ffi_module.py) and the no-patch reference's folder
-    others = ("rpc-server", ffi.PREBUILT_MODULE, "nopatch")
+    # (and __pycache__: Python's bytecode of that module, written on import where the folder is writable)
+    others = ("rpc-server", ffi.PREBUILT_MODULE, "nopatch", "__pycache__")
     versioned = [name for name in files if not name.endswith(".so") and name not in others]
     assert links == [] and versioned == [], (links, versioned)
     assert sorted(p.name for p in (folder / "nopatch").iterdir()) == ["libpyspec_ref.so"]
