@@ -90,8 +90,8 @@ def build_linked(exe: Path = LINKED) -> Path:
     cmd = ["c++", "-std=c++17", "-O3", "-DNDEBUG", "-DGGML_BACKEND_SHARED", "-DGGML_SHARED", "-DGGML_USE_CPU",
            "-DLLAMA_SHARED", f"-I{llama / 'common'}", f"-I{llama / 'vendor'}", f"-I{llama / 'include'}",
            f"-I{llama / 'ggml' / 'include'}", str(llama / "examples" / "speculative-simple" / "speculative-simple.cpp"),
-           "-o", str(exe), f"-L{libs}", "-l:libllama-common.so.0", "-l:libllama.so.0", "-l:libggml.so.0",
-           "-l:libggml-base.so.0", f"-Wl,-rpath,{libs}"]
+           "-o", str(exe), f"-L{libs}", "-lllama-common", "-lllama", "-lggml",
+           "-lggml-base", f"-Wl,-rpath,{libs}"]
     subprocess.run(["nice", "-n", "10", *cmd], check=True)
     return exe
 
