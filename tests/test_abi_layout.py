@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -63,10 +64,14 @@ def test_a_mutated_declaration_fails_the_first_library_open(tmp_path: Path):
     text = path.read_text()
     assert "    int32_t main_gpu;" in text
     path.write_text(text.replace("    int32_t main_gpu;", "    int64_t main_gpu;", 1))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYSPEC_LIB_DIR": str(lib_dir())}
-    code = "from pyspec.ffi import llama; llama.llama_max_devices()"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    # -S: no .pth files, so an editable install's import redirect (scikit-build-core's finder, which
+    # comes before PYTHONPATH) cannot send `import pyspec` back to the sources; site-packages by hand
+    pythonpath = os.pathsep.join([str(tmp_path), *site.getsitepackages()])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYSPEC_LIB_DIR": str(lib_dir())}
+    code = f"import pyspec; assert pyspec.__file__.startswith({str(tmp_path)!r}), pyspec.__file__\n"
+    code += "from pyspec.ffi import llama; llama.llama_max_devices()"
+    done = subprocess.run([sys.executable, "-S", "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode != 0
     assert "ImportError: pyspec: the declarations in pyspec/decl do not match the libraries" in done.stderr
     assert "struct llama_model_params.main_gpu" in done.stderr

@@ -176,3 +176,18 @@ def test_run_says_how_draft_lengths_are_chosen_and_which_numerics_it_used(capsys
     out = capsys.readouterr().out
     assert _stat(out, "draft length").startswith("fixed")
     assert _stat(out, "numerics").startswith("batch-invariant")
+
+
+def test_every_console_script_of_pyproject_names_a_callable():
+    # `pip install` writes bin/pyspec from [project.scripts]: a stale module path there breaks the
+    # installed command while `python -m pyspec` keeps working (read from the file: Python 3.10 has no tomllib)
+    import importlib
+    import re
+
+    text = (REPO / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    scripts = dict(re.findall(r'^(\S+)\s*=\s*"([^"]+)"', section, flags=re.M))
+    assert scripts.get("pyspec"), section
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), f"{name} = {target}"

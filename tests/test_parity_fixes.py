@@ -21,7 +21,6 @@ from pyspec.common.params import CommonParamsSpeculative, c_float, c_int32, c_ui
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
-from pyspec.ffi import ref
 from pyspec.generation.contexts import model_paths
 from pyspec.reference.parity import ParityScenario, _run_side, assert_parity
 from pyspec.reference.speculative import RefSpeculative
@@ -178,7 +177,7 @@ def test_p_min_is_compared_as_a_float32_on_both_sides(monkeypatch):
     assert report.n_drafted > 0  # the C++ drafts past that token: p0 < (float) p_min is false
 
 
-# --- the fixed-width fields wrap ----------------------------------------------------------
+# --- the fixed-width fields: c_copy wraps, the checks refuse ----------------------------------------------------------
 
 
 def test_fields_wrap_as_the_cpp_struct_fields_do():
@@ -195,26 +194,23 @@ def test_fields_wrap_as_the_cpp_struct_fields_do():
         dataclasses.replace(p, draft=dataclasses.replace(p.draft, n_max=2.5)).c_copy()  # type: ignore[arg-type]
 
 
-def test_n_max_of_oversized_ngram_sizes_matches_the_reference():
-    p = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE, T.NGRAM_MAP_K])
-    p.ngram_simple.size_m = 2**16 + 9
-    p.ngram_map_k.size_m = 2**16 + 7
-    with RefSpeculative(p, 1) as cpp:
-        assert sp.common_speculative_n_max(p) == ref.pyspec_ref_spec_n_max(cpp.ptr) == 9
-
-
-@pytest.mark.parametrize("spec_type", [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MOD, T.DRAFT_SIMPLE],
-                         ids=lambda t: t.name.lower())
-def test_oversized_sizes_wrap_alike_on_both_sides(spec_type):
-    target, draft = model_paths([spec_type], tiny=True)
-    sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[spec_type],
-                        prompts=[MODEL_CYCLE * 4], n_predict=24, n_threads=1, n_ctx=128,
-                        n_max=2**32 + 3, ngram_size_n=2**16 + 2, ngram_size_m=2**16 + 4,
-                        ngram_mod_n_match=2**16 + 3, ngram_mod_n_min=1, ngram_mod_n_max=2**32 + 5)
-    report = assert_parity(sc)
-    wrapped = assert_parity(dataclasses.replace(sc, n_max=3, ngram_size_n=2, ngram_size_m=4, ngram_mod_n_match=3,
-                                                ngram_mod_n_max=5))
-    assert report.tokens == wrapped.tokens and report.impls == wrapped.impls
+@pytest.mark.parametrize(("group", "name", "value", "spec_type"), [
+    ("ngram_simple", "size_m", 2**16 + 9, T.NGRAM_SIMPLE),
+    ("ngram_map_k", "size_n", 2**16 + 2, T.NGRAM_MAP_K),
+    ("ngram_mod", "n_match", 2**31, T.NGRAM_MOD),
+    ("draft", "n_max", 2**32 + 3, T.DRAFT_SIMPLE),
+])
+def test_values_the_cpp_fields_cannot_hold_are_refused_alike_on_both_sides(group, name, value, spec_type):
+    # c_copy() would wrap them as the C++ fields do (above); both engines run pyspec.common.checks
+    # first, so such a value is a ValueError naming the field, with one message on both sides
+    p = CommonParamsSpeculative(types=[spec_type])
+    setattr(getattr(p, group), name, value)
+    with pytest.raises(ValueError) as cpp_err:
+        RefSpeculative(p, 1)
+    with pytest.raises(ValueError) as py_err:
+        port_init(p)
+    assert str(cpp_err.value) == str(py_err.value)
+    assert f"{group}.{name}" in str(py_err.value) and str(value) in str(py_err.value)
 
 
 @pytest.mark.parametrize("spec_type", [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP], ids=lambda t: t.name.lower())
