@@ -283,7 +283,12 @@ class _Library:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        value = getattr(open_library(self._name), attr)
+        try:
+            value = getattr(open_library(self._name), attr)
+        except ffi.error as e:
+            # the prebuilt (out-of-line) FFI reports a symbol the library lacks as ffi.error, a parsed
+            # one as AttributeError: one exception for both, so that hasattr() and callers agree
+            raise AttributeError(str(e)) from None
         setattr(self, attr, value)
         return value
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pyspec import decl
 from pyspec.ffi import _make_ffi, ext, ffi, layout_mismatches, lib_dir
 
@@ -97,3 +99,18 @@ def test_the_prebuilt_ffi_is_used_and_equals_the_parsed_declarations(tmp_path: P
     (tmp_path / ffi_module.PREBUILT_MODULE).write_text(stale)
     monkeypatch.setenv("PYSPEC_LIB_DIR", str(tmp_path))
     assert ffi_module._prebuilt_ffi() is None
+
+
+
+def test_a_declared_symbol_the_library_lacks_is_an_attribute_error_in_either_ffi_mode(monkeypatch):
+    # the prebuilt FFI raises ffi.error for it, a parsed one AttributeError; pyspec.ffi makes both
+    # AttributeError (pyspec.core.threadpool tells a linked CPU backend from a loaded one this way)
+    from pyspec import ffi as ffi_module
+
+    class Missing:
+        def __getattr__(self, name):
+            raise ffi.error(f"symbol '{name}' not found in library 'libggml.so'")
+
+    monkeypatch.setattr(ffi_module, "open_library", lambda name: Missing())
+    with pytest.raises(AttributeError, match="symbol 'ggml_threadpool_pause' not found"):
+        ffi_module._Library("ggml").ggml_threadpool_pause  # noqa: B018
