@@ -130,6 +130,9 @@ def _load_ffi() -> tuple[Any, dict[str, int], dict[str, str]]:
 
 
 ffi, _DEFINES, _ENUM_OF = _load_ffi()
+# what reading a declared symbol the library lacks raises: ffi.error from the prebuilt FFI
+# (a parsed cffi.FFI has no such attribute and raises AttributeError)
+_SYMBOL_ERROR: type[Exception] = getattr(ffi, "error", AttributeError)
 
 
 def c_const(name: str) -> int:
@@ -285,7 +288,7 @@ class _Library:
     def __getattr__(self, attr: str) -> Any:
         try:
             value = getattr(open_library(self._name), attr)
-        except ffi.error as e:
+        except _SYMBOL_ERROR as e:
             # the prebuilt (out-of-line) FFI reports a symbol the library lacks as ffi.error, a parsed
             # one as AttributeError: one exception for both, so that hasattr() and callers agree
             raise AttributeError(str(e)) from None
