@@ -40,8 +40,8 @@ def make_engine(model: Model, n_parallel: int = 3, types: tuple[T, ...] = (T.NGR
 
 
 def alone(model: Model, prompt: str, n_predict: int) -> list[int]:
-    """What a prompt generates on a fresh engine with nothing else running."""
-    with make_engine(model, 1) as eng:
+    """What a prompt generates on a fresh engine with nothing else running (fixed draft lengths)."""
+    with make_engine(model, 1, adaptive_draft=False) as eng:
         h = eng.submit(Request(prompt=prompt, n_predict=n_predict))
         eng.run_until_idle()
         return h.result().tokens
