@@ -122,7 +122,9 @@ def run_load(url: str, name: str, clients: int, n_requests: int, n_predict: int)
     res = LoadResult(name, clients, 0.0)
 
     def worker() -> None:
-        with httpx.Client(base_url=url, timeout=600) as c:
+        # one connection per request: llama-server's HTTP layer closes kept-alive connections after a
+        # few requests, and a request sent on such a connection fails (measured, not a server crash)
+        with httpx.Client(base_url=url, timeout=600, headers={"Connection": "close"}) as c:
             while True:
                 with lock:
                     if not todo:
@@ -241,13 +243,18 @@ def main() -> int:
         port = _free_port()
         srv = Server(name, [*cmd, "--port", str(port)], port)
         try:
-            request(httpx.Client(base_url=srv.url, timeout=600), "Warm up.", 8, False)
-            reuse[name] = prefix_reuse(srv.url, f"{name} run {time.time_ns() % 100000}")
+            with httpx.Client(base_url=srv.url, timeout=600) as warm:
+                request(warm, "Warm up.", 8, False)
             for c in clients:
                 load = run_load(srv.url, name, c, max(args.requests, c), args.n_predict)
                 rows.append({"server": name, "clients": c, **load.row()})
                 print(f"{name:>12} clients={c}: " + ", ".join(f"{k}={v:.3g}" for k, v in rows[-1].items()
                                                              if isinstance(v, float)), file=sys.stderr, flush=True)
+            # last: a server that fails here (llama-server has ended on the second request) keeps its load rows
+            try:
+                reuse[name] = prefix_reuse(srv.url, f"{name} run {time.time_ns() % 100000}")
+            except httpx.HTTPError as e:
+                print(f"{name}: the prefix-reuse requests failed ({e}); see {srv.log.name}", file=sys.stderr)
         finally:
             srv.stop()
     load1 = os.getloadavg()
