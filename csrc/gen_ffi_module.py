@@ -11,26 +11,16 @@ Run by CMake: ``python csrc/gen_ffi_module.py OUT.py`` (needs cffi).
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
 
 import cffi
-
-
-def _decl_module():
-    # load pyspec/decl/__init__.py by path: importing pyspec would need numpy and more
-    path = Path(__file__).resolve().parents[1] / "pyspec" / "decl" / "__init__.py"
-    spec = importlib.util.spec_from_file_location("pyspec_decl", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from decl_module import load_decl  # beside this script (sys.path[0])
 
 
 def main(out: str) -> None:
-    decl = _decl_module()
+    decl = load_decl()
     ffi = cffi.FFI()
     for name, _header in decl.FILES:
         ffi.cdef(decl.read(name))
