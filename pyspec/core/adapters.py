@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pyspec.core.backend import ensure_backend
-from pyspec.core.cstrings import c_text, read_str
+from pyspec.core.cstrings import c_text, read_meta, read_str
 from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
 from pyspec.core.model import Model
@@ -83,13 +83,8 @@ class LoraAdapter(Handle):
 
     def meta_dict(self) -> dict[str, str]:
         """Every scalar metadata pair of the adapter file {key: value as text}."""
-        out = {}
-        for i in range(int(llama.llama_adapter_meta_count(self.ptr))):
-            key = read_str(partial(llama.llama_adapter_meta_key_by_index, self.ptr, i))
-            value = read_str(partial(llama.llama_adapter_meta_val_str_by_index, self.ptr, i))
-            if key is not None:
-                out[key] = value if value is not None else ""
-        return out
+        return read_meta(int(llama.llama_adapter_meta_count(self.ptr)), llama.llama_adapter_meta_key_by_index,
+                         llama.llama_adapter_meta_val_str_by_index, self.ptr)
 
     @property
     def alora_invocation_tokens(self) -> list[int]:

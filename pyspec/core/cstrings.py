@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from pyspec.ffi import ffi
 
-__all__ = ["c_text", "read_str"]
+__all__ = ["c_text", "read_meta", "read_str"]
 
 
 def c_text(value: object, what: str, limit: int | None = None) -> bytes:
@@ -35,3 +36,16 @@ def read_str(call: Callable[[Any, int], int], first: int = 256) -> str | None:
         buf = ffi.new("char[]", n + 1)
         n = call(buf, n + 1)
     return ffi.string(buf, n).decode("utf-8", "replace")
+
+
+def read_meta(count: int, key_by_index: Callable[..., int], value_by_index: Callable[..., int],
+              ptr: Any) -> dict[str, str]:
+    """{key: value as text} of llama.cpp's ``*_meta_key_by_index`` / ``*_meta_val_str_by_index``
+    getters over ``count`` entries of ``ptr`` (a model or an adapter), in llama.cpp's order."""
+    out = {}
+    for i in range(count):
+        key = read_str(partial(key_by_index, ptr, i))
+        value = read_str(partial(value_by_index, ptr, i))
+        if key is not None:
+            out[key] = value if value is not None else ""
+    return out

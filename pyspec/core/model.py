@@ -15,7 +15,7 @@ import numpy as np
 
 from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device, system_info
 from pyspec.core.backend import devices as list_devices
-from pyspec.core.cstrings import c_text, read_str
+from pyspec.core.cstrings import c_text, read_meta, read_str
 from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
 from pyspec.core.model_params import KvValue, kv_override_array, tensor_buft_override_array
@@ -330,13 +330,8 @@ class Model(Handle):
 
     def meta_dict(self) -> dict[str, str]:
         """Every scalar metadata pair {key: value as text}, in llama.cpp's order."""
-        out = {}
-        for i in range(self.meta_count()):
-            key = read_str(partial(llama.llama_model_meta_key_by_index, self.ptr, i))
-            value = read_str(partial(llama.llama_model_meta_val_str_by_index, self.ptr, i))
-            if key is not None:
-                out[key] = value if value is not None else ""
-        return out
+        return read_meta(self.meta_count(), llama.llama_model_meta_key_by_index,
+                         llama.llama_model_meta_val_str_by_index, self.ptr)
 
     @property
     def metadata(self) -> dict[str, str]:
