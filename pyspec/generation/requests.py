@@ -12,6 +12,7 @@ produces; any thread or event loop consumes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -212,12 +213,21 @@ class RequestHandle:
                 self._raise_error()
                 return
 
-    async def __aiter__(self) -> AsyncIterator[Delta]:
+    @contextlib.contextmanager
+    def _async_waiter(self) -> Iterator[asyncio.Event]:
+        """An event the engine sets (from its thread) whenever this request has news."""
         ev = asyncio.Event()
         entry = (asyncio.get_running_loop(), ev)
         with self._lock:
             self._async_waiters.append(entry)
         try:
+            yield ev
+        finally:
+            with self._lock:
+                self._async_waiters.remove(entry)
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        with self._async_waiter() as ev:
             while True:
                 with self._lock:
                     out, ended = self._take()
@@ -231,9 +241,6 @@ class RequestHandle:
                     return
                 if not out:
                     await ev.wait()
-        finally:
-            with self._lock:
-                self._async_waiters.remove(entry)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -250,20 +257,13 @@ class RequestHandle:
 
     async def aresult(self) -> Completion:
         """result() for asyncio: waits without blocking the event loop."""
-        ev = asyncio.Event()
-        entry = (asyncio.get_running_loop(), ev)
-        with self._lock:
-            self._async_waiters.append(entry)
-        try:
+        with self._async_waiter() as ev:
             while True:
                 with self._lock:
                     if self.done:
                         break
                     ev.clear()
                 await ev.wait()
-        finally:
-            with self._lock:
-                self._async_waiters.remove(entry)
         self._raise_error()
         assert self._completion is not None
         return self._completion
