@@ -12,7 +12,6 @@
 #include "gguf.h"
 #include "llama.h"
 
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -21,18 +20,9 @@
 extern "C" {
 #include "../pyspec/decl/pyspec_ext.h"
 }
+#include "pyspec_errbuf.h"
 
 namespace {
-
-int gguf_fail(char * err, size_t err_len, const char * fmt, ...) {
-    if (err != nullptr && err_len > 0) {
-        va_list args;
-        va_start(args, fmt);
-        vsnprintf(err, err_len, fmt, args);
-        va_end(args);
-    }
-    return -1;
-}
 
 // whether key is absent, or an array of one of the allowed element types
 bool array_of(const gguf_context * g, const char * key, std::initializer_list<gguf_type> allowed) {
@@ -62,15 +52,15 @@ extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) 
     }
     int rc = 0;
     if (!array_of(g, "tokenizer.ggml.tokens", { GGUF_TYPE_STRING })) {
-        rc = gguf_fail(err, err_len, "tokenizer.ggml.tokens is not an array of strings");
+        rc = pyspec::fail(err, err_len, "tokenizer.ggml.tokens is not an array of strings");
     } else if (!array_of(g, "tokenizer.ggml.scores", { GGUF_TYPE_FLOAT32 })) {
-        rc = gguf_fail(err, err_len, "tokenizer.ggml.scores is not an array of float32");
+        rc = pyspec::fail(err, err_len, "tokenizer.ggml.scores is not an array of float32");
     } else if (!array_of(g, "tokenizer.ggml.token_type", { GGUF_TYPE_INT32 })) {
-        rc = gguf_fail(err, err_len, "tokenizer.ggml.token_type is not an array of int32");
+        rc = pyspec::fail(err, err_len, "tokenizer.ggml.token_type is not an array of int32");
     } else if (!array_of(g, "tokenizer.ggml.merges", { GGUF_TYPE_STRING })) {
-        rc = gguf_fail(err, err_len, "tokenizer.ggml.merges is not an array of strings");
+        rc = pyspec::fail(err, err_len, "tokenizer.ggml.merges is not an array of strings");
     } else if (!array_of(g, "tokenizer.ggml.precompiled_charsmap", { GGUF_TYPE_INT8, GGUF_TYPE_UINT8 })) {
-        rc = gguf_fail(err, err_len, "tokenizer.ggml.precompiled_charsmap is not an array of bytes");
+        rc = pyspec::fail(err, err_len, "tokenizer.ggml.precompiled_charsmap is not an array of bytes");
     } else {
         const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
         if (id >= 0) {
@@ -85,7 +75,7 @@ extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) 
                 }
                 auto [it, fresh] = seen.emplace(word, i);
                 if (!fresh) {
-                    rc = gguf_fail(err, err_len, "tokenizer.ggml.tokens repeats token %zu as %zu ('%.60s')", it->second,
+                    rc = pyspec::fail(err, err_len, "tokenizer.ggml.tokens repeats token %zu as %zu ('%.60s')", it->second,
                                    i, word.c_str());
                     break;
                 }

@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -38,18 +37,11 @@
 extern "C" {
 #include "../pyspec/decl/pyspec_ext.h"
 }
+#include "pyspec_errbuf.h"
 
 namespace {
 
-int fail(char * err, size_t err_len, const char * fmt, ...) {
-    if (err != nullptr && err_len > 0) {
-        va_list args;
-        va_start(args, fmt);
-        vsnprintf(err, err_len, fmt, args);
-        va_end(args);
-    }
-    return -1;
-}
+using pyspec::fail;
 
 // parse_sequence computes the optional copies of S{m,n} as n - m in uint64: with m > n that
 // wraps, and it generates rules until memory runs out (found by scripts/fuzz.py)
