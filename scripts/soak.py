@@ -7,9 +7,12 @@
     python scripts/soak.py --threads 1,2,4      # throughput against the number of threads
 
 Prints RSS after warm-up and at the end, open file descriptors, threads and
-steps/s; exits 1 when RSS grew by more than --max-growth-mb after warm-up or
-when fds / threads grew. Each generation uses a new generator (and, every
---recreate-every generations, new contexts), so object churn is exercised too.
+steps/s; exits 1 when RSS grew by more than --max-growth-mb after warm-up, when
+fds / threads grew, or when nothing was drafted. Each generation uses a new
+generator (and, every --recreate-every generations, new contexts), so object
+churn is exercised too; RSS is compared at the same point of that cycle (the
+first generation on new contexts), since it moves by a context's size within it.
+The tiny cyclic models repeat themselves, so every type drafts.
 ``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
 each in a fresh process so one run's allocator state does not flatter the next,
 and prints one row per run. Run from the repository root.
@@ -65,10 +68,12 @@ class Setup:
         self.types = types
         self.n_threads_ctx = n_threads_ctx
         needs = {T.DRAFT_MTP: "mtp", T.DRAFT_EAGLE3: "eagle3", T.DRAFT_SIMPLE: "draft"}
-        self.models = {"target": Model(tm.make_target())}
+        # the cyclic target repeats itself, so every n-gram type finds matches and drafts (on
+        # the random target they never would); its draft and EAGLE3 head are made for it
+        self.models = {"target": Model(tm.make_cyclic_target())}
         for t in types:
             if t in needs:
-                maker = {"mtp": tm.make_mtp, "eagle3": tm.make_eagle3, "draft": tm.make_draft}[needs[t]]
+                maker = {"mtp": tm.make_mtp, "eagle3": tm.make_cyclic_eagle3, "draft": tm.make_cyclic_draft}[needs[t]]
                 self.models[needs[t]] = Model(maker())
         self.ctx: Context | None = None
         self.ctxd: Context | None = None
@@ -131,8 +136,9 @@ def each(args: argparse.Namespace) -> int:
             rows.append(r)
             ok = ok and r["ok"]
             print(f"{t:14s} {e:6s} {r['steps']:6d} steps {r['steps_per_s']:7.0f}/s  RSS {r['rss0_mb']:7.1f} -> "
-                  f"{r['rss1_mb']:7.1f} MB ({r['growth_mb']:+.2f})  fds {r['fds0']}->{r['fds1']}  "
-                  f"threads {r['thr0']}->{r['thr1']}  accept {r['acceptance']:.2f}  {'OK' if r['ok'] else 'FAIL'}",
+                  f"{r['rss1_mb']:7.1f} MB ({r['growth_mb']:+.2f}, largest {r['peak_growth_mb']:+.2f})  "
+                  f"fds {r['fds0']}->{r['fds1']}  threads {r['thr0']}->{r['thr1']}  drafted {r['drafted']}  "
+                  f"accept {r['acceptance']:.2f}  {'OK' if r['ok'] else 'FAIL'}",
                   flush=True)
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
@@ -148,7 +154,9 @@ def soak(args: argparse.Namespace) -> int:
         nonlocal steps, gens, tokens, drafted, accepted, ctx, p
         if gens and gens % args.recreate_every == 0:
             ctx, p = setup.contexts()
-        with SpeculativeGenerator(ctx, p, greedy_sampling(), engine=args.engine) as g:
+        # fixed draft lengths: the cost-aware controller would skip drafts the tiny draft model
+        # cannot pay for, and a soak of speculative steps must draft
+        with SpeculativeGenerator(ctx, p, greedy_sampling(), engine=args.engine, adaptive_draft=False) as g:
             (res,) = g.generate([PROMPTS[gens % len(PROMPTS)]], args.n_predict)
             steps += g.stats.n_steps
             tokens += len(res.tokens)
@@ -156,41 +164,50 @@ def soak(args: argparse.Namespace) -> int:
             accepted += g.stats.n_accepted
         gens += 1
 
+    def rss_at_phase() -> int:
+        # contexts are remade every --recreate-every generations and RSS moves by their size within
+        # a cycle, so growth is measured between points at the same phase: the first generation on
+        # new contexts
+        while True:
+            one_generation()
+            if (gens - 1) % args.recreate_every == 0:
+                gc.collect()
+                return rss_kb()
+
     # warm-up: every prompt a few times, allocators and caches settle
     while steps < args.warmup_steps:
         one_generation()
-    gc.collect()
-    rss0, fds0, thr0 = rss_kb(), n_fds(), n_threads()
-    steps0, t0 = steps, time.perf_counter()
+    rss0, fds0, thr0 = rss_at_phase(), n_fds(), n_threads()
+    steps0, drafted0, t0 = steps, drafted, time.perf_counter()
     print(f"warm-up: {steps} steps, {gens} generations; RSS {rss0 / 1024:.1f} MB, fds {fds0}, threads {thr0}",
           flush=True)
-    next_report = steps0 + args.steps // 10
+    samples = []
     while steps - steps0 < args.steps:
-        one_generation()
-        if steps >= next_report:
-            print(f"  {steps - steps0:6d} steps: RSS {rss_kb() / 1024:.1f} MB, fds {n_fds()}, threads {n_threads()}",
-                  flush=True)
-            next_report += args.steps // 10
+        samples.append(rss_at_phase())
+        print(f"  {steps - steps0:6d} steps: RSS {samples[-1] / 1024:.1f} MB, fds {n_fds()}, threads {n_threads()}",
+              flush=True)
     dt = time.perf_counter() - t0
-    gc.collect()
-    rss1, fds1, thr1 = rss_kb(), n_fds(), n_threads()  # contexts still open, as during the run
+    rss1, fds1, thr1 = samples[-1], n_fds(), n_threads()  # contexts still open, as during the run
     setup.close_contexts()
     gc.collect()
     rss_closed = rss_kb()
     n = steps - steps0
     growth_mb = (rss1 - rss0) / 1024
+    peak_mb = (max(samples) - rss0) / 1024
+    n_drafted = drafted - drafted0
     print(f"end:     {n} steps in {dt:.1f} s = {n / dt:.0f} steps/s, {tokens} tokens in all, "
-          f"acceptance {accepted / max(drafted, 1):.2f}")
+          f"{n_drafted} drafted, acceptance {accepted / max(drafted, 1):.2f}")
     print(f"RSS {rss0 / 1024:.1f} MB -> {rss1 / 1024:.1f} MB "
-          f"(growth {growth_mb:+.2f} MB, limit {args.max_growth_mb} MB); "
+          f"(growth {growth_mb:+.2f} MB, largest {peak_mb:+.2f} MB, limit {args.max_growth_mb} MB); "
           f"fds {fds0} -> {fds1}; threads {thr0} -> {thr1}; RSS after closing the contexts {rss_closed / 1024:.1f} MB")
     setup.close()
-    ok = growth_mb < args.max_growth_mb and fds1 <= fds0 and thr1 <= thr0
+    # a soak that never drafts exercises nothing speculative
+    ok = growth_mb < args.max_growth_mb and fds1 <= fds0 and thr1 <= thr0 and n_drafted > 0
     if args.json_line:
         print(json.dumps({"types": args.types, "engine": args.engine, "steps": n, "steps_per_s": n / dt,
-                          "rss0_mb": rss0 / 1024, "rss1_mb": rss1 / 1024, "growth_mb": growth_mb, "fds0": fds0,
-                          "fds1": fds1, "thr0": thr0, "thr1": thr1, "acceptance": accepted / max(drafted, 1),
-                          "ok": ok}))
+                          "rss0_mb": rss0 / 1024, "rss1_mb": rss1 / 1024, "growth_mb": growth_mb,
+                          "peak_growth_mb": peak_mb, "fds0": fds0, "fds1": fds1, "thr0": thr0, "thr1": thr1,
+                          "drafted": n_drafted, "acceptance": accepted / max(drafted, 1), "ok": ok}))
     print("OK" if ok else "FAIL")
     return 0 if ok else 1
 

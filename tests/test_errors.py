@@ -84,3 +84,66 @@ def test_logits_of_a_row_without_output_raise(target_model, target_ctx):
     target_ctx.decode(b)
     with pytest.raises(IndexError):
         target_ctx.get_logits_ith(0)
+
+
+def test_a_refused_batch_leaves_the_last_decodes_outputs_readable(target_ctx):
+    b = Batch(4)
+    b.add(1, 0, 0, False)
+    b.add(2, 1, 0, True)
+    b.add(3, 2, 0, True)
+    target_ctx.decode(b)
+    row1, row2 = target_ctx.get_logits_ith(1), target_ctx.get_logits_ith(2)
+    bad = Batch(4)
+    for i in range(4):  # the refused batch would give every index a row
+        bad.add(1, 10 + i, 0, True)
+    bad.seq_id[3, 0] = 7
+    with pytest.raises(ValueError, match="seq_id 7"):
+        target_ctx.decode(bad)
+    # the rows of the last successful decode: index 0 has none, 1 and 2 are as they were
+    with pytest.raises(IndexError):
+        target_ctx.get_logits_ith(0)
+    np.testing.assert_array_equal(target_ctx.get_logits_ith(1), row1)
+    np.testing.assert_array_equal(target_ctx.get_logits_ith(2), row2)
+    with pytest.raises(IndexError):
+        target_ctx.get_logits_ith(3)
+
+
+def test_a_token_count_changed_behind_the_batch_is_refused(target_ctx):
+    b = Batch(2)
+    b.add(1, 0, 0, True)
+    b.c.n_tokens = 2  # the struct llama_decode reads, set past what the batch was filled with
+    with pytest.raises(ValueError, match="changed behind the batch"):
+        target_ctx.decode(b)
+
+
+@pytest.mark.parametrize("n_seq_id", [0, -3, 5])
+def test_a_token_with_too_few_or_too_many_sequence_ids_is_refused(target_ctx, n_seq_id):
+    b = Batch(2, n_seq_max=2)
+    b.add(1, 0, 0, True)
+    b.n_seq_id[0] = n_seq_id
+    with pytest.raises(ValueError, match="sequence ids"):
+        target_ctx.decode(b)
+
+
+def test_the_first_token_outside_the_vocabulary_is_named(target_model, target_ctx):
+    n = target_model.vocab.n_tokens
+    b = Batch(3)
+    b.add(1, 0, 0, False)
+    b.add(n + 7, 1, 0, False)
+    b.add(-2, 2, 0, True)
+    with pytest.raises(ValueError, match=rf"token {n + 7} is outside the vocabulary"):
+        target_ctx.decode(b)
+    assert target_ctx.decode_rc(b) == -1  # llama_decode's own refusal, as the C++ loops expect
+
+
+def test_a_cached_piece_is_not_served_after_the_model_is_closed():
+    m = Model(tm.make_target())
+    piece = m.vocab.token_to_piece_bytes(5)
+    assert m.vocab.token_to_piece_bytes(5) == piece  # from the cache
+    # the cache keeps the two renderings of a control token apart
+    bos = m.vocab.bos
+    assert m.vocab.token_to_piece_bytes(bos, special=False) == b""
+    assert m.vocab.token_to_piece_bytes(bos, special=True) != b""
+    m.close()
+    with pytest.raises(pyspec.ClosedError):
+        m.vocab.token_to_piece_bytes(5)

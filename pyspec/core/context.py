@@ -264,6 +264,12 @@ class Context(Handle):
         # what the C output buffers hold after the last decode/encode, to check the getters
         self._embeddings = bool(cparams.embeddings)
         self._outputs: np.ndarray = np.zeros(0, np.int32)  # batch index -> output row, -1 without output
+        # pyspec_batch_scan writes a batch's output rows into one of two buffers, the one that
+        # _outputs does not show, so a batch refused before llama_decode leaves them as they were
+        self._row_bufs = (np.empty(self.n_batch, np.int32), np.empty(self.n_batch, np.int32))
+        self._row_ptrs = tuple(ffi.cast("int32_t *", ffi.from_buffer(b)) for b in self._row_bufs)
+        self._row_next = 0
+        self._scan = ffi.new("pyspec_batch_info *")
         self._n_outputs = 0
         self._n_tokens = 0
         self._embd_ready = False
@@ -385,15 +391,10 @@ class Context(Handle):
             self.other._busy.release()
         self._busy.release()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[Any]:
-        """Hold this context's guard around C code that uses it (the port's sampler, the C++ reference)."""
-        ptr = self._enter()
-        try:
-            fork.note_compute(self._threads)
-            yield ptr
-        finally:
-            self._leave()
+    def held(self) -> _Held:
+        """Hold this context's guard around C code that uses it (the port's sampler, the C++ reference):
+        ``with ctx.held() as ptr: ...``."""
+        return _Held(self)
 
     def _adopt_after_fork(self) -> None:
         # first use in a forked child (the guard is held): threads the child does not have are gone
@@ -406,22 +407,12 @@ class Context(Handle):
 
     # --- decode -----------------------------------------------------------
 
-    def _bad_token(self, batch: AnyBatch) -> int | None:
-        """A token of the batch outside the vocabulary (llama_decode refuses such a batch with -1)."""
-        token = getattr(batch, "token", None)  # an EmbdBatch carries none
-        if token is None or batch.n_tokens <= 0:
-            return None
-        toks = token[: batch.n_tokens]
-        lo, hi = int(toks.min()), int(toks.max())
-        if lo < 0 or hi >= self.n_vocab:
-            return lo if lo < 0 else hi
-        return None
+    def _check_batch(self, batch: AnyBatch, all_outputs: bool) -> int:
+        """Returns the number of outputs the batch asks for (what llama_decode would abort on raises)
+        and leaves its output rows in the spare row buffer (every row an output with ``all_outputs``).
 
-    def _check_batch(self, batch: AnyBatch) -> int:
-        """Returns the number of outputs the batch asks for (what llama_decode would abort on raises).
-
-        A token outside the vocabulary is not checked here: llama_decode refuses such a batch
-        itself with -1 (decode() raises ValueError for it first)."""
+        A token outside the vocabulary is not refused here: llama_decode refuses such a batch
+        itself with -1 (decode() raises ValueError for it first); ``self._scan`` reports it."""
         if not isinstance(batch, (Batch, BatchView, EmbdBatch)):
             raise TypeError(f"expected a pyspec Batch, BatchView or EmbdBatch, got {type(batch).__name__}")
         n = batch.n_tokens
@@ -438,6 +429,8 @@ class Context(Handle):
                     f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}")
             if n > self.n_outputs_max:
                 raise ValueError(f"batch asks for {n} outputs, this context allows n_outputs_max={self.n_outputs_max}")
+            self._row_bufs[self._row_next][:n] = np.arange(n, dtype=np.int32)
+            self._scan.has_bad_token = 0
             return n
         if batch.token is None:
             if batch.embd is None:
@@ -446,22 +439,19 @@ class Context(Handle):
                 raise ValueError(
                     f"batch embeddings have width {batch.n_embd}, the model expects {self.model.n_embd_inp_or_embd()}"
                 )
-        nsi = batch.n_seq_id[:n]
-        if int(nsi.min()) < 1 or int(nsi.max()) > min(batch.n_seq_max, self.n_seq_max):
+        if batch.c.n_tokens != n:  # llama_decode and the scan read the struct's count
+            raise ValueError(f"batch.c.n_tokens ({batch.c.n_tokens}) was changed behind the batch (n_tokens={n})")
+        scan = self._scan
+        status = ext.pyspec_batch_scan(batch.c, min(batch.n_seq_max, self.n_seq_max), self.n_seq_max, self.n_vocab,
+                                       all_outputs, self._row_ptrs[self._row_next], scan)
+        if status == ext.PYSPEC_BATCH_E_N_SEQ:
             raise ValueError(f"each token needs 1..{self.n_seq_max} sequence ids")
-        if batch.n_seq_max == 1 or int(nsi.max()) == 1:
-            sid = batch.seq_id[:n, 0]
-        else:
-            mask = np.arange(batch.n_seq_max)[None, :] < nsi[:, None]
-            sid = batch.seq_id[:n][mask]
-        lo, hi = int(sid.min()), int(sid.max())
-        if lo < 0 or hi >= self.n_seq_max:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"seq_id {bad} out of range 0..{self.n_seq_max - 1}")
-        n_out = n if self._embeddings else int(np.count_nonzero(batch.logits[:n]))
+        if status == ext.PYSPEC_BATCH_E_SEQ_ID:
+            raise ValueError(f"seq_id {scan.bad_value} out of range 0..{self.n_seq_max - 1}")
+        n_out = int(scan.n_outputs)
         if n_out > self.n_outputs_max:
             raise ValueError(f"batch asks for {n_out} outputs, this context allows n_outputs_max={self.n_outputs_max}")
-        if self._samplers and batch.n_seq_max > 1 and int(nsi.max()) > 1:
+        if self._samplers and scan.max_n_seq_id > 1:
             # backend sampling counts outputs per sequence id and expects one id per output token
             raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
         return n_out
@@ -469,11 +459,7 @@ class Context(Handle):
     def decode(self, batch: AnyBatch) -> None:
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
         the vocabulary ValueError."""
-        self.check_open()
-        bad = self._bad_token(batch)
-        if bad is not None:
-            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.n_vocab - 1})")
-        rc = self.decode_rc(batch)
+        rc = self._decode(batch, refuse_bad_token=True)
         if rc != 0:
             raise decode_error(rc, "llama_decode")
 
@@ -483,9 +469,14 @@ class Context(Handle):
         A batch that llama_decode refuses itself (a token outside the vocabulary) returns its
         -1, as in the C++, where e.g. a draft context whose vocabulary lacks a target token
         makes the draft stop; what it would abort on raises ValueError."""
+        return self._decode(batch, refuse_bad_token=False)
+
+    def _decode(self, batch: AnyBatch, refuse_bad_token: bool) -> int:
         ptr = self._enter()
         try:
-            self._check_batch(batch)
+            n_out = self._check_batch(batch, self._embeddings)
+            if refuse_bad_token and self._scan.has_bad_token:
+                raise ValueError(f"token {self._scan.bad_token} is outside the vocabulary (0..{self.n_vocab - 1})")
             fork.note_compute(self._threads)
             t0 = time.perf_counter_ns()
             if self._rpc is not None:
@@ -493,26 +484,22 @@ class Context(Handle):
             else:
                 rc = int(llama.llama_decode(ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
-            self._after_compute(batch, rc, self._embeddings)
+            self._after_compute(batch.n_tokens, n_out, rc)
             if rc == 0 and self._retired:
                 self._release_retired()
             return rc
         finally:
             self._leave()
 
-    def _after_compute(self, batch: AnyBatch, rc: int, all_outputs: bool) -> None:
-        n = batch.n_tokens
+    def _after_compute(self, n: int, n_out: int, rc: int) -> None:
+        """What the output buffers hold now: the rows _check_batch left in the spare buffer."""
         if rc != 0:
-            self._outputs = np.zeros(0, np.int32)
-            self._n_outputs = self._n_tokens = 0
-            self._embd_ready = self._nextn_ready = False
-            self._layer_inp_ready = set()
+            self._forget_outputs()
             return
-        flags = np.ones(n, np.bool_) if all_outputs or isinstance(batch, EmbdBatch) else batch.logits[:n] != 0
-        rows = np.cumsum(flags, dtype=np.int32) - 1
-        rows[~flags] = -1
-        self._outputs = rows
-        self._n_outputs = int(flags.sum())
+        j = self._row_next
+        self._outputs = self._row_bufs[j][:n]
+        self._row_next = j ^ 1
+        self._n_outputs = n_out
         self._n_tokens = n
         self._embd_ready = self._embeddings
         self._nextn_ready = self._nextn_on
@@ -536,7 +523,7 @@ class Context(Handle):
             if not self.model.has_encoder:
                 # llama_encode on a decoder-only model crashes at this revision
                 raise ValueError("llama_encode needs a model with an encoder (T5, EAGLE3); use decode() for this model")
-            self._check_batch(batch)
+            n_out = self._check_batch(batch, True)
             fork.note_compute(self._threads)
             t0 = time.perf_counter_ns()
             if self._rpc is not None:
@@ -544,7 +531,7 @@ class Context(Handle):
             else:
                 rc = int(llama.llama_encode(ptr, batch.c[0]))
             self.t_decode_ns += time.perf_counter_ns() - t0
-            self._after_compute(batch, rc, True)
+            self._after_compute(batch.n_tokens, n_out, rc)
             return rc
         finally:
             self._leave()
@@ -1075,3 +1062,26 @@ class Context(Handle):
                 self._unhold(pool)
         finally:
             self._leave()
+
+
+class _Held:
+    """Context.held()'s context manager: a class, as the sampler takes it on every token
+    (a generator-based one costs several times more)."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> Any:
+        ctx = self._ctx
+        ptr = ctx._enter()
+        try:
+            fork.note_compute(ctx._threads)
+        except BaseException:
+            ctx._leave()
+            raise
+        return ptr
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx._leave()

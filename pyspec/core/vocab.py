@@ -20,6 +20,10 @@ class Vocab:
 
     def __init__(self, model: Model) -> None:
         self._model = model
+        self._n_tokens: int | None = None
+        # token -> piece (lstrip 0), per value of `special`: a vocabulary does not change, and
+        # the generation loop asks for every token it emits
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
 
     @property
     def ptr(self):
@@ -27,7 +31,9 @@ class Vocab:
 
     @property
     def n_tokens(self) -> int:
-        return llama.llama_vocab_n_tokens(self.ptr)
+        if self._n_tokens is None:
+            self._n_tokens = int(llama.llama_vocab_n_tokens(self.ptr))
+        return self._n_tokens
 
     def __len__(self) -> int:
         return self.n_tokens
@@ -125,11 +131,22 @@ class Vocab:
     def token_to_piece_bytes(self, token: int, special: bool = True, lstrip: int = 0) -> bytes:
         """Mirrors llama_token_to_piece (llama.h): raw bytes, which may be part of a UTF-8 character."""
         t = self.check_token(token)
+        ptr = self.ptr  # a closed model raises here, also for a piece read before
+        if lstrip == 0:
+            cache = self._pieces[bool(special)]
+            piece = cache.get(t)
+            if piece is None:
+                piece = cache[t] = self._piece(ptr, t, special, 0)
+            return piece
+        return self._piece(ptr, t, special, lstrip)
+
+    @staticmethod
+    def _piece(ptr, t: int, special: bool, lstrip: int) -> bytes:
         buf = ffi.new("char[]", 64)
-        n = llama.llama_token_to_piece(self.ptr, t, buf, 64, lstrip, special)
+        n = llama.llama_token_to_piece(ptr, t, buf, 64, lstrip, special)
         if n < 0:
             buf = ffi.new("char[]", -n)
-            n = llama.llama_token_to_piece(self.ptr, t, buf, -n, lstrip, special)
+            n = llama.llama_token_to_piece(ptr, t, buf, -n, lstrip, special)
         return ffi.unpack(buf, n)
 
     def token_to_piece(self, token: int, special: bool = True) -> str:

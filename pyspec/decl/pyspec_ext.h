@@ -16,6 +16,18 @@ int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, i
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
 
+/* csrc/pyspec_batch.cpp: a batch's checks before llama_decode and its output rows, in one pass */
+typedef struct pyspec_batch_info {
+    int32_t n_outputs;
+    int32_t max_n_seq_id;
+    int32_t bad_token;
+    int32_t has_bad_token;
+    int32_t bad_value;
+} pyspec_batch_info;
+enum pyspec_batch_status { PYSPEC_BATCH_OK = 0, PYSPEC_BATCH_E_N_SEQ = 1, PYSPEC_BATCH_E_SEQ_ID = 2 };
+int32_t pyspec_batch_scan(const struct llama_batch * batch, int32_t n_seq_id_max, int32_t n_seq_max, int32_t n_vocab,
+                          bool all_outputs, int32_t * rows, pyspec_batch_info * info);
+
 /* The struct layout probe: one entry per struct (field "", its size and alignment)
    and per field (its offset and size) of the structs declared for llama.cpp's
    headers, as the compiler sees them; pyspec.ffi checks them when it opens the
