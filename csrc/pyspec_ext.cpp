@@ -59,6 +59,27 @@ void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_
     }
 }
 
+// The reads of common_sampler::set_logits and common_sampler_sample (common/sampling.cpp)
+// for one output row, in the C++'s order and one call: the backend-sampled probabilities,
+// else the backend-sampled logits (each with the candidate ids and their count), else the
+// row's logits; then the backend-sampled token. Five calls through cffi cost the Python
+// sampler more than the calls themselves, on every row it samples.
+void pyspec_sampler_row(llama_context * ctx, int32_t idx, pyspec_sampler_row_data * out) {
+    out->probs      = llama_get_sampled_probs_ith(ctx, idx);
+    out->logits     = llama_get_sampled_logits_ith(ctx, idx);
+    out->candidates = llama_get_sampled_candidates_ith(ctx, idx);
+    out->n          = 0;
+    out->row        = nullptr;
+    if (out->probs != nullptr) {
+        out->n = (int32_t) llama_get_sampled_probs_count_ith(ctx, idx);
+    } else if (out->logits != nullptr) {
+        out->n = (int32_t) llama_get_sampled_logits_count_ith(ctx, idx);
+    } else {
+        out->row = llama_get_logits_ith(ctx, idx);
+    }
+    out->token = llama_get_sampled_token_ith(ctx, idx);
+}
+
 // Batch-invariant mode (pyspec.core.context): ggml-cpu's reference switch
 // (ggml_backend_cpu_set_use_ref) on every CPU backend of a context. With it,
 // flash attention runs one kernel whatever the batch (no query tiling from 64

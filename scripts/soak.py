@@ -11,7 +11,8 @@ steps/s; exits 1 when RSS grew by more than --max-growth-mb after warm-up, when
 fds / threads grew, or when nothing was drafted. Each generation uses a new
 generator (and, every --recreate-every generations, new contexts), so object
 churn is exercised too; RSS is compared at the same point of that cycle (the
-first generation on new contexts), since it moves by a context's size within it.
+first generation on new contexts), since it moves by a context's size within it,
+after malloc_trim, so that it counts live memory rather than the heap's fragmentation.
 The tiny cyclic models repeat themselves, so every type drafts.
 ``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
 each in a fresh process so one run's allocator state does not flatter the next,
@@ -21,6 +22,7 @@ and prints one row per run. Run from the repository root.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -51,6 +53,15 @@ def rss_kb() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def _malloc_trim() -> None:
+    """Hand the allocator's free memory back to the system (glibc), so RSS counts live memory
+    rather than how fragmented the heap is after contexts came and went."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: RSS includes the allocator's free memory
 
 
 def n_fds() -> int:
@@ -172,6 +183,7 @@ def soak(args: argparse.Namespace) -> int:
             one_generation()
             if (gens - 1) % args.recreate_every == 0:
                 gc.collect()
+                _malloc_trim()
                 return rss_kb()
 
     # warm-up: every prompt a few times, allocators and caches settle

@@ -66,6 +66,7 @@ class CommonSampler(NotCopyable):
         self.cur_p = ffi.new("llama_token_data_array *")
         self._single = ffi.new("llama_token_data_array *")
         self._single_data = ffi.new("llama_token_data *")
+        self._row_data = ffi.new("pyspec_sampler_row_data *")
         self.t_total_us = 0
 
     def reset(self) -> None:
@@ -75,26 +76,25 @@ class CommonSampler(NotCopyable):
 
     def set_logits(self, ctx: Context, idx: int) -> None:
         """Mirrors common_sampler::set_logits: candidates from the backend sampler's output or the logits."""
-        cptr = ctx.ptr
-        sampled_probs = llama.llama_get_sampled_probs_ith(cptr, idx)
-        sampled_logits = llama.llama_get_sampled_logits_ith(cptr, idx)
-        sampled_ids = llama.llama_get_sampled_candidates_ith(cptr, idx)
+        rd = self._row_data  # the getters' results, in the C++'s order (csrc/pyspec_ext.cpp)
+        ext.pyspec_sampler_row(ctx.ptr, idx, rd)
+        sampled_probs, sampled_logits, sampled_ids = rd.probs, rd.logits, rd.candidates
 
         buf = self._cur_buf
         if sampled_probs != ffi.NULL:
-            n = int(llama.llama_get_sampled_probs_count_ith(cptr, idx))
+            n = int(rd.n)
             cur = buf[:n]
             cur["id"] = np.frombuffer(ffi.buffer(sampled_ids, 4 * n), dtype=np.int32)
             cur["logit"] = np.frombuffer(ffi.buffer(sampled_logits, 4 * n), dtype=np.float32)
             cur["p"] = np.frombuffer(ffi.buffer(sampled_probs, 4 * n), dtype=np.float32)
         elif sampled_logits != ffi.NULL:
-            n = int(llama.llama_get_sampled_logits_count_ith(cptr, idx))
+            n = int(rd.n)
             cur = buf[:n]
             cur["id"] = np.frombuffer(ffi.buffer(sampled_ids, 4 * n), dtype=np.int32)
             cur["logit"] = np.frombuffer(ffi.buffer(sampled_logits, 4 * n), dtype=np.float32)
             cur["p"] = 0.0
         else:
-            logits = llama.llama_get_logits_ith(cptr, idx)
+            logits = rd.row
             if logits == ffi.NULL:
                 raise SpeculativeError(f"GGML_ASSERT(logits != nullptr) failed: no logits for batch index {idx}")
             n = self.n_vocab
@@ -319,7 +319,7 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
         gsmpl.set_logits(ctx, idx)
 
         # a backend sampler may have sampled already: then return its token directly
-        id = int(llama.llama_get_sampled_token_ith(cptr, idx))
+        id = int(gsmpl._row_data.token)  # llama_get_sampled_token_ith, read by set_logits
         if id != LLAMA_TOKEN_NULL:
             if grmr != ffi.NULL:
                 raise SpeculativeError("using grammar in combination with backend sampling is not supported")
@@ -333,9 +333,10 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
 
         llama.llama_sampler_apply(chain, cur_p)
 
-        if cur_p.selected < 0 or cur_p.selected >= cur_p.size:
+        selected = cur_p.selected
+        if selected < 0 or selected >= cur_p.size:
             raise SpeculativeError("no selected token during sampling - check your sampling configuration")
-        id = int(cur_p.data[cur_p.selected].id)
+        id = int(cur_p.data[selected].id)
 
         if grammar_first or not grammar_should_apply(gsmpl):
             return id

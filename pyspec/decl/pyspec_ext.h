@@ -15,6 +15,16 @@ int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, i
 
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
+/* common_sampler::set_logits' and common_sampler_sample's reads of one output row */
+typedef struct pyspec_sampler_row_data {
+    float *       probs;      /* backend-sampled probabilities, or NULL */
+    float *       logits;     /* backend-sampled logits, or NULL */
+    llama_token * candidates; /* their token ids */
+    int32_t       n;          /* how many (probs, else logits) */
+    float *       row;        /* the row's logits when neither was sampled (NULL: no such row) */
+    llama_token   token;      /* the backend-sampled token, or LLAMA_TOKEN_NULL */
+} pyspec_sampler_row_data;
+void pyspec_sampler_row(struct llama_context * ctx, int32_t idx, pyspec_sampler_row_data * out);
 
 /* csrc/pyspec_batch.cpp: a batch's checks before llama_decode and its output rows, in one pass */
 typedef struct pyspec_batch_info {
