@@ -38,6 +38,7 @@ from pyspec.common import speculative as sp
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.reference.parity import continued_prompt
 from pyspec.testing import models as tm
 
 PROMPTS = [
@@ -88,6 +89,10 @@ class Setup:
                 self.models[needs[t]] = Model(maker())
         self.ctx: Context | None = None
         self.ctxd: Context | None = None
+        # each prompt followed by the cyclic target's own continuation: the generation carries on
+        # a cycle the prompt already shows, so ngram-cache (which drafts from the prompt's
+        # n-grams) drafts too
+        self.prompts = [list(continued_prompt(str(tm.make_cyclic_target()), p, 48)) for p in PROMPTS]
 
     def contexts(self):
         self.close_contexts()
@@ -168,7 +173,7 @@ def soak(args: argparse.Namespace) -> int:
         # fixed draft lengths: the cost-aware controller would skip drafts the tiny draft model
         # cannot pay for, and a soak of speculative steps must draft
         with SpeculativeGenerator(ctx, p, greedy_sampling(), engine=args.engine, adaptive_draft=False) as g:
-            (res,) = g.generate([PROMPTS[gens % len(PROMPTS)]], args.n_predict)
+            (res,) = g.generate([setup.prompts[gens % len(setup.prompts)]], args.n_predict)
             steps += g.stats.n_steps
             tokens += len(res.tokens)
             drafted += g.stats.n_drafted
@@ -230,7 +235,7 @@ def threads_bench(args: argparse.Namespace) -> int:
     setup = Setup(types, args.ctx_threads)
     ctx, p = setup.contexts()
     with SpeculativeGenerator(ctx, p, greedy_sampling(), engine=args.engine) as g:
-        expected = g.generate([PROMPTS[0]], args.n_predict)[0].tokens
+        expected = g.generate([setup.prompts[0]], args.n_predict)[0].tokens
     setup.close_contexts()
     print(f"types={args.types} engine={args.engine} n_predict={args.n_predict} per generation, "
           f"{args.gens_per_thread} generations per thread, n_threads per context={args.ctx_threads}, "
@@ -248,7 +253,7 @@ def threads_bench(args: argparse.Namespace) -> int:
             c, pp = s.contexts()
             with SpeculativeGenerator(c, pp, greedy_sampling(), engine=args.engine) as g:
                 for _ in range(args.gens_per_thread):
-                    toks = g.generate([PROMPTS[0]], args.n_predict)[0].tokens
+                    toks = g.generate([setup.prompts[0]], args.n_predict)[0].tokens
                     counts[i] += len(toks)
                     ok[i] = ok[i] and toks == expected
             s.close_contexts()
