@@ -7,6 +7,8 @@
 #include "llama.h"
 #include "llama-ext.h"
 #include "llama-context.h"
+#include "llama-model.h"
+#include "llama-arch.h"
 
 #include "ggml-backend.h"
 
@@ -47,6 +49,29 @@ const int32_t * pyspec_model_target_layer_ids(const llama_model * model) {
 
 uint32_t pyspec_model_target_layer_ids_n(const llama_model * model) {
     return llama_model_target_layer_ids_n(model);
+}
+
+// The most recurrent-state snapshots per sequence (n_rs_seq) a context of `model` can
+// be made with. Each snapshot adds three tensors per recurrent layer to every graph
+// (build_conv_state in src/models/delta-net-base.cpp), and a graph's ggml context holds
+// graph_max_nodes() tensors, at least 32 per model tensor for these archs; past that,
+// llama_init_from_model aborts (GGML_ASSERT(obj_new)) while it reserves the graphs. Half
+// of that budget is left to the snapshots. UINT32_MAX where the arch keeps none
+// (llama.cpp sets n_rs_seq to 0 there).
+uint32_t pyspec_model_max_rs_seq(const llama_model * model) {
+    if (!llm_arch_supports_rs_rollback(model->arch)) {
+        return UINT32_MAX;
+    }
+    size_t n_recurrent = 0;
+    for (uint32_t il = 0; il < model->hparams.n_layer(); il++) {
+        n_recurrent += model->hparams.is_recr(il) ? 1 : 0;
+    }
+    if (n_recurrent == 0) {
+        return UINT32_MAX;
+    }
+    const size_t budget = 32 * model->n_tensors() / 2;
+    const size_t k_max  = budget / (3 * n_recurrent);  // snapshots + 1 (the current state)
+    return k_max > 1 ? (uint32_t) (k_max - 1) : 0;
 }
 
 // The candidate array of common_sampler::set_logits (common/sampling.cpp) for a

@@ -8,12 +8,16 @@
 // type are read as float / int32 / bytes past their end. This check parses the file with
 // gguf's own parser (no tensor data) and refuses those cases with a message; everything
 // else is left to llama.cpp, whose loader reports its errors as exceptions it catches.
+// Before that parse, a walk over the metadata refuses an empty key, which gguf's parser
+// asserts on.
 
 #include "gguf.h"
 #include "llama.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <sys/types.h>
 #include <string>
 #include <unordered_map>
 
@@ -42,9 +46,86 @@ bool array_of(const gguf_context * g, const char * key, std::initializer_list<gg
     return false;
 }
 
+// bytes of a scalar GGUF value type (gguf.cpp keeps its table private); 0: not a scalar
+size_t scalar_size(uint32_t type) {
+    switch (type) {
+        case GGUF_TYPE_UINT8: case GGUF_TYPE_INT8: case GGUF_TYPE_BOOL: return 1;
+        case GGUF_TYPE_UINT16: case GGUF_TYPE_INT16: return 2;
+        case GGUF_TYPE_UINT32: case GGUF_TYPE_INT32: case GGUF_TYPE_FLOAT32: return 4;
+        case GGUF_TYPE_UINT64: case GGUF_TYPE_INT64: case GGUF_TYPE_FLOAT64: return 8;
+        default: return 0;
+    }
+}
+
+// Walks the metadata section for what gguf's own parser asserts on instead of refusing:
+// an empty key (GGML_ASSERT(!key.empty()) in gguf_kv's constructors, found by
+// scripts/fuzz.py --atheris on a mutated header). Returns the index of the first KV with
+// an empty key, or -1; a file it cannot walk (short, unknown type) is left to gguf, which
+// refuses it with an error.
+int64_t first_empty_key(const char * path) {
+    FILE * f = std::fopen(path, "rb");
+    if (f == nullptr) {
+        return -1;
+    }
+    auto rd = [f](void * dst, size_t n) { return std::fread(dst, 1, n, f) == n; };
+    auto skip = [f](uint64_t n) { return n <= (uint64_t) INT64_MAX && fseeko(f, (off_t) n, SEEK_CUR) == 0; };
+    auto skip_string = [&]() {
+        uint64_t len = 0;
+        return rd(&len, sizeof(len)) && skip(len);
+    };
+    int64_t found = -1;
+    char     magic[4];
+    uint32_t version = 0;
+    int64_t  n_tensors = 0, n_kv = 0;
+    if (rd(magic, 4) && rd(&version, 4) && rd(&n_tensors, 8) && rd(&n_kv, 8)) {
+        for (int64_t i = 0; i < n_kv; ++i) {
+            uint64_t key_len = 0;
+            if (!rd(&key_len, sizeof(key_len))) {
+                break;
+            }
+            if (key_len == 0) {
+                found = i;
+                break;
+            }
+            uint32_t type = 0;
+            if (!skip(key_len) || !rd(&type, sizeof(type))) {
+                break;
+            }
+            bool ok = true;
+            if (type == GGUF_TYPE_STRING) {
+                ok = skip_string();
+            } else if (type == GGUF_TYPE_ARRAY) {
+                uint32_t elem = 0;
+                uint64_t n    = 0;
+                ok = rd(&elem, sizeof(elem)) && rd(&n, sizeof(n));
+                if (ok && elem == GGUF_TYPE_STRING) {
+                    for (uint64_t k = 0; ok && k < n; ++k) {
+                        ok = skip_string();
+                    }
+                } else if (ok) {
+                    const size_t size = scalar_size(elem);
+                    ok = size > 0 && n <= UINT64_MAX / size && skip(n * size);
+                }
+            } else {
+                const size_t size = scalar_size(type);
+                ok = size > 0 && skip(size);
+            }
+            if (!ok) {
+                break;
+            }
+        }
+    }
+    std::fclose(f);
+    return found;
+}
+
 }  // namespace
 
 extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) {
+    const int64_t empty = first_empty_key(path);
+    if (empty >= 0) {
+        return pyspec::fail(err, err_len, "metadata key #%lld is empty", (long long) empty);
+    }
     gguf_init_params params = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context * g = gguf_init_from_file(path, params);
     if (g == nullptr) {

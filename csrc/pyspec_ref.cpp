@@ -904,6 +904,22 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
             }
             has_dry |= q.samplers[i] == COMMON_SAMPLER_TYPE_DRY;
         }
+        // llama_sampler_infill_apply compares every pair of candidates: a top-k must bound them
+        // (pyspec.core.sampler.INFILL_MAX_CANDIDATES, the same message)
+        for (int32_t i = 0; i < q.n_samplers; ++i) {
+            if (q.samplers[i] != COMMON_SAMPLER_TYPE_INFILL) {
+                continue;
+            }
+            bool top_k_before = false;
+            for (int32_t j = 0; j < i; ++j) {
+                top_k_before |= q.samplers[j] == COMMON_SAMPLER_TYPE_TOP_K;
+            }
+            if (!top_k_before || q.top_k <= 0 || q.top_k > PYSPEC_INFILL_MAX_CANDIDATES) {
+                return fail("the infill sampler compares every pair of candidates: it needs top_k (1.." +
+                            std::to_string(PYSPEC_INFILL_MAX_CANDIDATES) + ") before it");
+            }
+            break;
+        }
         // llama_sampler_init_dry: an empty history window throws on the first accept, a huge one is allocated
         if (has_dry && q.dry_multiplier != 0.0f && q.dry_base >= 1.0f && q.dry_penalty_last_n != 0) {
             const int32_t window = q.dry_penalty_last_n == -1 ? llama_model_n_ctx_train(model) : std::max(q.dry_penalty_last_n, 0);

@@ -71,6 +71,14 @@ def gguf_repeated_token() -> Any:
     return Model(_write_bytes("repeat.gguf", data.replace(entry + b"<0x0B>", entry + b"<0x0A>")))
 
 
+def gguf_empty_key() -> Any:
+    # the first metadata key's length set to 0, its bytes then read as the type and value
+    # (found by scripts/fuzz.py --atheris): gguf's parser asserts on an empty key
+    data = bytearray(Path(tm.make_target()).read_bytes())
+    data[24:32] = struct.pack("<Q", 0)
+    return Model(_write_bytes("empty-key.gguf", bytes(data)))
+
+
 def gguf_tokens_not_strings() -> Any:
     # a well-formed GGUF whose token list holds int32 (a list of the same length)
     gguf = tm._gguf()
@@ -107,6 +115,33 @@ def ctx_n_seq_max_above_llama_max_seq() -> Any:
 
 def ctx_n_outputs_max_below_n_seq_max() -> Any:
     return ctx(n_seq_max=4, n_outputs_max=2)
+
+
+def speculative_state_for_billions_of_sequences() -> Any:
+    # found by scripts/fuzz.py --atheris (api target): per-sequence state for 2^31 - 1 sequences
+    from pyspec.common import speculative as sp
+    from pyspec.common.params import CommonParamsSpeculative
+    from pyspec.common.params import CommonSpeculativeType as T
+
+    return sp.common_speculative_init(CommonParamsSpeculative(types=[T.NGRAM_MOD]), 2**31 - 1)
+
+
+def sampler_infill_without_top_k() -> Any:
+    # found by scripts/fuzz.py --atheris (params target): infill on all 32000 candidates does
+    # 10^9 token_to_piece calls per token
+    return SamplerChain().add_top_p(0.9).add_infill(M["target"].vocab)
+
+
+def common_sampler_infill_on_the_whole_vocabulary() -> Any:
+    from pyspec.common import sampling as smp
+    from pyspec.common.params import CommonParamsSampling, CommonSamplerType
+
+    return smp.common_sampler_init(M["target"], CommonParamsSampling(top_k=0, samplers=[CommonSamplerType.INFILL]))
+
+
+def ctx_n_rs_seq_beyond_the_graph_budget() -> Any:
+    # found by the fuzzer (atheris, api target): 256 snapshots abort the tiny MTP model's graph
+    return Context(M["mtp"], **{**KW, "n_rs_seq": 262})
 
 
 def ctx_pooling_type_not_an_enum_value() -> Any:

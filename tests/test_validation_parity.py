@@ -62,6 +62,12 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[CommonParamsSpeculative, CommonPara
         "unknown type": (CommonParamsSpeculative(types=[99]), g),  # type: ignore[list-item]
         "mirostat 3": (spec(T.NGRAM_SIMPLE), sampling(mirostat=3)),
         "unknown sampler": (spec(T.NGRAM_SIMPLE), sampling(samplers=[99])),
+        "sampler NONE": (spec(T.NGRAM_SIMPLE), sampling(samplers=[CommonSamplerType.NONE])),
+        # llama.cpp's infill sampler is quadratic in the candidates: a whole vocabulary hangs it
+        "infill without top-k": (spec(T.NGRAM_SIMPLE), sampling(top_k=40, samplers=[CommonSamplerType.INFILL,
+                                                                                     CommonSamplerType.TOP_K])),
+        "infill after a large top-k": (spec(T.NGRAM_SIMPLE), sampling(top_k=5000, samplers=[
+            CommonSamplerType.TOP_K, CommonSamplerType.INFILL])),
         "n_prev huge": (spec(T.NGRAM_SIMPLE), sampling(n_prev=2**31 - 1)),
         "penalty_last_n huge": (spec(T.NGRAM_SIMPLE), sampling(penalty_last_n=2**30)),
         "dry without window": (spec(T.NGRAM_SIMPLE), sampling(
@@ -131,9 +137,9 @@ def _c_sampler_init(model: Any, p: CommonParamsSampling) -> str:
 
 C_ABI_SPEC = ["ngram_mod n_match 0", "ngram_mod n_max -1", "cache missing", "cache directory", "cache count <= 0",
               "cache cut short"]
-C_ABI_SAMPLING = ["mirostat 3", "unknown sampler", "n_prev huge", "penalty_last_n huge", "dry without window",
-                  "logit bias token", "grammar unparsable", "grammar nested", "grammar inverted repetition",
-                  "llguidance"]
+C_ABI_SAMPLING = ["mirostat 3", "unknown sampler", "sampler NONE", "n_prev huge", "penalty_last_n huge",
+                  "dry without window", "infill without top-k", "infill after a large top-k", "logit bias token",
+                  "grammar unparsable", "grammar nested", "grammar inverted repetition", "llguidance"]
 
 
 @pytest.mark.parametrize("name", C_ABI_SPEC + C_ABI_SAMPLING)
@@ -163,3 +169,30 @@ def test_a_bad_input_leaves_no_engine_state_behind(target_model, tmp_dir):
             with SpeculativeGenerator(ctx, spec(T.NGRAM_SIMPLE), greedy_sampling(), engine=engine) as g:
                 out.append(g.generate([PROMPT], 6)[0].tokens)
         assert out[0] == out[1] and len(out[0]) == 6
+
+
+def test_tokens_that_do_not_fit_llama_token_are_refused_alike():
+    # found by scripts/fuzz.py --atheris: numpy's OverflowError named no field
+    from pyspec.common import speculative as sp
+    from pyspec.reference.speculative import RefSpeculative
+
+    p = CommonParamsSpeculative(types=[T.NGRAM_MOD])
+    port = sp.common_speculative_init(p, 1)
+    with RefSpeculative(p, 1) as cpp:
+        messages = []
+        for begin in (lambda t: sp.common_speculative_begin(port, 0, t), lambda t: cpp.begin(0, t)):
+            with pytest.raises(ValueError, match="fit llama_token") as err:
+                begin([1, 2, 2**32 - 1])
+            messages.append(str(err.value))
+        assert messages[0].replace("prompt", "tokens") == messages[1]
+    sp.common_speculative_free(port)
+
+
+def test_a_speculative_state_for_more_sequences_than_llama_max_seq_is_refused():
+    from pyspec.common import speculative as sp
+    from pyspec.reference.speculative import RefSpeculative
+
+    p = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+    for init in (sp.common_speculative_init, RefSpeculative):
+        with pytest.raises(ValueError, match="LLAMA_MAX_SEQ"):
+            init(p, 2**31 - 1)

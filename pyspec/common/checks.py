@@ -12,16 +12,20 @@ n-gram cache files that common_ngram_cache_load would GGML_ASSERT on.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.core.grammar import check_grammar
-from pyspec.core.sampler import MAX_HISTORY, check_dry_window
+from pyspec.core.sampler import INFILL_MAX_CANDIDATES, INFILL_MESSAGE, MAX_HISTORY, check_dry_window
 from pyspec.errors import SpeculativeError
+from pyspec.ffi import llama
 
 __all__ = ["check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
-           "check_token"]
+           "check_token", "token_array"]
 
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT16_MAX = 65535
@@ -49,6 +53,17 @@ def check_output_row(ctx: Any, idx: int) -> None:
         ctx._row(idx, "sample")
     except IndexError:
         raise SpeculativeError(f"no output (logits) for batch index {idx}") from None
+
+
+def token_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.ndarray:
+    """``tokens`` as a contiguous int32 array (llama_token), or ValueError naming what does not fit.
+
+    Both engines take token lists through it: numpy's OverflowError names no field.
+    """
+    try:
+        return np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ValueError(f"{what} must be integers that fit llama_token (int32): {e}") from None
 
 
 def check_token(token: Any, n_vocab: int) -> int:
@@ -90,6 +105,10 @@ def check_speculative_params(params: CommonParamsSpeculative, n_seq: int) -> Non
     """Raise ValueError / SpeculativeError for parameters neither engine can run (see the module docstring)."""
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq <= 0:
         raise ValueError(f"n_seq must be positive, got {n_seq}")
+    n_seq_max = int(llama.llama_max_parallel_sequences())
+    if n_seq > n_seq_max:
+        # both engines allocate per-sequence state up front; no context holds more sequences
+        raise ValueError(f"n_seq must be at most {n_seq_max} (LLAMA_MAX_SEQ), got {n_seq}")
     for t in params.types:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= int(t) < T.COUNT:
             raise ValueError(f"unknown speculative type: {t}")
@@ -140,12 +159,17 @@ def check_sampling_params(params: CommonParamsSampling, n_vocab: int, n_ctx_trai
     if params.mirostat not in (0, 1, 2):
         raise SpeculativeError("unknown mirostat version")
     if params.mirostat == 0:
-        valid = {int(s) for s in CommonSamplerType}
+        # NONE names no sampler: common_sampler_init's switch has no case for it
+        valid = {int(s) for s in CommonSamplerType if s != CommonSamplerType.NONE}
         for s in params.samplers:
             if isinstance(s, bool) or not isinstance(s, int) or int(s) not in valid:
                 raise SpeculativeError(f"unknown sampler type: {s}")
         if CommonSamplerType.DRY in params.samplers:
             check_dry_window(n_ctx_train, params.dry_multiplier, params.dry_base, params.dry_penalty_last_n)
+        if CommonSamplerType.INFILL in params.samplers:
+            first = list(params.samplers).index(CommonSamplerType.INFILL)
+            if CommonSamplerType.TOP_K not in params.samplers[:first] or not 0 < params.top_k <= INFILL_MAX_CANDIDATES:
+                raise SpeculativeError(INFILL_MESSAGE)
     for breaker in params.dry_sequence_breakers:
         if not isinstance(breaker, str) or "\0" in breaker:
             raise ValueError(f"dry sequence breakers must be str without NUL, got {breaker!r}")

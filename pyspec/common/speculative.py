@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.common.checks import check_speculative_params
+from pyspec.common.checks import check_speculative_params, token_array
 from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
@@ -1571,6 +1571,7 @@ def common_speculative_begin(spec: CommonSpeculative | None, seq_id: int, prompt
         return
     if not 0 <= seq_id < len(spec.dparams):
         raise SpeculativeError(f"seq_id {seq_id} out of range 0..{len(spec.dparams) - 1}")
+    token_array(prompt, "prompt")  # a std::vector<llama_token> in the C++
 
     for impl in spec.impls:
         with CommonTimeMeas(impl, "t_begin_us", not impl.gen_perf):

@@ -299,6 +299,11 @@ class Context(Handle):
         n_seq_max_c = int(llama.llama_max_parallel_sequences())
         if cp.n_seq_max < 1 or cp.n_seq_max > n_seq_max_c:
             raise ValueError(f"n_seq_max must be in 1..{n_seq_max_c} (LLAMA_MAX_SEQ), got {cp.n_seq_max}")
+        max_rs = int(ext.pyspec_model_max_rs_seq(model.ptr))
+        if cp.n_rs_seq > max_rs:
+            # every snapshot adds nodes to each graph; past the graph's budget llama.cpp aborts
+            raise ValueError(f"n_rs_seq={cp.n_rs_seq} exceeds {max_rs}, the most recurrent-state snapshots per "
+                             f"sequence this model's graphs hold (an MTP draft's n_max sets it)")
         if cp.n_batch < 1:
             raise ValueError(f"n_batch must be >= 1, got {cp.n_batch}")
         n_ctx = int(cp.n_ctx) or model.n_ctx_train

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from pyspec.core.context import Context
     from pyspec.core.vocab import Vocab
 
-__all__ = ["MAX_HISTORY", "TOKEN_DATA", "TOKEN_DATA_DTYPE", "CustomSampler", "SamplerChain", "TokenDataArray",
-           "check_dry_window", "raise_sampler_errors"]
+__all__ = ["INFILL_MAX_CANDIDATES", "INFILL_MESSAGE", "MAX_HISTORY", "TOKEN_DATA", "TOKEN_DATA_DTYPE", "CustomSampler",
+           "SamplerChain", "TokenDataArray", "check_dry_window", "raise_sampler_errors"]
 
 # the layout of llama_token_data: {llama_token id; float logit; float p}
 TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -69,6 +69,13 @@ def _float(name: str, value: Any) -> float:
     return float(value)
 
 
+# llama.cpp's infill sampler compares every pair of candidates (token_to_piece twice per
+# pair): on a whole vocabulary that is 10^9 calls per token, a hang. Both the chain here and
+# the common sampler params (pyspec.common.checks, and the C++ reference) require a top-k first.
+INFILL_MAX_CANDIDATES = c_const("PYSPEC_INFILL_MAX_CANDIDATES")
+INFILL_MESSAGE = (f"the infill sampler compares every pair of candidates: it needs top_k (1..{INFILL_MAX_CANDIDATES}) "
+                  "before it")
+
 class SamplerChain(Handle):
     """Mirrors llama_sampler_chain_init / llama_sampler_free (llama.h).
 
@@ -90,6 +97,7 @@ class SamplerChain(Handle):
         self._n_vocab = 0  # the vocabulary size of the samplers that know one (0: none yet)
         self._vocab: Any = None
         self._grammars: list[int] = []  # chain indices of grammar samplers
+        self._top_k = 0  # the smallest top-k added so far (0: none), which bounds the candidates after it
         self._used = False  # set up for a context's backend sampling (llama.cpp does that once per chain)
         self._cand: np.ndarray | None = None  # candidate buffer of sample(), reused
 
@@ -126,7 +134,10 @@ class SamplerChain(Handle):
         return self._add(llama.llama_sampler_init_dist(_int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF), "dist")
 
     def add_top_k(self, k: int) -> SamplerChain:
-        return self._add(llama.llama_sampler_init_top_k(_int("k", k)), "top-k")
+        self._add(llama.llama_sampler_init_top_k(_int("k", k)), "top-k")
+        if k > 0:
+            self._top_k = min(self._top_k or k, k)
+        return self
 
     def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
         return self._add(llama.llama_sampler_init_top_p(_float("p", p), _int("min_keep", min_keep, 0)), "top-p")
@@ -220,6 +231,8 @@ class SamplerChain(Handle):
         return self
 
     def add_infill(self, vocab: Vocab) -> SamplerChain:
+        if not 0 < self._top_k <= INFILL_MAX_CANDIDATES:
+            raise ValueError(INFILL_MESSAGE)
         return self._add(llama.llama_sampler_init_infill(self._vocab_of(vocab)), "infill")
 
     # --- attaching to a context (Context.set_sampler) ------------------------------

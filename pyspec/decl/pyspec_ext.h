@@ -8,6 +8,8 @@ float *         pyspec_get_embeddings_layer_inp(struct llama_context * ctx, uint
 struct llama_context * pyspec_get_ctx_other(struct llama_context * ctx);
 const int32_t * pyspec_model_target_layer_ids(const struct llama_model * model);
 uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model);
+/* the most recurrent-state snapshots per sequence (n_rs_seq) the model's graphs hold; UINT32_MAX: no limit */
+uint32_t        pyspec_model_max_rs_seq(const struct llama_model * model);
 
 /* batch-invariant mode: ggml-cpu's reference kernels on the context's CPU backends;
    returns how many were switched, *n_other the backends of other kinds */
@@ -65,7 +67,11 @@ enum pyspec_grammar_limit {
 };
 /* the longest token history a sampler may keep: llama.cpp allocates its ring buffers
    (penalties, DRY, common_sampler's prev) at full size up front */
-enum pyspec_sampler_limit { PYSPEC_MAX_HISTORY = 16777216 };
+enum pyspec_sampler_limit {
+    PYSPEC_MAX_HISTORY = 16777216,
+    /* the most candidates before llama.cpp's infill sampler, which compares every pair */
+    PYSPEC_INFILL_MAX_CANDIDATES = 1024
+};
 
 int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root,
                              char * err, size_t err_len);

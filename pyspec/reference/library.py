@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common import checks
 from pyspec.core.handle import Handle
 from pyspec.errors import ref_error
 from pyspec.ffi import ffi, ref
@@ -87,7 +88,7 @@ def batch_ptr(batch: Any) -> Any:
 
 
 def token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+    return checks.token_array(tokens)  # the port's conversion and message
 
 
 def token_ptr(arr: np.ndarray) -> Any:
