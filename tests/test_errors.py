@@ -147,3 +147,21 @@ def test_a_cached_piece_is_not_served_after_the_model_is_closed():
     m.close()
     with pytest.raises(pyspec.ClosedError):
         m.vocab.token_to_piece_bytes(5)
+
+
+@pytest.mark.parametrize("i", [2**31, -(2**31) - 1, 2**40])
+def test_sampled_output_getters_refuse_indices_outside_int32(target_ctx, i):
+    # found by scripts/fuzz.py --atheris: cffi's OverflowError named no field
+    for get in (target_ctx.get_sampled_token_ith, target_ctx.get_sampled_probs_ith,
+                target_ctx.get_sampled_logits_ith):
+        with pytest.raises(IndexError, match="batch index"):
+            get(i)
+
+
+def test_a_draft_request_holds_int32_fields_only():
+    from pyspec.common.speculative import DraftRequest
+
+    for field in ("seq_id", "n_max", "n_past", "id_last"):
+        kw = {"seq_id": 0, "n_max": 4, "n_past": 3, "id_last": 5, field: 2**32}
+        with pytest.raises(ValueError, match=f"DraftRequest.{field}"):
+            DraftRequest(prompt=[1, 2, 3], **kw)

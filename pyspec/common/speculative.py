@@ -192,6 +192,13 @@ class DraftRequest:
     id_last: int
     prompt: Sequence[int]
 
+    def __post_init__(self) -> None:
+        # int32 fields in the C++ (llama_seq_id, int32_t, llama_pos, llama_token)
+        for name in ("seq_id", "n_max", "n_past", "id_last"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(2**31) <= int(v) < 2**31:
+                raise ValueError(f"DraftRequest.{name} must be an int32, got {v!r}")
+
 
 class CommonSpeculativeImpl:
     """Mirrors struct common_speculative_impl (speculative.cpp): the interface and counters."""
@@ -1623,6 +1630,9 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
 
         if dp.drafting:
             n_drafting += 1
+            # a std::vector<llama_token> and a llama_token in the C++
+            token_array(dp.prompt, "prompt")
+            token_array([dp.id_last], "id_last")
 
     if n_drafting == 0:
         return

@@ -760,6 +760,7 @@ class Context(Handle):
             self._leave()
 
     def get_sampled_token_ith(self, i: int) -> int:
+        i = _batch_index(i, "sampled token")
         ptr = self._enter()
         try:
             return int(llama.llama_get_sampled_token_ith(ptr, i))
@@ -767,6 +768,7 @@ class Context(Handle):
             self._leave()
 
     def _sampled(self, i: int, count_fn: Any, data_fn: Any, what: str, dtype: Any) -> np.ndarray:
+        i = _batch_index(i, what)
         ptr = self._enter()
         try:
             n = min(int(count_fn(ptr, i)), self.n_vocab)
@@ -1067,6 +1069,13 @@ class Context(Handle):
                 self._unhold(pool)
         finally:
             self._leave()
+
+
+def _batch_index(i: Any, what: str) -> int:
+    """A batch index as the getters' int32_t (llama.cpp answers an index out of range with nothing)."""
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -(2**31) <= int(i) < 2**31:
+        raise IndexError(f"{what}: batch index {i!r} out of range")
+    return int(i)
 
 
 class _Held:
