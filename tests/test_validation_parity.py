@@ -196,3 +196,21 @@ def test_a_speculative_state_for_more_sequences_than_llama_max_seq_is_refused():
     for init in (sp.common_speculative_init, RefSpeculative):
         with pytest.raises(ValueError, match="LLAMA_MAX_SEQ"):
             init(p, 2**31 - 1)
+
+
+def test_an_accepted_count_outside_uint16_is_refused_alike():
+    # found by scripts/fuzz.py --atheris: the reference passed 2^32 - 1 to cffi (OverflowError)
+    from pyspec.common import speculative as sp
+    from pyspec.reference.speculative import RefSpeculative
+
+    p = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+    port = sp.common_speculative_init(p, 1)
+    with RefSpeculative(p, 1) as cpp:
+        for n in (-1, 0x10000, 2**32 - 1):
+            errors = []
+            for accept in (lambda k: sp.common_speculative_accept(port, 0, k), lambda k: cpp.accept(0, k)):
+                with pytest.raises(ValueError) as err:
+                    accept(n)
+                errors.append(str(err.value))
+            assert errors[0] == errors[1] == f"n_accepted must fit in uint16, got {n}"
+    sp.common_speculative_free(port)

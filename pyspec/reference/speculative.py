@@ -240,8 +240,11 @@ class RefSpeculative(Handle):
     def accept(self, seq_id: int, n_accepted: int) -> None:
         """Mirrors common_speculative_accept; RefError when seq_id has no draft yet."""
         ptr = self.ptr
+        seq = self._seq(seq_id)
+        if isinstance(n_accepted, bool) or not isinstance(n_accepted, int) or not 0 <= n_accepted <= 0xFFFF:
+            raise ValueError(f"n_accepted must fit in uint16, got {n_accepted}")  # the port's check and message
         with held_all(self._deps):
-            check(ref.pyspec_ref_spec_accept(ptr, self._seq(seq_id), int(n_accepted)), "accept")
+            check(ref.pyspec_ref_spec_accept(ptr, seq, n_accepted), "accept")
 
     @serialized
     def print_stats(self) -> None:

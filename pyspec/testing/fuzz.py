@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pyspec.common.params import LLAMA_DEFAULT_SEED
 from pyspec.errors import FuzzFinding as Finding
 
 __all__ = ["CLEAN", "TARGETS", "Input", "mutate", "seeds", "setup"]
@@ -521,6 +522,8 @@ def target_params(data: bytes) -> None:
         finally:
             ctx.close()
     py, cpp = outcome["python"], outcome["cpp"]
+    if sampling.seed == LLAMA_DEFAULT_SEED and py[0] == cpp[0] == "tokens":
+        return  # each sampler draws its own random seed: the tokens may differ, by design
     # the C++ side may raise a subclass (RefError is a SpeculativeError), never another kind or message
     if py[0] != cpp[0] or py[1] != cpp[1] or (py[0] == "raised" and py[2] not in cpp[3]):
         raise Finding(f"the engines disagree: python {py[:2]} / cpp {cpp[:2]}")
