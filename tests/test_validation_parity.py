@@ -205,6 +205,7 @@ def test_an_accepted_count_outside_uint16_is_refused_alike():
 
     p = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
     port = sp.common_speculative_init(p, 1)
+    assert port is not None
     with RefSpeculative(p, 1) as cpp:
         for n in (-1, 0x10000, 2**32 - 1):
             errors = []
