@@ -287,13 +287,18 @@ def logits_read_after_reallocating_decode() -> Any:
     return c.get_logits_ith(40)
 
 
-def logits_of_a_row_without_output() -> Any:
+def _row_0_without_output() -> Context:
+    """A context whose last decode gave batch index 0 no output row."""
     c = ctx()
     b = Batch(2)
     b.add(1, 0, 0, False)
     b.add(2, 1, 0, True)
     c.decode(b)
-    return c.get_logits_ith(0)
+    return c
+
+
+def logits_of_a_row_without_output() -> Any:
+    return _row_0_without_output().get_logits_ith(0)
 
 
 def embeddings_rank_pooling_length() -> Any:
@@ -386,12 +391,7 @@ def chain_selects_nothing() -> Any:
 
 
 def chain_samples_row_without_logits() -> Any:
-    c = ctx()
-    b = Batch(2)
-    b.add(1, 0, 0, False)
-    b.add(2, 1, 0, True)
-    c.decode(b)
-    return SamplerChain().add_greedy().sample(c, 0)
+    return SamplerChain().add_greedy().sample(_row_0_without_output(), 0)
 
 
 def chain_samples_before_any_decode() -> Any:
