@@ -12,6 +12,7 @@
 
 #include "ggml-backend.h"
 
+#include <algorithm>
 #include <cstddef>
 
 extern "C" {
@@ -72,6 +73,19 @@ uint32_t pyspec_model_max_rs_seq(const llama_model * model) {
     const size_t budget = 32 * model->n_tensors() / 2;
     const size_t k_max  = budget / (3 * n_recurrent);  // snapshots + 1 (the current state)
     return k_max > 1 ? (uint32_t) (k_max - 1) : 0;
+}
+
+// The longest piece llama_sampler_infill_apply renders (special = false, lstrip = 0),
+// which its fixed 512-byte buffers must hold (PYSPEC_INFILL_MAX_PIECE). A piece that
+// does not fit in `probe` returns its length negated.
+int32_t pyspec_vocab_max_piece(const llama_vocab * vocab) {
+    char    probe[8];
+    int32_t longest = 0;
+    for (llama_token t = 0; t < llama_vocab_n_tokens(vocab); t++) {
+        const int32_t n = llama_token_to_piece(vocab, t, probe, sizeof(probe), 0, false);
+        longest = std::max(longest, n < 0 ? -n : n);
+    }
+    return longest;
 }
 
 // The candidate array of common_sampler::set_logits (common/sampling.cpp) for a

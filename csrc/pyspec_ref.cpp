@@ -918,6 +918,11 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
                 return fail("the infill sampler compares every pair of candidates: it needs top_k (1.." +
                             std::to_string(PYSPEC_INFILL_MAX_CANDIDATES) + ") before it");
             }
+            const int32_t longest = pyspec_vocab_max_piece(llama_model_get_vocab(model));
+            if (longest > PYSPEC_INFILL_MAX_PIECE) {
+                return fail("the infill sampler holds token pieces of up to " + std::to_string(PYSPEC_INFILL_MAX_PIECE) +
+                            " bytes; this vocabulary has one of " + std::to_string(longest));
+            }
             break;
         }
         // llama_sampler_init_dry: an empty history window throws on the first accept, a huge one is allocated

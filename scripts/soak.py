@@ -13,6 +13,13 @@ generator (and, every --recreate-every generations, new contexts), so object
 churn is exercised too; RSS is compared at the same point of that cycle (the
 first generation on new contexts), since it moves by a context's size within it,
 after malloc_trim, so that it counts live memory rather than the heap's fragmentation.
+Warm-up lasts --warmup-steps and at least --warmup-cycles context recreations:
+glibc raises its mmap threshold (up to 32 MB) each time a large mmap'd block is
+freed, so over the first few recreations the contexts' large buffers move from
+mmap into the heap and RSS rises by a few MB, then stays (draft-mtp, whose
+contexts are largest, rose 6 MB over 4 cycles and then held for 7,500 steps; with
+MALLOC_MMAP_THRESHOLD_=131072, which fixes the threshold, it stays flat from the
+first cycle).
 The tiny cyclic models repeat themselves, so every type drafts.
 ``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
 each in a fresh process so one run's allocator state does not flatter the next,
@@ -140,7 +147,8 @@ def each(args: argparse.Namespace) -> int:
     for t in types:
         for e in engines:
             cmd = [sys.executable, __file__, "--types", t, "--engine", e, "--steps", str(args.steps),
-                   "--warmup-steps", str(args.warmup_steps), "--max-growth-mb", str(args.max_growth_mb),
+                   "--warmup-steps", str(args.warmup_steps),
+                   "--warmup-cycles", str(args.warmup_cycles), "--max-growth-mb", str(args.max_growth_mb),
                    "--n-predict", str(args.n_predict), "--json-line"]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
@@ -191,8 +199,9 @@ def soak(args: argparse.Namespace) -> int:
                 _malloc_trim()
                 return rss_kb()
 
-    # warm-up: every prompt a few times, allocators and caches settle
-    while steps < args.warmup_steps:
+    # warm-up: every prompt a few times, and enough context recreations for glibc's mmap
+    # threshold to settle (see the docstring)
+    while steps < args.warmup_steps or gens < args.warmup_cycles * args.recreate_every:
         one_generation()
     rss0, fds0, thr0 = rss_at_phase(), n_fds(), n_threads()
     steps0, drafted0, t0 = steps, drafted, time.perf_counter()
@@ -274,6 +283,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10_000, help="speculative steps after warm-up")
     ap.add_argument("--warmup-steps", type=int, default=500)
+    ap.add_argument("--warmup-cycles", type=int, default=6, help="context recreations in the warm-up")
     ap.add_argument("--types", default=None, help="comma-separated types (default draft-simple; with --each: all 8)")
     ap.add_argument("--engine", default="python", choices=["python", "cpp", "both"])
     ap.add_argument("--each", action="store_true", help="every type (or those of --types) alone, one process each")

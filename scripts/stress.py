@@ -5,9 +5,11 @@
     python scripts/stress.py --threads 4 --seconds 10
 
 Every thread loops over a random mix of calls: decode, logits reads, sampling (a
-SamplerChain, the port's common_sampler, the C++ reference sampler), memory edits,
-state save / restore, speculative generation (Python engine and C++ engine), and
-close-and-recreate of its own contexts. Half the calls go to contexts shared by all
+SamplerChain, a chain with a Python sampler, the port's common_sampler, the C++
+reference sampler), memory edits, state save / restore (in memory and to files),
+a LoRA applied and removed, one ThreadPool attached and detached by every thread,
+speculative generation (Python engine and C++ engine), requests submitted to and
+cancelled on one running Engine, and close-and-recreate of its own contexts. Half the calls go to contexts shared by all
 threads, where a call may be refused with ConcurrentUseError (counted) but must never
 crash, hang or return a wrong value (each multi-call operation holds Context.claim,
 so another thread's calls are refused rather than interleaved); the other half go to the thread's own contexts,
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -35,9 +39,15 @@ from pyspec import Batch, ConcurrentUseError, Context, Model, SamplerChain
 from pyspec.common import sampling as smp
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.core import ThreadPool
+from pyspec.core.adapters import LoraAdapter
+from pyspec.core.sampler import CustomSampler, TokenDataArray
 from pyspec.errors import ClosedError
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
+from pyspec.generation.engine import Engine
+from pyspec.generation.requests import Request
 from pyspec.reference.sampling import RefSampler
+from pyspec.testing import derived
 from pyspec.testing import models as tm
 
 PROMPT = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n"
@@ -51,10 +61,39 @@ class Shared:
     def __init__(self) -> None:
         self.target = Model(tm.make_target())
         self.draft = Model(tm.make_draft())
+        self.tmp = tempfile.mkdtemp(prefix="pyspec-stress-")
+        self.lora = LoraAdapter(self.target, derived.make_lora(Path(self.tmp) / "lora.gguf").path)
         with Context(self.target, **KW) as c:
             self.logits = self._decode_logits(c)
             self.gen = {e: self._generate(c, e) for e in ("python", "cpp")}
+            c.set_lora_adapters({self.lora: 1.0})
+            self.lora_logits = self._decode_logits(c)
+        if np.array_equal(self.lora_logits, self.logits):
+            raise AssertionError("the LoRA does not change the logits: op_lora would prove nothing")
         self.contexts = [Context(self.target, **KW) for _ in range(2)]
+        self.pool = ThreadPool(1, poll=0)  # one pool for all threads: it serves one context at a time
+        # one running engine for all threads (fixed draft lengths); what a request generates alone
+        self.engine = self._engine(n_parallel=1)
+        (self.engine_tokens,) = self._engine_run(self.engine, 1)
+        self.engine.close()
+        self.engine = self._engine(n_parallel=3).start()
+
+    def _engine(self, n_parallel: int) -> Engine:
+        c = Context(self.target, **{**KW, "n_ctx": 256 * n_parallel, "n_seq_max": n_parallel})
+        return Engine(c, self.spec(), greedy_sampling(), n_parallel=n_parallel, owned=[c], adaptive_draft=False)
+
+    @staticmethod
+    def _engine_run(eng: Engine, n: int) -> list[list[int]]:
+        hs = [eng.submit(Request(prompt=PROMPT, n_predict=12)) for _ in range(n)]
+        eng.run_until_idle()
+        return [h.result().tokens for h in hs]
+
+    def close(self) -> None:
+        self.engine.close()
+        for c in self.contexts:
+            c.close()
+        self.pool.close()
+        self.lora.close()
 
     @staticmethod
     def _decode_logits(c: Context) -> np.ndarray:
@@ -107,6 +146,71 @@ def op_sample_ref(sh: Shared, c: Context) -> None:
         raise AssertionError(f"reference sampled {tok}")
 
 
+class _Argmax(CustomSampler):
+    name = "stress-argmax"
+
+    def apply(self, cur_p: TokenDataArray) -> None:
+        cur_p.selected = int(np.argmax(cur_p.data["logit"]))
+
+
+def op_sample_custom(sh: Shared, c: Context) -> None:
+    with SamplerChain().add_custom(_Argmax()) as chain:
+        sh._decode_logits(c)
+        tok = chain.sample(c, -1)
+    if tok != int(np.argmax(sh.logits)):
+        raise AssertionError(f"Python sampler picked {tok}")
+
+
+def op_lora(sh: Shared, c: Context) -> None:
+    c.set_lora_adapters({sh.lora: 1.0})
+    try:
+        if not np.array_equal(sh._decode_logits(c), sh.lora_logits):
+            raise AssertionError("decode under the LoRA: logits differ from the single-threaded ones")
+    finally:
+        c.clear_lora_adapters()
+    if not np.array_equal(sh._decode_logits(c), sh.logits):
+        raise AssertionError("the LoRA's effect outlived clear_lora_adapters")
+
+
+class PoolBusy(Exception):
+    """The shared ThreadPool is attached to another thread's context (refused, as it must be)."""
+
+
+def op_threadpool(sh: Shared, c: Context) -> None:
+    try:
+        c.attach_threadpool(sh.pool)
+    except ValueError as e:
+        if "attached to another context" not in str(e):
+            raise
+        raise PoolBusy(str(e)) from None
+    try:
+        if not np.array_equal(sh._decode_logits(c), sh.logits):
+            raise AssertionError("decode on the shared pool: logits differ")
+    finally:
+        c.detach_threadpool()
+
+
+def op_state_file(sh: Shared, c: Context) -> None:
+    sh._decode_logits(c)
+    path = os.path.join(sh.tmp, f"seq-{threading.get_ident()}.bin")
+    c.state_seq_save_file(path, 0, TOKENS)
+    c.memory.seq_rm(0, -1, -1)
+    if c.state_seq_load_file(path, 0) != TOKENS or c.memory.seq_pos_max(0) != len(TOKENS) - 1:
+        raise AssertionError("state file round trip lost tokens or positions")
+
+
+def op_engine(sh: Shared, c: Context) -> None:
+    # c is not used: every thread submits to the one running engine
+    h = sh.engine.submit(Request(prompt=PROMPT, n_predict=12))
+    if random.random() < 0.3:
+        h.cancel()
+        h.result(timeout=60)  # ends, with whatever it had
+        return
+    got = h.result(timeout=60).tokens
+    if got != sh.engine_tokens:
+        raise AssertionError(f"engine request generated {got}, alone {sh.engine_tokens}")
+
+
 def op_memory(sh: Shared, c: Context) -> None:
     m = c.memory
     m.seq_rm(1, -1, -1)
@@ -138,8 +242,9 @@ def op_generate(engine: str):
     return op
 
 
-OPS = [op_decode, op_sample_chain, op_sample_port, op_sample_ref, op_memory, op_state,
-       op_generate("python"), op_generate("cpp")]
+OPS = [op_decode, op_sample_chain, op_sample_custom, op_sample_port, op_sample_ref, op_memory, op_state,
+       op_state_file, op_lora, op_threadpool, op_engine, op_generate("python"), op_generate("cpp")]
+SELF_CLAIMING = {"op_generate_python", "op_generate_cpp", "op_engine"}  # they claim what they use
 
 
 def worker(sh: Shared, deadline: float, seed: int, counts: collections.Counter, failures: list[str],
@@ -153,8 +258,8 @@ def worker(sh: Shared, deadline: float, seed: int, counts: collections.Counter, 
             shared = rng.random() < 0.5
             c = rng.choice(sh.contexts) if shared else own
             try:
-                if op.__name__.startswith("op_generate"):
-                    op(sh, c)  # a generation claims its context itself
+                if op.__name__ in SELF_CLAIMING:
+                    op(sh, c)
                 else:
                     with c.claim():  # a sequence of calls no other thread may interleave with
                         op(sh, c)
@@ -163,6 +268,8 @@ def worker(sh: Shared, deadline: float, seed: int, counts: collections.Counter, 
                 if not shared:
                     raise
                 counts[f"{op.__name__} refused"] += 1
+            except PoolBusy:
+                counts[f"{op.__name__} pool busy"] += 1
             if not shared and rng.random() < 0.05:  # churn: a fresh private context
                 own.close()
                 own = Context(sh.target, **KW)
@@ -203,14 +310,16 @@ def main() -> int:
     for th in ths:
         th.join(timeout=1)
     dt = time.monotonic() - t0
-    for c in sh.contexts:
-        c.close()
+    sh.close()
     total = sum(v for k, v in counts.items() if k.endswith(" ok"))
     refused = sum(v for k, v in counts.items() if k.endswith(" refused"))
     print(f"{args.threads} threads, {dt:.1f} s: {total} calls completed, {refused} refused (ConcurrentUseError), "
           f"{counts['recreate']} private contexts recreated")
     for k in sorted(counts):
         print(f"  {k:32s} {counts[k]}")
+    never = [op.__name__ for op in OPS if not counts[f"{op.__name__} ok"]]
+    if never and not failures:
+        failures.append(f"never completed (a stress that skips them proves nothing): {', '.join(never)}")
     if failures:
         print("FAIL")
         for f in failures[:5]:

@@ -139,6 +139,29 @@ def common_sampler_infill_on_the_whole_vocabulary() -> Any:
     return smp.common_sampler_init(M["target"], CommonParamsSampling(top_k=0, samplers=[CommonSamplerType.INFILL]))
 
 
+def _model_with_a_long_piece() -> Model:
+    # token 1000's text made 601 bytes: llama.cpp's infill sampler keeps pieces in 512-byte
+    # buffers and "grows" them with resize(negative length), which throws through the C API
+    if "long_piece" not in M:
+        kv = []
+        for key, value, vtype, sub_type in tm._vocab_kv():
+            if key == "tokenizer.ggml.tokens":
+                value = list(value)
+                value[1000] = "\u2581" + "x" * 600
+            kv.append((key, value, vtype, sub_type))
+        M["long_piece"] = Model(tm.write_llama(TMP / "long-piece.gguf", vocab_kv=kv))
+    return M["long_piece"]
+
+
+def sampler_infill_on_a_piece_longer_than_its_buffer() -> Any:
+    return SamplerChain().add_top_k(40).add_infill(_model_with_a_long_piece().vocab)
+
+
+def common_sampler_infill_on_a_piece_longer_than_its_buffer() -> Any:
+    params = CommonParamsSampling(top_k=40, samplers=[CommonSamplerType.TOP_K, CommonSamplerType.INFILL])
+    return smp.common_sampler_init(_model_with_a_long_piece(), params)
+
+
 def ctx_n_rs_seq_beyond_the_graph_budget() -> Any:
     # found by the fuzzer (atheris, api target): 256 snapshots abort the tiny MTP model's graph
     return Context(M["mtp"], **{**KW, "n_rs_seq": 262})

@@ -261,7 +261,7 @@ def test_a_thousand_speculative_steps_grow_no_memory_fds_or_threads():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, str(root / "scripts" / "soak.py"), "--steps", "1000", "--warmup-steps", "300",
-         "--max-growth-mb", "5"],
+         "--warmup-cycles", "1", "--max-growth-mb", "5"],
         cwd=root, capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]

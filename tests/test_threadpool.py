@@ -75,6 +75,23 @@ def test_a_pool_serves_one_context_at_a_time(target_model):
         b.detach_threadpool()
 
 
+def test_a_refused_attach_keeps_the_pool_the_context_had(target_model):
+    tokens = target_model.vocab.tokenize("hello")
+    kw = dict(n_ctx=64, n_batch=64, n_seq_max=1)
+    with Context(target_model, **kw) as a, Context(target_model, **kw) as b, \
+            ThreadPool(1) as mine, ThreadPool(2) as theirs:
+        b.attach_threadpool(theirs)
+        a.attach_threadpool(mine)
+        with pytest.raises(ValueError, match="attached to another context"):
+            a.attach_threadpool(mine, theirs)  # the batch pool is b's: nothing changes on a
+        assert mine.user() is a and theirs.user() is b and a.n_threads == 1
+        a.attach_threadpool(mine)  # the same pool again: still a's
+        assert mine.user() is a
+        assert np.isfinite(last_logits(a, tokens)).all()
+        a.detach_threadpool()
+        assert mine.user() is None and theirs.user() is b
+
+
 def test_bad_threadpool_arguments_are_refused(target_model):
     for kwargs in ({"n_threads": 0}, {"n_threads": 10_000}, {"n_threads": 2, "prio": "urgent"},
                    {"n_threads": 2, "poll": 101}, {"n_threads": 2, "cpumask": [-1]}, {"n_threads": 2.0}):

@@ -215,3 +215,21 @@ def test_an_accepted_count_outside_uint16_is_refused_alike():
                 errors.append(str(err.value))
             assert errors[0] == errors[1] == f"n_accepted must fit in uint16, got {n}"
     sp.common_speculative_free(port)
+
+
+def test_infill_on_a_piece_longer_than_its_buffer_is_refused_alike(tmp_path):
+    # llama.cpp's infill sampler keeps pieces in 512-byte buffers and grows them with
+    # resize(negative length): std::length_error through the C API, an abort
+    from pyspec import Model, SamplerChain
+    from pyspec.common.checks import check_sampling_params
+    from pyspec.testing import models as tm
+
+    kv = [(k, [*v[:1000], "\u2581" + "x" * 600, *v[1001:]] if k == "tokenizer.ggml.tokens" else v, t, st)
+          for k, v, t, st in tm._vocab_kv()]
+    s = sampling(top_k=40, samplers=[CommonSamplerType.TOP_K, CommonSamplerType.INFILL])
+    with Model(tm.write_llama(tmp_path / "long-piece.gguf", vocab_kv=kv)) as m:
+        py_type, py_msg, _ = outcome(lambda: check_sampling_params(s, m.vocab.n_tokens, m.n_ctx_train, m.vocab.ptr))
+        assert py_type == "SpeculativeError" and "this vocabulary has one of 601" in py_msg
+        assert _c_sampler_init(m, s) == py_msg
+        with pytest.raises(ValueError, match="one of 601"):
+            SamplerChain().add_top_k(40).add_infill(m.vocab)

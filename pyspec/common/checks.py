@@ -20,7 +20,13 @@ import numpy as np
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSamplerType
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.core.grammar import check_grammar
-from pyspec.core.sampler import INFILL_MAX_CANDIDATES, INFILL_MESSAGE, MAX_HISTORY, check_dry_window
+from pyspec.core.sampler import (
+    INFILL_MAX_CANDIDATES,
+    INFILL_MESSAGE,
+    MAX_HISTORY,
+    check_dry_window,
+    infill_piece_error,
+)
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import llama
 
@@ -170,6 +176,8 @@ def check_sampling_params(params: CommonParamsSampling, n_vocab: int, n_ctx_trai
             first = list(params.samplers).index(CommonSamplerType.INFILL)
             if CommonSamplerType.TOP_K not in params.samplers[:first] or not 0 < params.top_k <= INFILL_MAX_CANDIDATES:
                 raise SpeculativeError(INFILL_MESSAGE)
+            if vocab_ptr is not None and (why := infill_piece_error(vocab_ptr)) is not None:
+                raise SpeculativeError(why)
     for breaker in params.dry_sequence_breakers:
         if not isinstance(breaker, str) or "\0" in breaker:
             raise ValueError(f"dry sequence breakers must be str without NUL, got {breaker!r}")

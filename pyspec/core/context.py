@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -1031,15 +1031,22 @@ class Context(Handle):
             if not isinstance(pool, ThreadPool):
                 raise TypeError(f"{pool!r} is not a pyspec ThreadPool")
             _ = pool.ptr  # raises ClosedError first
-            user = pool.user()
-            if user is not None and user is not self and not user.closed:
-                raise ValueError(f"{pool!r} is attached to another context; detach it there first")
-        self.detach_threadpool()
         ptr = self._enter()
         try:
+            # take the new pools first (one check-and-set each), so that a refusal keeps the old ones
+            prev = [pool.user() for pool in pools]
+            taken: list[ThreadPool] = []
+            try:
+                for pool in pools:
+                    pool.take(self)
+                    taken.append(pool)
+            except ValueError:
+                for pool, user in zip(taken, prev, strict=False):
+                    pool.set_user(user)
+                raise
+            self._release_pools(ptr, keep=pools)
             for pool in pools:
                 self._hold(pool)
-                pool.set_user(self)
             llama.llama_attach_threadpool(ptr, threadpool.ptr, pools[-1].ptr)
             llama.llama_set_n_threads(ptr, threadpool.n_threads, pools[-1].n_threads)
             self._threads = max(threadpool.n_threads, pools[-1].n_threads)
@@ -1057,18 +1064,25 @@ class Context(Handle):
 
     def detach_threadpool(self) -> None:
         """Mirrors llama_detach_threadpool: back to llama.cpp's own threads."""
-        pools = getattr(self, "_threadpools", [])
-        if not pools:
+        if not getattr(self, "_threadpools", []):
             return
         ptr = self._enter()
         try:
-            llama.llama_detach_threadpool(ptr)
-            self._threadpools = []
-            for pool in pools:
-                pool.set_user(None)
-                self._unhold(pool)
+            self._release_pools(ptr)
         finally:
             self._leave()
+
+    def _release_pools(self, ptr: Any, keep: Sequence[ThreadPool] = ()) -> None:
+        """Detach the attached pools (the guard held); those in ``keep`` stay this context's."""
+        pools = getattr(self, "_threadpools", [])
+        if not pools:
+            return
+        llama.llama_detach_threadpool(ptr)
+        self._threadpools = []
+        for pool in pools:
+            if not any(pool is k for k in keep):
+                pool.set_user(None)
+            self._unhold(pool)
 
 
 def _batch_index(i: Any, what: str) -> int:

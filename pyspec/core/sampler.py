@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from pyspec.core.context import Context
     from pyspec.core.vocab import Vocab
 
-__all__ = ["INFILL_MAX_CANDIDATES", "INFILL_MESSAGE", "MAX_HISTORY", "TOKEN_DATA", "TOKEN_DATA_DTYPE", "CustomSampler",
-           "SamplerChain", "TokenDataArray", "check_dry_window", "raise_sampler_errors"]
+__all__ = ["INFILL_MAX_CANDIDATES", "INFILL_MAX_PIECE", "INFILL_MESSAGE", "MAX_HISTORY", "TOKEN_DATA",
+           "TOKEN_DATA_DTYPE", "CustomSampler",
+           "SamplerChain", "TokenDataArray", "check_dry_window", "infill_piece_error",
+           "raise_sampler_errors"]
 
 # the layout of llama_token_data: {llama_token id; float logit; float p}
 TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
@@ -75,6 +77,18 @@ def _float(name: str, value: Any) -> float:
 INFILL_MAX_CANDIDATES = c_const("PYSPEC_INFILL_MAX_CANDIDATES")
 INFILL_MESSAGE = (f"the infill sampler compares every pair of candidates: it needs top_k (1..{INFILL_MAX_CANDIDATES}) "
                   "before it")
+# its piece buffers hold INFILL_MAX_PIECE bytes; a longer piece throws through the C API
+INFILL_MAX_PIECE = c_const("PYSPEC_INFILL_MAX_PIECE")
+
+
+def infill_piece_error(vocab_ptr: Any) -> str | None:
+    """Why llama.cpp's infill sampler cannot take this vocabulary (a piece too long), or None."""
+    longest = ext.pyspec_vocab_max_piece(vocab_ptr)
+    if longest > INFILL_MAX_PIECE:
+        return (f"the infill sampler holds token pieces of up to {INFILL_MAX_PIECE} bytes; "
+                f"this vocabulary has one of {longest}")
+    return None
+
 
 class SamplerChain(Handle):
     """Mirrors llama_sampler_chain_init / llama_sampler_free (llama.h).
@@ -233,7 +247,10 @@ class SamplerChain(Handle):
     def add_infill(self, vocab: Vocab) -> SamplerChain:
         if not 0 < self._top_k <= INFILL_MAX_CANDIDATES:
             raise ValueError(INFILL_MESSAGE)
-        return self._add(llama.llama_sampler_init_infill(self._vocab_of(vocab)), "infill")
+        vptr = self._vocab_of(vocab)
+        if (why := infill_piece_error(vptr)) is not None:
+            raise ValueError(why)
+        return self._add(llama.llama_sampler_init_infill(vptr), "infill")
 
     # --- attaching to a context (Context.set_sampler) ------------------------------
 

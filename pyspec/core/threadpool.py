@@ -12,6 +12,7 @@ as llama.cpp's own tools do, and called through the declared types.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -92,13 +93,24 @@ class ThreadPool(Handle):
         self._own(ptr, _cpu_function("ggml_threadpool_free"))
         self.n_threads = n_threads
         self._user: weakref.ref[Any] | None = None
+        self._user_lock = threading.Lock()
 
     def user(self) -> Any:
         """The context this pool is attached to, or None."""
         return None if self._user is None else self._user()
 
     def set_user(self, ctx: Any) -> None:
-        self._user = None if ctx is None else weakref.ref(ctx)
+        with self._user_lock:
+            self._user = None if ctx is None else weakref.ref(ctx)
+
+    def take(self, ctx: Any) -> None:
+        """Make ``ctx`` this pool's user; ValueError when another open context is (one check-and-set,
+        so two threads attaching the pool to two contexts cannot both succeed)."""
+        with self._user_lock:
+            user = self.user()
+            if user is not None and user is not ctx and not user.closed:
+                raise ValueError(f"{self!r} is attached to another context; detach it there first")
+            self._user = weakref.ref(ctx)
 
     def pause(self) -> None:
         """Mirrors ggml_threadpool_pause: idle the threads (a decode resumes them)."""

@@ -15,6 +15,8 @@ uint32_t        pyspec_model_max_rs_seq(const struct llama_model * model);
    returns how many were switched, *n_other the backends of other kinds */
 int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, int32_t * n_other);
 
+/* the longest piece (llama_token_to_piece, no special tokens, no lstrip) of any token */
+int32_t pyspec_vocab_max_piece(const struct llama_vocab * vocab);
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */
 void pyspec_fill_candidates(llama_token_data * dst, const float * logits, int32_t n_vocab);
 /* common_sampler::set_logits' and common_sampler_sample's reads of one output row */
@@ -70,7 +72,10 @@ enum pyspec_grammar_limit {
 enum pyspec_sampler_limit {
     PYSPEC_MAX_HISTORY = 16777216,
     /* the most candidates before llama.cpp's infill sampler, which compares every pair */
-    PYSPEC_INFILL_MAX_CANDIDATES = 1024
+    PYSPEC_INFILL_MAX_CANDIDATES = 1024,
+    /* the longest token piece the infill sampler holds: its 512-byte buffers are "grown"
+       with resize(negative length), which throws through the C API */
+    PYSPEC_INFILL_MAX_PIECE = 512
 };
 
 int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root,
