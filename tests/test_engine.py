@@ -263,6 +263,16 @@ def test_a_request_may_turn_speculation_off_while_another_drafts(chat_model):
     assert ra.tokens == rb.tokens
 
 
+def test_a_request_drops_drafts_shorter_than_its_n_draft_min(chat_model):
+    with make_engine(chat_model, 2, adaptive_draft=False) as eng:
+        a = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=24, n_draft_min=1000))
+        b = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=24, n_draft_min=1))
+        eng.run_until_idle()
+        ra, rb = a.result(), b.result()
+    assert ra.stats.n_drafted == 0 and rb.stats.n_drafted > 0
+    assert ra.tokens == rb.tokens
+
+
 def test_bad_requests_raise_and_queue_nothing(chat_model):
     with make_engine(chat_model, 2) as eng:
         bad = [
@@ -275,6 +285,7 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
             (Request(prompt="x", n_predict=0), "n_predict"),
             (Request(prompt="x", n_probs=-1), "n_probs"),
             (Request(prompt="x", n_draft_max=-2), "n_draft_max"),
+            (Request(prompt="x", n_draft_min=-1), "n_draft_min"),
             (Request(prompt="x", slot_id=5), "slot_id"),
             (Request(prompt="x", sampling=greedy_sampling().__class__(logit_bias=[(10**6, 1.0)])), "vocabulary"),
             (Request(prompt="x", sampling=greedy_sampling().__class__(grammar="root ::= (")), "grammar"),

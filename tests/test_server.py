@@ -191,6 +191,16 @@ def test_native_completion_has_llama_server_fields(http, server, expected):
     assert len(body["completion_probabilities"][0]["top_logprobs"]) == 2
 
 
+def test_per_request_speculative_settings_flat_and_nested(http, server, expected):
+    # llama-server's speculative.n_max / speculative.n_min: no draft is verified under either,
+    # and the text stays the engine's
+    for spec in ({"speculative.n_max": 0}, {"speculative.n_min": 1000}, {"speculative": {"n_min": 1000}}):
+        body = http.post("/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0, **spec}).json()
+        assert body["content"] == expected.text, spec
+        assert body["timings"]["draft_n"] == 0, spec
+    assert expected.stats.n_drafted > 0  # ... where the engine's own settings draft
+
+
 def test_native_completion_stream_is_server_sent_events(http, server, expected):
     events = []
     with http.stream("POST", "/completion", json={"prompt": PROMPT, "n_predict": 16, "temperature": 0,
@@ -232,6 +242,7 @@ def test_health_props_and_slots(http, server):
     ("/completion", {"prompt": "x", "logit_bias": [[99999999, 1.0]]}, "logit_bias"),
     ("/completion", {"prompt": "x", "grammar": "root ::= ("}, "grammar"),
     ("/completion", {"prompt": "x", "id_slot": 7}, "id_slot"),
+    ("/completion", {"prompt": "x", "speculative.n_min": -1}, "n_min"),
     ("/completion", {"prompt": "x " * 400}, "does not fit"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "'n'"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

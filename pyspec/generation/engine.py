@@ -378,6 +378,8 @@ class Engine:
             raise ValueError(f"n_probs must be in 0..{min(_N_PROBS_MAX, self.n_vocab)}, got {req.n_probs}")
         if req.n_draft_max is not None and (not isinstance(req.n_draft_max, int) or req.n_draft_max < 0):
             raise ValueError(f"n_draft_max must be >= 0 (or None), got {req.n_draft_max}")
+        if isinstance(req.n_draft_min, bool) or not isinstance(req.n_draft_min, int) or req.n_draft_min < 0:
+            raise ValueError(f"n_draft_min must be an int >= 0, got {req.n_draft_min!r}")
         if not isinstance(req.slot_id, int) or not -1 <= req.slot_id < self.n_parallel:
             raise ValueError(f"slot_id must be -1 or 0..{self.n_parallel - 1}, got {req.slot_id}")
         if isinstance(req.stop, str) or not all(isinstance(w, str) for w in req.stop):
@@ -877,6 +879,10 @@ class Engine:
                         s.spec_full = n >= s.spec_cap
                         if n:
                             del s.spec_draft[ctl.trim(s.id, n, s.spec_cap, len(generating)) :]
+                for s in drafting:
+                    assert s.job is not None
+                    if len(s.spec_draft) < s.job.request.n_draft_min:
+                        s.spec_draft.clear()  # too short to be worth a verify (the request's n_min)
                 self._event("draft", drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part

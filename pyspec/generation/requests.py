@@ -36,7 +36,8 @@ class Request:
     log-probability of each generated token and the ``n_probs`` most likely
     tokens at its position (log-softmax of the target's logits). ``n_draft_max``
     caps this request's draft length (0: no speculation; None: the engine's
-    setting). ``cache_prompt`` reuses the longest prefix that a slot's memory
+    setting); a draft shorter than ``n_draft_min`` is not verified (llama-server's
+    ``speculative.n_min``). ``cache_prompt`` reuses the longest prefix that a slot's memory
     already holds; ``slot_id`` pins the request to one slot (-1: the engine
     chooses by prefix similarity, then least recently used).
     """
@@ -48,6 +49,7 @@ class Request:
     stop: Sequence[str] = ()
     n_probs: int = 0
     n_draft_max: int | None = None
+    n_draft_min: int = 0
     cache_prompt: bool = True
     slot_id: int = -1
     add_special: bool = True  # BOS and friends for a text prompt (a rendered chat brings its own)

@@ -29,6 +29,7 @@ class ServerDefaults:
     sampling: CommonParamsSampling = dataclasses.field(default_factory=CommonParamsSampling)
     n_predict: int = -1
     n_draft_max: int | None = None  # None: the engine's speculative n_max
+    n_draft_min: int = 0
     cache_prompt: bool = True
 
 
@@ -158,16 +159,20 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
     n = _int(body, "n", 1, 1)  # one choice per request
     del n
     n_predict = _int(body, "n_predict", -1, 1 << 30, "max_completion_tokens", "max_tokens")
+    # llama-server's "speculative.n_max" / "speculative.n_min", flat or nested
     n_draft = _int(body, "speculative.n_max", 0, 1 << 16)
+    n_draft_min = _int(body, "speculative.n_min", 0, 1 << 16)
     spec = _get(body, "speculative")
-    if isinstance(spec, Mapping) and n_draft is None:
-        n_draft = _int(spec, "n_max", 0, 1 << 16)
+    if isinstance(spec, Mapping):
+        n_draft = _int(spec, "n_max", 0, 1 << 16) if n_draft is None else n_draft
+        n_draft_min = _int(spec, "n_min", 0, 1 << 16) if n_draft_min is None else n_draft_min
     id_slot = _int(body, "id_slot", -1, n_parallel - 1, "slot_id")
     return {
         "n_predict": d.n_predict if n_predict is None else n_predict,
         "sampling": _sampling(body, d, n_vocab),
         "stop": _stop(body),
         "n_draft_max": d.n_draft_max if n_draft is None else n_draft,
+        "n_draft_min": d.n_draft_min if n_draft_min is None else n_draft_min,
         "cache_prompt": _bool(body, "cache_prompt", d.cache_prompt),
         "slot_id": -1 if id_slot is None else id_slot,
     }
