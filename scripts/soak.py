@@ -6,9 +6,11 @@
     python scripts/soak.py --each --engine both # every type alone, both engines: one table
     python scripts/soak.py --threads 1,2,4      # throughput against the number of threads
 
-Prints RSS after warm-up and at the end, open file descriptors, threads and
-steps/s; exits 1 when RSS grew by more than --max-growth-mb after warm-up, when
-fds / threads grew, or when nothing was drafted. Each generation uses a new
+Prints resident memory after warm-up and at the end, open file descriptors,
+threads and steps/s; exits 1 when anonymous resident memory (RssAnon: the heap
+and every other private allocation, where a leak shows) grew by more than
+--max-growth-mb after warm-up, when fds / threads grew, or when nothing was
+drafted. Each generation uses a new
 generator (and, every --recreate-every generations, new contexts), so object
 churn is exercised too; RSS is compared at the same point of that cycle (the
 first generation on new contexts), since it moves by a context's size within it,
@@ -19,7 +21,9 @@ freed, so over the first few recreations the contexts' large buffers move from
 mmap into the heap and RSS rises by a few MB, then stays (draft-mtp, whose
 contexts are largest, rose 6 MB over 4 cycles and then held for 7,500 steps; with
 MALLOC_MMAP_THRESHOLD_=131072, which fixes the threshold, it stays flat from the
-first cycle).
+first cycle). All of RSS is printed beside it: it adds the pages of the
+memory-mapped model files, which the kernel may drop and fault in again as the
+page cache needs.
 The tiny cyclic models repeat themselves, so every type drafts.
 ``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
 each in a fresh process so one run's allocator state does not flatter the next,
@@ -55,10 +59,11 @@ PROMPTS = [
 ]
 
 
-def rss_kb() -> int:
+def rss_kb(field: str = "VmRSS") -> int:
+    """Resident memory in kB: all of it (VmRSS), or its anonymous part (RssAnon)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
@@ -159,8 +164,10 @@ def each(args: argparse.Namespace) -> int:
             r = json.loads(line)
             rows.append(r)
             ok = ok and r["ok"]
-            print(f"{t:14s} {e:6s} {r['steps']:6d} steps {r['steps_per_s']:7.0f}/s  RSS {r['rss0_mb']:7.1f} -> "
-                  f"{r['rss1_mb']:7.1f} MB ({r['growth_mb']:+.2f}, largest {r['peak_growth_mb']:+.2f})  "
+            print(f"{t:14s} {e:6s} {r['steps']:6d} steps {r['steps_per_s']:7.0f}/s  "
+                  f"anonymous RSS {r['anon0_mb']:6.1f} -> {r['anon1_mb']:6.1f} MB "
+                  f"({r['growth_mb']:+.2f}, largest {r['peak_growth_mb']:+.2f})  "
+                  f"all {r['rss0_mb']:6.1f} -> {r['rss1_mb']:6.1f} MB ({r['rss_growth_mb']:+.2f})  "
                   f"fds {r['fds0']}->{r['fds1']}  threads {r['thr0']}->{r['thr1']}  drafted {r['drafted']}  "
                   f"accept {r['acceptance']:.2f}  {'OK' if r['ok'] else 'FAIL'}",
                   flush=True)
@@ -188,7 +195,7 @@ def soak(args: argparse.Namespace) -> int:
             accepted += g.stats.n_accepted
         gens += 1
 
-    def rss_at_phase() -> int:
+    def rss_at_phase() -> tuple[int, int]:
         # contexts are remade every --recreate-every generations and RSS moves by their size within
         # a cycle, so growth is measured between points at the same phase: the first generation on
         # new contexts
@@ -197,41 +204,45 @@ def soak(args: argparse.Namespace) -> int:
             if (gens - 1) % args.recreate_every == 0:
                 gc.collect()
                 _malloc_trim()
-                return rss_kb()
+                return rss_kb(), rss_kb("RssAnon")
 
     # warm-up: every prompt a few times, and enough context recreations for glibc's mmap
     # threshold to settle (see the docstring)
     while steps < args.warmup_steps or gens < args.warmup_cycles * args.recreate_every:
         one_generation()
-    rss0, fds0, thr0 = rss_at_phase(), n_fds(), n_threads()
+    (rss0, anon0), fds0, thr0 = rss_at_phase(), n_fds(), n_threads()
     steps0, drafted0, t0 = steps, drafted, time.perf_counter()
-    print(f"warm-up: {steps} steps, {gens} generations; RSS {rss0 / 1024:.1f} MB, fds {fds0}, threads {thr0}",
-          flush=True)
-    samples = []
+    print(f"warm-up: {steps} steps, {gens} generations; RSS {rss0 / 1024:.1f} MB (anonymous {anon0 / 1024:.1f}), "
+          f"fds {fds0}, threads {thr0}", flush=True)
+    samples: list[tuple[int, int]] = []
     while steps - steps0 < args.steps:
         samples.append(rss_at_phase())
-        print(f"  {steps - steps0:6d} steps: RSS {samples[-1] / 1024:.1f} MB, fds {n_fds()}, threads {n_threads()}",
-              flush=True)
+        rss, anon = samples[-1]
+        print(f"  {steps - steps0:6d} steps: RSS {rss / 1024:.1f} MB (anonymous {anon / 1024:.1f}), "
+              f"fds {n_fds()}, threads {n_threads()}", flush=True)
     dt = time.perf_counter() - t0
-    rss1, fds1, thr1 = samples[-1], n_fds(), n_threads()  # contexts still open, as during the run
+    (rss1, anon1), fds1, thr1 = samples[-1], n_fds(), n_threads()  # contexts still open, as during the run
     setup.close_contexts()
     gc.collect()
     rss_closed = rss_kb()
     n = steps - steps0
-    growth_mb = (rss1 - rss0) / 1024
-    peak_mb = (max(samples) - rss0) / 1024
+    growth_mb = (anon1 - anon0) / 1024
+    peak_mb = (max(a for _, a in samples) - anon0) / 1024
+    rss_growth_mb = (rss1 - rss0) / 1024
     n_drafted = drafted - drafted0
     print(f"end:     {n} steps in {dt:.1f} s = {n / dt:.0f} steps/s, {tokens} tokens in all, "
           f"{n_drafted} drafted, acceptance {accepted / max(drafted, 1):.2f}")
-    print(f"RSS {rss0 / 1024:.1f} MB -> {rss1 / 1024:.1f} MB "
+    print(f"anonymous RSS {anon0 / 1024:.1f} MB -> {anon1 / 1024:.1f} MB "
           f"(growth {growth_mb:+.2f} MB, largest {peak_mb:+.2f} MB, limit {args.max_growth_mb} MB); "
+          f"all of RSS {rss0 / 1024:.1f} -> {rss1 / 1024:.1f} MB ({rss_growth_mb:+.2f}); "
           f"fds {fds0} -> {fds1}; threads {thr0} -> {thr1}; RSS after closing the contexts {rss_closed / 1024:.1f} MB")
     setup.close()
     # a soak that never drafts exercises nothing speculative
     ok = growth_mb < args.max_growth_mb and fds1 <= fds0 and thr1 <= thr0 and n_drafted > 0
     if args.json_line:
         print(json.dumps({"types": args.types, "engine": args.engine, "steps": n, "steps_per_s": n / dt,
-                          "rss0_mb": rss0 / 1024, "rss1_mb": rss1 / 1024, "growth_mb": growth_mb,
+                          "rss0_mb": rss0 / 1024, "rss1_mb": rss1 / 1024, "rss_growth_mb": rss_growth_mb,
+                          "anon0_mb": anon0 / 1024, "anon1_mb": anon1 / 1024, "growth_mb": growth_mb,
                           "peak_growth_mb": peak_mb, "fds0": fds0, "fds1": fds1, "thr0": thr0, "thr1": thr1,
                           "drafted": n_drafted, "acceptance": accepted / max(drafted, 1), "ok": ok}))
     print("OK" if ok else "FAIL")
