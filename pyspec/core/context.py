@@ -1044,9 +1044,9 @@ class Context(Handle):
                 for pool, user in zip(taken, prev, strict=False):
                     pool.set_user(user)
                 raise
-            self._release_pools(ptr, keep=pools)
-            for pool in pools:
+            for pool in pools:  # held before the old ones are let go: a pool may be both
                 self._hold(pool)
+            self._release_pools(ptr, keep=pools)
             llama.llama_attach_threadpool(ptr, threadpool.ptr, pools[-1].ptr)
             llama.llama_set_n_threads(ptr, threadpool.n_threads, pools[-1].n_threads)
             self._threads = max(threadpool.n_threads, pools[-1].n_threads)
