@@ -400,6 +400,22 @@ def chain_on_two_contexts() -> Any:
     return ctx().set_sampler(0, chain)
 
 
+def chain_reserved_by_another_thread() -> Any:
+    # the state another thread's set_sampler leaves between its check and its mark
+    chain = SamplerChain().add_greedy()
+    chain._reserve()
+    return ctx().set_sampler(0, chain)
+
+
+def threadpool_taken_by_another_context() -> Any:
+    from pyspec.core import ThreadPool
+
+    pool = ThreadPool(1, poll=0)
+    a, b = ctx(), ctx()
+    pool.take(a)  # what a's attach_threadpool does first, before it attaches
+    return b.attach_threadpool(pool)
+
+
 def chain_changed_while_attached() -> Any:
     chain = SamplerChain().add_top_k(3)
     ctx().set_sampler(0, chain)

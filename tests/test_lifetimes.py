@@ -210,6 +210,39 @@ def test_two_threads_decoding_on_one_context_are_refused_not_interleaved(models)
     ctx.close()
 
 
+def test_threads_attaching_one_chain_to_their_contexts_at_once_attach_it_once(models):
+    # llama.cpp sets a backend chain up for one context: the check and the mark are one step
+    from pyspec import SamplerChain
+
+    n = 6
+    ctxs = [Context(models["target"], n_ctx=64, n_batch=32, n_threads=1, n_threads_batch=1) for _ in range(n)]
+    try:
+        for _ in range(5):
+            chain = SamplerChain().add_greedy()
+            barrier = threading.Barrier(n)
+            outcomes: list[str] = []
+
+            def attach(c: Context, chain: SamplerChain = chain, barrier: threading.Barrier = barrier,
+                       outcomes: list[str] = outcomes) -> None:
+                barrier.wait()
+                try:
+                    outcomes.append("attached" if c.set_sampler(0, chain) else "not offloaded")
+                except ValueError as e:
+                    outcomes.append("refused" if "attached" in str(e) else repr(e))
+
+            ths = [threading.Thread(target=attach, args=(c,)) for c in ctxs]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            assert sorted(outcomes) == ["attached"] + ["refused"] * (n - 1), outcomes
+            for c in ctxs:
+                c.set_sampler(0, None)
+    finally:
+        for c in ctxs:
+            c.close()
+
+
 def test_a_second_generation_on_a_busy_context_is_refused_and_the_first_stays_right(models, fresh_tokens):
     g1, ctx, ctxd = make(models, T.DRAFT_SIMPLE)
     g2 = SpeculativeGenerator(ctx, g1.spec_params, greedy_sampling())

@@ -220,8 +220,11 @@ class Context(Handle):
         # a model on rpc-servers: its calls go through the RPC guard (pyspec.core.rpc)
         self._rpc = model.rpc
         taken: list[Any] = []
+        reserved: list[Any] = []
         try:
             for chain in samplers.values():
+                chain._reserve()  # no other thread attaches it meanwhile
+                reserved.append(chain)
                 chain._retain()  # alive and unchanged from here on
                 taken.append(chain)
             if self.other is not None:  # llama.cpp reads the other context's memory while it builds this one
@@ -236,6 +239,8 @@ class Context(Handle):
         except BaseException:
             for chain in taken:
                 chain._release()
+            for chain in reserved:
+                chain._unreserve()
             raise
         for seq, chain in samplers.items():
             chain._attached(self)
@@ -734,8 +739,13 @@ class Context(Handle):
         if chain is not None:
             if not isinstance(chain, SamplerChain):
                 raise TypeError(f"chain must be a SamplerChain or None, got {type(chain).__name__}")
-            chain._check_attachable()
-        ptr = self._enter()
+            chain._reserve()
+        try:
+            ptr = self._enter()
+        except BaseException:
+            if chain is not None:
+                chain._unreserve()
+            raise
         try:
             if chain is not None:
                 chain._retain()
@@ -744,6 +754,7 @@ class Context(Handle):
             except BaseException:
                 if chain is not None:
                     chain._release()
+                    chain._unreserve()
                 raise
             # llama.cpp now holds the new chain for seq (ok) or none at all
             old = self._samplers.pop(seq, None)
@@ -755,6 +766,7 @@ class Context(Handle):
                     self._samplers[seq] = chain
                 else:
                     chain._release()  # not offloadable: llama.cpp did not take it
+                    chain._unreserve()
             return ok
         finally:
             self._leave()

@@ -113,6 +113,8 @@ class SamplerChain(Handle):
         self._grammars: list[int] = []  # chain indices of grammar samplers
         self._top_k = 0  # the smallest top-k added so far (0: none), which bounds the candidates after it
         self._used = False  # set up for a context's backend sampling (llama.cpp does that once per chain)
+        self._attaching = False  # a Context.set_sampler call holds it (see _reserve)
+        self._attach_lock = threading.Lock()
         self._cand: np.ndarray | None = None  # candidate buffer of sample(), reused
 
     # --- building --------------------------------------------------------------
@@ -274,9 +276,27 @@ class SamplerChain(Handle):
                     f"(sampler {i}); end the chain with one selecting sampler"
                 )
 
+    def _reserve(self) -> None:
+        """Check and reserve this chain for one Context.set_sampler call, in one step: two threads
+        attaching it to two contexts at once cannot both pass the check."""
+        with self._attach_lock:
+            self._check_attachable()
+            if self._attaching:
+                raise ValueError("this chain is being attached to a context by another thread "
+                                 "(attach a clone() instead)")
+            self._attaching = True
+
+    def _unreserve(self) -> None:
+        """The set_sampler call that reserved this chain did not attach it."""
+        with self._attach_lock:
+            self._attaching = False
+
     def _attached(self, ctx: Context) -> None:
-        """ctx took this chain (and retained it)."""
-        self._used = True
+        """ctx took this chain (and retained it). Under the lock: a _reserve between the two
+        writes would see neither flag set."""
+        with self._attach_lock:
+            self._used = True
+            self._attaching = False
 
     def _detached(self) -> None:
         """The context let go of this chain."""
