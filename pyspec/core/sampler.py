@@ -28,9 +28,8 @@ if TYPE_CHECKING:
     from pyspec.core.vocab import Vocab
 
 __all__ = ["INFILL_MAX_CANDIDATES", "INFILL_MAX_PIECE", "INFILL_MESSAGE", "MAX_HISTORY", "TOKEN_DATA",
-           "TOKEN_DATA_DTYPE", "CustomSampler",
-           "SamplerChain", "TokenDataArray", "check_dry_window", "infill_piece_error",
-           "raise_sampler_errors"]
+           "TOKEN_DATA_DTYPE", "CustomSampler", "SamplerChain", "TokenDataArray", "check_dry_window",
+           "infill_piece_error", "raise_sampler_errors"]
 
 # the layout of llama_token_data: {llama_token id; float logit; float p}
 TOKEN_DATA_DTYPE = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
