@@ -59,7 +59,8 @@ def server() -> Iterator[_Server]:
     ctx = Context(model, n_ctx=256 * 3, n_batch=64, n_ubatch=64, n_seq_max=3, n_threads=1, n_threads_batch=1)
     spec = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
     spec.ngram_simple.size_n, spec.ngram_simple.size_m = 2, 6
-    engine = Engine(ctx, spec, greedy_sampling(), n_parallel=3, owned=[ctx, model])
+    # fixed draft lengths: whether the cost-aware choice drafts depends on the machine's timings
+    engine = Engine(ctx, spec, greedy_sampling(), n_parallel=3, owned=[ctx, model], adaptive_draft=False)
     srv = _Server(engine, KEY)
     yield srv
     srv.stop()
