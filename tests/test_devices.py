@@ -223,19 +223,27 @@ def test_backend_sampling_runs_on_the_accelerator(accel):
 
 @on_accelerator
 def test_eagle3_and_mtp_staging_outputs_come_back_from_the_accelerator(accel):
+    # EAGLE3 reads a target layer's input (the llama target); MTP reads the hidden state its
+    # NextN head takes (the qwen35 model: a llama target has no NextN head, and its nextn rows
+    # stay zero on every device)
     prompt = list(range(10, 30))
     outs: dict[str, dict[str, np.ndarray]] = {}
     for where, kw in (("cpu", {"devices": []}), ("accel", {"devices": [accel], "n_gpu_layers": -1})):
         got: dict[str, np.ndarray] = {}
-        with Model(tm.make_target(), **kw) as m, _ctx(m, 128, 64) as c:
-            c.set_embeddings_layer_inp(1, True)  # an EAGLE3 extract layer
-            c.set_embeddings_nextn(True, False)
-            b = Batch(len(prompt))
-            for i, t in enumerate(prompt):
-                b.add(t, i, 0, i == len(prompt) - 1)
-            c.decode(b)
-            got["layer_inp"] = c.get_embeddings_layer_inp(1, len(prompt)).copy()
-            got["nextn"] = c.get_embeddings_nextn(len(prompt)).copy()
+        for key, path in (("layer_inp", tm.make_target()), ("nextn", tm.make_mtp())):
+            with Model(path, **kw) as m, _ctx(m, 128, 64) as c:
+                if key == "layer_inp":
+                    c.set_embeddings_layer_inp(1, True)  # an EAGLE3 extract layer
+                else:
+                    c.set_embeddings_nextn(True, False)
+                b = Batch(len(prompt))
+                for i, t in enumerate(prompt):
+                    b.add(t, i, 0, i == len(prompt) - 1)
+                c.decode(b)
+                if key == "layer_inp":
+                    got[key] = c.get_embeddings_layer_inp(1, len(prompt)).copy()
+                else:
+                    got[key] = c.get_embeddings_nextn(len(prompt)).copy()
         outs[where] = got
     for k in ("layer_inp", "nextn"):
         assert np.isfinite(outs["accel"][k]).all() and outs["accel"][k].std() > 0
