@@ -73,20 +73,15 @@ class Shared:
         self.contexts = [Context(self.target, **KW) for _ in range(2)]
         self.pool = ThreadPool(1, poll=0)  # one pool for all threads: it serves one context at a time
         # one running engine for all threads (fixed draft lengths); what a request generates alone
-        self.engine = self._engine(n_parallel=1)
-        (self.engine_tokens,) = self._engine_run(self.engine, 1)
-        self.engine.close()
+        with self._engine(n_parallel=1) as alone:
+            h = alone.submit(Request(prompt=PROMPT, n_predict=12))
+            alone.run_until_idle()
+            self.engine_tokens = h.result().tokens
         self.engine = self._engine(n_parallel=3).start()
 
     def _engine(self, n_parallel: int) -> Engine:
         c = Context(self.target, **{**KW, "n_ctx": 256 * n_parallel, "n_seq_max": n_parallel})
         return Engine(c, self.spec(), greedy_sampling(), n_parallel=n_parallel, owned=[c], adaptive_draft=False)
-
-    @staticmethod
-    def _engine_run(eng: Engine, n: int) -> list[list[int]]:
-        hs = [eng.submit(Request(prompt=PROMPT, n_predict=12)) for _ in range(n)]
-        eng.run_until_idle()
-        return [h.result().tokens for h in hs]
 
     def close(self) -> None:
         self.engine.close()

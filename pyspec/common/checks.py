@@ -30,7 +30,7 @@ from pyspec.core.sampler import (
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import llama
 
-__all__ = ["check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
+__all__ = ["check_n_accepted", "check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
            "check_token", "token_array"]
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -70,6 +70,13 @@ def token_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.
         return np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
     except (OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"{what} must be integers that fit llama_token (int32): {e}") from None
+
+
+def check_n_accepted(n_accepted: Any) -> int:
+    """ValueError unless n_accepted fits common_speculative_accept's uint16_t (both engines)."""
+    if isinstance(n_accepted, bool) or not isinstance(n_accepted, int) or not 0 <= n_accepted <= _UINT16_MAX:
+        raise ValueError(f"n_accepted must fit in uint16, got {n_accepted}")
+    return n_accepted
 
 
 def check_token(token: Any, n_vocab: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.common.checks import check_speculative_params, token_array
+from pyspec.common.checks import check_n_accepted, check_speculative_params, token_array
 from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
@@ -1684,8 +1684,7 @@ def common_speculative_accept(spec: CommonSpeculative, seq_id: int, n_accepted: 
         raise SpeculativeError("common_speculative_accept: spec is NULL")
     if not 0 <= seq_id < len(spec.impl_last):
         raise SpeculativeError(f"seq_id {seq_id} out of range 0..{len(spec.impl_last) - 1}")
-    if not 0 <= n_accepted <= 0xFFFF:
-        raise ValueError(f"n_accepted must fit in uint16, got {n_accepted}")
+    check_n_accepted(n_accepted)
     impl = spec.impl_last[seq_id]
 
     if impl is None:

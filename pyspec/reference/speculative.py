@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.common.checks import check_speculative_params
+from pyspec.common.checks import check_n_accepted, check_speculative_params
 from pyspec.common.params import CommonParamsSpeculative, CommonParamsSpeculativeNgramMap
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
@@ -241,8 +241,7 @@ class RefSpeculative(Handle):
         """Mirrors common_speculative_accept; RefError when seq_id has no draft yet."""
         ptr = self.ptr
         seq = self._seq(seq_id)
-        if isinstance(n_accepted, bool) or not isinstance(n_accepted, int) or not 0 <= n_accepted <= 0xFFFF:
-            raise ValueError(f"n_accepted must fit in uint16, got {n_accepted}")  # the port's check and message
+        check_n_accepted(n_accepted)  # the port's check and message
         with held_all(self._deps):
             check(ref.pyspec_ref_spec_accept(ptr, seq, n_accepted), "accept")
 
