@@ -12,6 +12,10 @@
 
 #include "ggml-backend.h"
 
+#ifdef PYSPEC_OPENMP
+#include <omp.h>
+#endif
+
 #include <algorithm>
 #include <cstddef>
 
@@ -78,6 +82,19 @@ uint32_t pyspec_model_max_rs_seq(const llama_model * model) {
 // The longest piece llama_sampler_infill_apply renders (special = false, lstrip = 0),
 // which its fixed 512-byte buffers must hold (PYSPEC_INFILL_MAX_PIECE). A piece that
 // does not fit in `probe` returns its length negated.
+// libgomp keeps a pool of workers for every thread that has run a parallel region, and
+// while it manages more threads than there are CPUs it barely spins at a barrier: each of
+// a decode's barriers then sleeps and wakes through the kernel. Once one thread has decoded
+// and another decodes from then on, every decode runs about twice as slow (Gemma 3 270M,
+// 2 threads on 2 cores: 24 -> 49 ms a token) until the first thread's pool is released.
+int32_t pyspec_cpu_release_workers(void) {
+#ifdef PYSPEC_OPENMP
+    return omp_pause_resource_all(omp_pause_soft) == 0 ? 1 : -1;
+#else
+    return 0;
+#endif
+}
+
 int32_t pyspec_vocab_max_piece(const llama_vocab * vocab) {
     char    probe[8];
     int32_t longest = 0;

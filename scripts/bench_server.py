@@ -199,7 +199,11 @@ def main() -> int:
     ap.add_argument("--n-predict", type=int, default=64)
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (default 16)")
     ap.add_argument("--clients", default="1,4,8")
-    ap.add_argument("--no-repack", action="store_true", help="both: no repacked weights (batch-invariant logits)")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="no repacked weights: llama-server --no-repack, pyspec --batch-invariant (which also "
+                         "keeps one attention kernel)")
+    ap.add_argument("--fixed-draft", action="store_true",
+                    help="pyspec drafts with llama.cpp's fixed lengths, as llama-server does (default: cost-aware)")
     ap.add_argument("--servers", default="llama-server,pyspec", help="which to run (default both)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -233,6 +237,9 @@ def main() -> int:
         pyspec_cmd += ["--types", t, "--ngram-n", str(args.ngram_n), "--ngram-m", str(args.ngram_m)]
     if args.no_repack:
         llama_cmd += ["--no-repack"]
+        pyspec_cmd += ["--batch-invariant"]
+    if args.fixed_draft:
+        pyspec_cmd += ["--fixed-draft"]
 
     load0 = os.getloadavg()
     rows: list[dict[str, Any]] = []
@@ -260,7 +267,8 @@ def main() -> int:
     load1 = os.getloadavg()
 
     print(f"model {Path(args.model).name}, types {t}, {args.parallel} slots x {args.n_ctx} ctx, "
-          f"n_batch {args.n_batch}, {args.threads} threads, {args.n_predict} tokens/request, greedy; "
+          f"n_batch {args.n_batch}, {args.threads} threads, {args.n_predict} tokens/request, greedy, "
+          f"pyspec drafting {'fixed lengths' if args.fixed_draft else 'cost-aware'}; "
           f"load average {load0[0]:.1f} before, {load1[0]:.1f} after\n")
     print("| clients | server | requests/s | tokens/s | TTFT p50 ms | latency p50 ms | latency p99 ms | acceptance |")
     print("|---|---|---|---|---|---|---|---|")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
 from pyspec import Batch, Context
+from pyspec.core.backend import release_cpu_workers
 from pyspec.core.threadpool import ThreadPool
 from pyspec.errors import ClosedError
 from pyspec.ffi import ggml
@@ -107,3 +111,54 @@ def test_numa_init_checks_the_strategy():
     numa_init("disabled")  # the one strategy that leaves the process's thread placement alone
     with pytest.raises(ValueError, match="strategy must be one of"):
         numa_init("everywhere")
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def wait_for_threads(n: int, timeout_s: float = 10.0) -> int:
+    """The process's thread count once it is n (workers leave a moment after they are let go), or the last seen."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := os_threads()) != n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return seen
+
+
+needs_openmp = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or not release_cpu_workers(),
+                                  reason="counts OpenMP workers: needs /proc and a CPU backend built with OpenMP")
+
+
+@needs_openmp
+def test_release_cpu_workers_lets_this_threads_openmp_pool_go(target_model):
+    tokens = target_model.vocab.tokenize("Shall I compare thee to a summer's day")
+    with Context(target_model, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=3,
+                 n_threads_batch=3) as ctx:
+        release_cpu_workers()
+        base = wait_for_threads(os_threads())
+        logits = last_logits(ctx, tokens)
+        assert os_threads() == base + 2  # a 3-thread team: this thread and two workers that stay
+        assert release_cpu_workers()
+        assert wait_for_threads(base) == base
+        np.testing.assert_array_equal(last_logits(ctx, tokens), logits)  # a new pool, the same result
+        assert os_threads() == base + 2
+        release_cpu_workers()
+
+
+@needs_openmp
+def test_engine_start_releases_the_starting_threads_cpu_workers(target_model):
+    # with the starter's pool alive, libgomp would manage more threads than cores and park every
+    # worker at every barrier of the engine thread's decodes (about twice as slow on 2 cores)
+    from pyspec.generation.engine import Engine
+    from pyspec.generation.requests import Request
+
+    ctx = Context(target_model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=3, n_threads_batch=3)
+    release_cpu_workers()
+    base = wait_for_threads(os_threads())
+    with Engine(ctx, None, None, owned=[ctx]) as eng:
+        assert os_threads() == base + 2  # the memory probe decoded in this thread
+        eng.start()
+        assert wait_for_threads(base + 1) == base + 1  # the loop thread; this thread's workers gone
+        eng.submit(Request(prompt="hello", n_predict=2)).result()
+        assert os_threads() == base + 3  # the loop thread's own team
+    assert wait_for_threads(base) == base  # the loop thread and its workers ended with the engine

@@ -15,6 +15,10 @@ uint32_t        pyspec_model_max_rs_seq(const struct llama_model * model);
    returns how many were switched, *n_other the backends of other kinds */
 int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, int32_t * n_other);
 
+/* lets the OpenMP workers that the calling thread's decodes started go (omp_pause_resource_all);
+   1 released, 0 no OpenMP in this build, -1 refused (inside a parallel region) */
+int32_t pyspec_cpu_release_workers(void);
+
 /* the longest piece (llama_token_to_piece, no special tokens, no lstrip) of any token */
 int32_t pyspec_vocab_max_piece(const struct llama_vocab * vocab);
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */

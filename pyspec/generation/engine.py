@@ -63,6 +63,7 @@ from pyspec.common.params import (
     CommonSpeculativeType,
 )
 from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
+from pyspec.core.backend import release_cpu_workers
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
@@ -417,6 +418,9 @@ class Engine:
         # the loop thread claims the contexts itself (a claim serves the thread that holds it);
         # start() waits for that, so a context claimed elsewhere raises here
         claimed: Future = Future()
+        # from here on the loop thread decodes: the CPU workers of this thread's decodes (the memory
+        # probe and the calibration above, or the caller's own) would halve the loop's decode speed
+        release_cpu_workers()
         thread = threading.Thread(target=self._loop, args=(claimed,), name="pyspec-engine", daemon=True)
         thread.start()
         try:
