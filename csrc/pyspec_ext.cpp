@@ -82,6 +82,16 @@ uint32_t pyspec_model_max_rs_seq(const llama_model * model) {
 // The longest piece llama_sampler_infill_apply renders (special = false, lstrip = 0),
 // which its fixed 512-byte buffers must hold (PYSPEC_INFILL_MAX_PIECE). A piece that
 // does not fit in `probe` returns its length negated.
+// llama_context's creation tries the fused gated-delta-net op on the devices of the recurrent
+// layers and turns it off where the scheduler would place it on another device. With
+// n_rs_seq > 0 the graph uses the fused op anyway (it writes the snapshots), so that split
+// happens: on Vulkan (lavapipe) the tiny qwen35 model's head size 16, which the Vulkan shader
+// lacks, corrupted the heap on the third decode after a 1- and a 2-token decode.
+bool pyspec_context_gdn_split(const llama_context * ctx) {
+    const auto & cp = ctx->get_cparams();
+    return !cp.fused_gdn_ar || !cp.fused_gdn_ch;
+}
+
 // libgomp keeps a pool of workers for every thread that has run a parallel region, and
 // while it manages more threads than there are CPUs it barely spins at a barrier: each of
 // a decode's barriers then sleeps and wakes through the kernel. Once one thread has decoded

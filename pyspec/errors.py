@@ -28,6 +28,7 @@ __all__ = [
     "RpcError",
     "RpcUnavailableError",
     "SamplerCallbackError",
+    "SnapshotSplitError",
     "SpeculativeError",
     "StateFileError",
     "decode_error",
@@ -78,6 +79,10 @@ class MissingModelPackage(PyspecError):
 
 class ContextError(PyspecError):
     """llama.cpp could not create a context with the given parameters."""
+
+
+class SnapshotSplitError(ContextError, ValueError):
+    """Recurrent-state snapshots (``n_rs_seq > 0``) asked of a context whose devices cannot run them in one piece."""
 
 
 class ClosedError(PyspecError):

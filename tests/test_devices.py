@@ -17,7 +17,8 @@ from pyspec import Batch, Context, Model
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
 from pyspec.core.backend import Device, default_offload_devices, devices, find_device, local_devices
-from pyspec.ffi import llama
+from pyspec.errors import SnapshotSplitError
+from pyspec.ffi import ext, llama
 from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 from pyspec.generation.driver import generate, greedy_sampling
 from pyspec.testing import models as tm
@@ -248,6 +249,33 @@ def test_eagle3_and_mtp_staging_outputs_come_back_from_the_accelerator(accel):
     for k in ("layer_inp", "nextn"):
         assert np.isfinite(outs["accel"][k]).all() and outs["accel"][k].std() > 0
         np.testing.assert_allclose(outs["accel"][k], outs["cpu"][k], rtol=0, atol=0.1)  # f16 activations, as above
+
+
+def test_recurrent_snapshots_run_on_the_cpu_in_one_piece():
+    # the CPU runs the fused gated-delta-net op, so llama.cpp keeps it and snapshots work
+    with Model(tm.make_mtp(), devices=[]) as m, Context(m, n_ctx=128, n_batch=32, n_rs_seq=4) as c:
+        assert c.n_rs_seq == 4 and not ext.pyspec_context_gdn_split(c.ptr)
+
+
+@on_accelerator
+def test_recurrent_snapshots_are_refused_where_their_op_would_leave_the_device(accel):
+    # the tiny qwen35 model's head size (16) is one that Vulkan's gated-delta-net shader lacks: llama.cpp
+    # then turns the fused op off, but snapshots use it anyway, split to the CPU (heap corruption on lavapipe)
+    with Model(tm.make_mtp(), devices=[accel], n_gpu_layers=-1, use_extra_bufts=False) as m:
+        with Context(m, n_ctx=128, n_batch=32) as c:
+            split = bool(ext.pyspec_context_gdn_split(c.ptr))
+        if split:
+            with pytest.raises(SnapshotSplitError, match="n_rs_seq=4"):
+                Context(m, n_ctx=128, n_batch=32, n_rs_seq=4)
+        else:
+            with Context(m, n_ctx=128, n_batch=32, n_rs_seq=4) as c:
+                assert c.n_rs_seq == 4
+    ts = parse_types("draft-mtp")
+    with load_models(ts, tiny=True, devices=[accel], n_gpu_layers=-1, use_extra_bufts=False) as ms:
+        spec = spec_params(ts, n_max=4)
+        with open_contexts(ms, spec, n_ctx=128, n_batch=32, n_threads=1) as cs:
+            # the loader rolls back through checkpoints instead
+            assert cs.ctx_tgt.n_rs_seq == (0 if split else spec.need_n_rs_seq())
 
 
 # --- the draft on another device than the target ----------------------------------------------

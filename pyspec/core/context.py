@@ -32,7 +32,7 @@ from pyspec.core.handle import Handle
 from pyspec.core.memory import Memory
 from pyspec.core.model import Model
 from pyspec.core.threadpool import ThreadPool
-from pyspec.errors import ConcurrentUseError, ContextError, decode_error
+from pyspec.errors import ConcurrentUseError, ContextError, SnapshotSplitError, decode_error
 from pyspec.ffi import c_enum, ext, ffi, llama
 
 __all__ = ["MAX_THREADS", "AnyBatch", "Context", "batch_invariant_params"]
@@ -234,8 +234,15 @@ class Context(Handle):
                 ptr = self._init_from_model(model, cparams)
             if ptr == ffi.NULL:
                 raise ContextError("llama_init_from_model failed (see the pyspec.llama log for the reason)")
-            self._own(ptr, self._rpc.free(llama.llama_free) if self._rpc is not None else llama.llama_free,
-                      tuple(deps))
+            free = self._rpc.free(llama.llama_free) if self._rpc is not None else llama.llama_free
+            if llama.llama_n_rs_seq(ptr) > 0 and ext.pyspec_context_gdn_split(ptr):
+                free(ptr)
+                raise SnapshotSplitError(
+                    f"n_rs_seq={cparams.n_rs_seq}: a device that holds this model's recurrent layers does not run "
+                    "the fused gated-delta-net op that recurrent-state snapshots need, so llama.cpp would run it "
+                    "on another device, which corrupts memory at this revision; use n_rs_seq=0 (speculative "
+                    "rollback then goes through checkpoints) or keep the recurrent layers on the CPU")
+            self._own(ptr, free, tuple(deps))
         except BaseException:
             for chain in taken:
                 chain._release()

@@ -19,6 +19,10 @@ int32_t pyspec_context_set_cpu_use_ref(struct llama_context * ctx, bool value, i
    1 released, 0 no OpenMP in this build, -1 refused (inside a parallel region) */
 int32_t pyspec_cpu_release_workers(void);
 
+/* whether llama.cpp turned the fused gated-delta-net op off at creation because a device that
+   holds a recurrent layer does not run it (the op then goes to another device) */
+bool pyspec_context_gdn_split(const struct llama_context * ctx);
+
 /* the longest piece (llama_token_to_piece, no special tokens, no lstrip) of any token */
 int32_t pyspec_vocab_max_piece(const struct llama_vocab * vocab);
 /* common_sampler::set_logits' fill of {id, logit, 0} for a full logits row */

@@ -17,6 +17,7 @@ model hub is contacted at run time); the tiny models come from
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,9 @@ from pyspec.common.speculative import common_speculative_types_from_names
 from pyspec.core.context import Context
 from pyspec.core.handle import Handle
 from pyspec.core.model import Model
-from pyspec.errors import MissingModelPackage
+from pyspec.errors import MissingModelPackage, SnapshotSplitError
+
+logger = logging.getLogger("pyspec.generation")
 
 __all__ = [
     "DRAFT_TYPES",
@@ -273,7 +276,11 @@ def open_contexts(
     common: dict[str, Any] = dict(n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=n_ubatch or n_batch,
                                   n_seq_max=n_seq, **threads)
     n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()
-    ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)
+    try:
+        ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)
+    except SnapshotSplitError as e:
+        logger.warning("%s: rolling back through checkpoints instead (n_rs_seq=0)", e)
+        ctx_tgt = Context(models.target, **common, n_rs_seq=0)
     ctx_dft: Context | None = None
     try:
         dparams = dict(common, n_ubatch=n_ubatch_dft or common["n_ubatch"])
