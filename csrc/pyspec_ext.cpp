@@ -79,9 +79,6 @@ uint32_t pyspec_model_max_rs_seq(const llama_model * model) {
     return k_max > 1 ? (uint32_t) (k_max - 1) : 0;
 }
 
-// The longest piece llama_sampler_infill_apply renders (special = false, lstrip = 0),
-// which its fixed 512-byte buffers must hold (PYSPEC_INFILL_MAX_PIECE). A piece that
-// does not fit in `probe` returns its length negated.
 // llama_context's creation tries the fused gated-delta-net op on the devices of the recurrent
 // layers and turns it off where the scheduler would place it on another device. With
 // n_rs_seq > 0 the graph uses the fused op anyway (it writes the snapshots), so that split
@@ -105,6 +102,9 @@ int32_t pyspec_cpu_release_workers(void) {
 #endif
 }
 
+// The longest piece llama_sampler_infill_apply renders (special = false, lstrip = 0),
+// which its fixed 512-byte buffers must hold (PYSPEC_INFILL_MAX_PIECE). A piece that
+// does not fit in `probe` returns its length negated.
 int32_t pyspec_vocab_max_piece(const llama_vocab * vocab) {
     char    probe[8];
     int32_t longest = 0;

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from pyspec import Batch, Context
-from pyspec.core.backend import release_cpu_workers
 from pyspec.core.threadpool import ThreadPool
+from pyspec.core.workers import release_cpu_workers
 from pyspec.errors import ClosedError
 from pyspec.ffi import ggml
 
@@ -162,3 +164,46 @@ def test_engine_start_releases_the_starting_threads_cpu_workers(target_model):
         eng.submit(Request(prompt="hello", n_predict=2)).result()
         assert os_threads() == base + 3  # the loop thread's own team
     assert wait_for_threads(base) == base  # the loop thread and its workers ended with the engine
+
+
+def test_decoding_from_a_second_thread_with_a_live_pool_warns_once(target_model):
+    # pools in two threads, more OpenMP threads than cores: libgomp parks its workers at every barrier
+    from pyspec.core import workers
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    def warnings() -> list[str]:
+        return [m for m in seen.messages if "release_cpu_workers" in m]
+
+    def decode_in_a_thread() -> None:
+        t = threading.Thread(target=last_logits, args=(ctx, tokens))
+        t.start()
+        t.join()
+
+    tokens = target_model.vocab.tokenize("hello there")
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    seen = Records()
+    log = logging.getLogger("pyspec")
+    log.addHandler(seen)
+    try:
+        with Context(target_model, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=n,
+                     n_threads_batch=n) as ctx:
+            workers.release_cpu_workers()
+            workers._warned = False
+            last_logits(ctx, tokens)
+            assert threading.get_ident() in workers.pools()
+            assert not warnings()  # one pool: no more threads than cores
+            decode_in_a_thread()
+            assert len(warnings()) == 1
+            decode_in_a_thread()
+            assert len(warnings()) == 1  # once
+            workers.release_cpu_workers()
+            assert threading.get_ident() not in workers.pools()
+    finally:
+        log.removeHandler(seen)

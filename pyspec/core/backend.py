@@ -9,10 +9,10 @@ from typing import Any
 
 from pyspec.core import log
 from pyspec.errors import LibraryNotFoundError
-from pyspec.ffi import c_enum, ext, ffi, ggml, lib_dir, llama
+from pyspec.ffi import c_enum, ffi, ggml, lib_dir, llama
 
 __all__ = ["Device", "buffer_types", "default_offload_devices", "devices", "ensure_backend", "find_device",
-           "load_backends", "local_devices", "numa_init", "release_cpu_workers", "system_info"]
+           "load_backends", "local_devices", "numa_init", "system_info"]
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -201,24 +201,6 @@ def numa_init(strategy: str = "distribute") -> None:
     if strategy != "disabled" and ggml.ggml_backend_dev_by_type(_DEV_TYPE_CPU) == ffi.NULL:
         raise RuntimeError("no CPU backend is loaded")  # llama_numa_init asserts on that
     llama.llama_numa_init(_NUMA[strategy])
-
-
-def release_cpu_workers() -> bool:
-    """Let go of the CPU worker threads that the calling thread's decodes started (OpenMP builds).
-
-    llama.cpp's CPU backend runs a decode on an OpenMP team, and libgomp keeps one pool of
-    workers per thread that has decoded. Once it manages more threads than there are cores, it
-    stops spinning at the barriers inside a decode and parks each thread in the kernel instead:
-    after one thread has decoded, decodes in another run about twice as slow (Gemma 3 270M,
-    2 threads on 2 cores: 24 -> 49 ms a token). Call this in a thread that is done decoding when
-    another thread decodes from then on; Engine.start() does it for the thread that starts the
-    engine. A later decode in this thread starts a new pool (a few tens of microseconds).
-    Returns False on a build without OpenMP (nothing to release).
-    """
-    rc = ext.pyspec_cpu_release_workers()
-    if rc < 0:
-        raise RuntimeError("release_cpu_workers: called inside an OpenMP parallel region")
-    return rc == 1
 
 
 def system_info() -> str:

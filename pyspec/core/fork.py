@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+from pyspec.core import workers
+
 __all__ = ["child_generation", "in_single_thread_child", "note_compute"]
 
 _log = logging.getLogger("pyspec")
@@ -32,10 +34,12 @@ _warn_lock = threading.Lock()
 
 
 def note_compute(n_threads: int) -> None:
-    """Record that llama.cpp is about to compute with ``n_threads`` threads in this process."""
+    """Record that llama.cpp is about to compute with ``n_threads`` threads in this thread
+    (every compute site calls this; the worker-pool tracker hears it too)."""
     global _multi_threaded
     if n_threads > 1:
         _multi_threaded = True
+        workers.note_compute(n_threads)
 
 
 def in_single_thread_child() -> bool:

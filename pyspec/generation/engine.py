@@ -63,9 +63,9 @@ from pyspec.common.params import (
     CommonSpeculativeType,
 )
 from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
-from pyspec.core.backend import release_cpu_workers
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
+from pyspec.core.workers import release_cpu_workers
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
