@@ -29,11 +29,22 @@ missing=()
 for pkg in mesa-vulkan-drivers glslc libvulkan-dev spirv-headers; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO=sudo
 if [ ${#missing[@]} -gt 0 ]; then
-    SUDO=""
-    [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -q
     $SUDO apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+# Debian 12's lavapipe (Mesa 22.3) gives the EAGLE3 draft other tokens than the CPU and faults
+# at random on the qwen35 model; bookworm-backports' Mesa 25 does neither (README, GPU builds)
+mesa=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers)
+if grep -q '^VERSION_CODENAME=bookworm' /etc/os-release && dpkg --compare-versions "$mesa" lt 25; then
+    echo "vulkan_check: Mesa $mesa: installing lavapipe from bookworm-backports"
+    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        | $SUDO tee /etc/apt/sources.list.d/pyspec-bookworm-backports.sources >/dev/null
+    $SUDO apt-get update -q
+    $SUDO apt-get install -y --no-install-recommends -t bookworm-backports mesa-vulkan-drivers
+    mesa=$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers)
 fi
 
 "$PY" scripts/fetch_llama.py
@@ -55,7 +66,10 @@ echo "vulkan_check: built in ${t_build} s; libraries in $BUILD/install/pyspec/li
 [ "${1:-}" = "--build-only" ] && exit 0
 
 # lavapipe only (it is a CPU-type Vulkan device, which ggml skips unless it is named)
-export VK_ICD_FILENAMES=/usr/share/vulkan/icd.d/lvp_icd.$(uname -m).json
+icd=/usr/share/vulkan/icd.d/lvp_icd.json  # Mesa 25; Mesa 22 names it after the architecture
+[ -f "$icd" ] || icd=/usr/share/vulkan/icd.d/lvp_icd.$(uname -m).json
+export VK_ICD_FILENAMES=$icd
+echo "lavapipe: mesa-vulkan-drivers $mesa" >>"$FIGURES"
 export GGML_VK_VISIBLE_DEVICES=0
 export PYSPEC_LIB_DIR=$PWD/$BUILD/install/pyspec/lib
 "$PY" -c "import pyspec; print(*pyspec.devices(), sep='\n')" | tee -a "$FIGURES"
