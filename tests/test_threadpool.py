@@ -166,6 +166,7 @@ def test_engine_start_releases_the_starting_threads_cpu_workers(target_model):
     assert wait_for_threads(base) == base  # the loop thread and its workers ended with the engine
 
 
+@needs_openmp
 def test_decoding_from_a_second_thread_with_a_live_pool_warns_once(target_model):
     # pools in two threads, more OpenMP threads than cores: libgomp parks its workers at every barrier
     from pyspec.core import workers

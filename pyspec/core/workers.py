@@ -9,7 +9,7 @@ decode runs about twice as slow (Gemma 3 270M: 24 -> 49 ms a token), whichever
 thread it runs in.
 
 :func:`release_cpu_workers` lets the calling thread's pool go (``Engine.start()``
-calls it for the thread that built the engine). The compute sites report here
+calls it for the thread that starts the engine). The compute sites report here
 (through ``fork.note_compute``), so that a process that ends up with pools in several
 threads, more workers than cores, gets one warning that says what to do.
 """
@@ -28,6 +28,16 @@ _log = logging.getLogger("pyspec")
 _lock = threading.Lock()
 _pools: dict[int, int] = {}  # thread ident -> the largest team it started (its pool's size)
 _warned = False
+_openmp: bool | None = None  # whether the CPU backend runs its graphs on OpenMP teams
+
+
+def _uses_openmp() -> bool:
+    global _openmp
+    if _openmp is None:
+        from pyspec.core.backend import system_info
+
+        _openmp = "OPENMP = 1" in system_info()
+    return _openmp
 
 
 def _cores() -> int:
@@ -51,7 +61,7 @@ def note_compute(n_threads: int) -> None:
         for ident in [i for i in _pools if i not in alive]:
             del _pools[ident]  # a thread that ended took its pool with it
         managed = sum(_pools.values())
-        if len(_pools) < 2 or managed <= _cores() or _warned:
+        if len(_pools) < 2 or managed <= _cores() or _warned or not _uses_openmp():
             return
         _warned = True
     _log.warning(
