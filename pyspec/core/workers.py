@@ -47,6 +47,13 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _prune() -> None:
+    # under _lock: a thread that ended took its pool with it
+    alive = {t.ident for t in threading.enumerate()}
+    for ident in [i for i in _pools if i not in alive]:
+        del _pools[ident]
+
+
 def note_compute(n_threads: int) -> None:
     """This thread is about to compute with ``n_threads`` threads (an OpenMP team when > 1)."""
     if n_threads <= 1:
@@ -57,9 +64,7 @@ def note_compute(n_threads: int) -> None:
     global _warned
     with _lock:
         _pools[me] = n_threads
-        alive = {t.ident for t in threading.enumerate()}
-        for ident in [i for i in _pools if i not in alive]:
-            del _pools[ident]  # a thread that ended took its pool with it
+        _prune()
         managed = sum(_pools.values())
         if len(_pools) < 2 or managed <= _cores() or _warned or not _uses_openmp():
             return
@@ -74,6 +79,7 @@ def note_compute(n_threads: int) -> None:
 def pools() -> dict[int, int]:
     """The threads whose OpenMP pools pyspec knows of, with their sizes (a snapshot)."""
     with _lock:
+        _prune()
         return dict(_pools)
 
 
