@@ -6,7 +6,8 @@
 Runs the real model (Gemma 3 270M from its PyPI package; the tiny test model with
 --tiny or when the package is missing) twice, with every layer on ``--device`` and
 with every layer on the CPU, both without weight repacking: plain greedy decoding of
-each prompt, then the speculative driver with the types of ``--types``. Prints, per
+each prompt, then the speculative driver with the types of ``--types`` (llama.cpp's fixed draft
+lengths, so both sides verify the same batches). Prints, per
 run, whether the tokens are identical, the first position where they differ, and
 tokens/s on each side (medians of ``--repeat`` runs, measured side by side).
 Exits 1 when a plain greedy run differs.
@@ -72,6 +73,9 @@ def main() -> int:
     ap.add_argument("--types", default="ngram-cache,draft-simple")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     ap.add_argument("--tiny", action="store_true", help="use the tiny test model")
+    ap.add_argument("--flash-attn", choices=["auto", "enabled", "disabled"], default="auto",
+                    help="both sides (lavapipe: disabled; its compiler takes over 15 minutes on Gemma's "
+                         "one-token flash-attention shader)")
     args = ap.parse_args()
 
     path: Path
@@ -91,11 +95,12 @@ def main() -> int:
     if args.threads is not None:
         threads = {"n_threads": args.threads, "n_threads_batch": args.threads}
     print(f"device_parity: {path.name}, {args.device} against the CPU, greedy, n_predict {args.n_predict}, "
-          f"median of {args.repeat}")
+          f"median of {args.repeat}, flash attention {args.flash_attn}", flush=True)
     worst = 0
     models = {k: Model(path, use_extra_bufts=False, **kw) for k, kw in sides.items()}
     try:
-        ctxs = {k: Context(m, n_ctx=1024, n_batch=256, **threads) for k, m in models.items()}
+        ctxs = {k: Context(m, n_ctx=1024, n_batch=256, flash_attn_type=args.flash_attn, **threads)
+                for k, m in models.items()}
         for p_i, text in enumerate(PROMPTS):
             prompt = models["cpu"].vocab.tokenize(text, add_special=True)
             toks: dict[str, list[int]] = {}
@@ -107,7 +112,7 @@ def main() -> int:
             diff = first_difference(toks["cpu"], toks[args.device])
             worst = max(worst, 1 if diff >= 0 else 0)
             print(f"  plain, prompt {p_i}: {'identical' if diff < 0 else f'differs from token {diff}'}; "
-                  + ", ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in tps.items()))
+                  + ", ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in tps.items()), flush=True)
         for c in ctxs.values():
             c.close()
     finally:
@@ -123,8 +128,11 @@ def main() -> int:
             for _ in range(args.repeat):
                 for k, ms in sets.items():
                     spec = spec_params(ts, n_max=4)
-                    with open_contexts(ms, spec, n_ctx=1024, n_batch=256, n_threads=args.threads) as cs:
-                        res, stats = generate(cs.ctx_tgt, PROMPTS[0], args.n_predict, spec=spec)
+                    with open_contexts(ms, spec, n_ctx=1024, n_batch=256, n_threads=args.threads,
+                                       context_kw={"flash_attn_type": args.flash_attn}) as cs:
+                        # llama.cpp's fixed draft lengths: both sides verify the same batches
+                        res, stats = generate(cs.ctx_tgt, PROMPTS[0], args.n_predict, spec=spec,
+                                              adaptive_draft=False)
                         outs[k] = res.tokens
                         rates[k].append(stats.gen_tps)
         finally:
@@ -132,7 +140,7 @@ def main() -> int:
                 ms.close()
         diff = first_difference(outs["cpu"], outs[args.device])
         print(f"  {name}: {'identical' if diff < 0 else f'differs from token {diff}'}; "
-              + ", ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in rates.items()))
+              + ", ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in rates.items()), flush=True)
     return worst
 
 

@@ -281,6 +281,16 @@ def test_recurrent_snapshots_are_refused_where_their_op_would_leave_the_device(a
             assert cs.ctx_tgt.n_rs_seq == (0 if split else spec.need_n_rs_seq())
 
 
+def test_open_contexts_gives_its_context_keywords_to_both_contexts():
+    """``context_kw`` (device_parity.py turns flash attention off for lavapipe through it)."""
+    ts = parse_types("draft-simple")
+    with load_models(ts, tiny=True) as ms:
+        spec = spec_params(ts, n_max=4)
+        with open_contexts(ms, spec, n_ctx=128, n_batch=32, n_threads=1, context_kw={"n_outputs_max": 9}) as cs:
+            assert cs.ctx_dft is not None
+            assert cs.ctx_tgt.n_outputs_max == cs.ctx_dft.n_outputs_max == 9
+
+
 # --- the draft on another device than the target ----------------------------------------------
 
 

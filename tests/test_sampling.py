@@ -12,7 +12,7 @@ from pyspec import Batch, Context
 from pyspec.common import sampling as smp
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
-from pyspec.ffi import llama
+from pyspec.ffi import ffi, llama
 from pyspec.reference.sampling import RefSampler
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
@@ -150,3 +150,91 @@ def test_clone_continues_identically(target_model):
     b = smp.common_sampler_sample(clone, side.ctx, -1)
     assert a == b
     clone.close()
+
+
+GREEDY = CommonParamsSampling(top_k=1, samplers=[S.TOP_K])
+
+
+def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
+    """Greedy sampling skips the vocabulary-sized candidate array; on every row of a real batch it
+    gives the C++ sampler's token and leaves the candidates as the C++ chain does."""
+    py, cpp = Side(target_model, GREEDY, cpp=False), Side(target_model, GREEDY, cpp=True)
+    assert py.s.top1_intact()
+    for side in (py, cpp):
+        side.feed(PROMPT, all_logits=True)
+    for idx in range(len(PROMPT)):
+        assert py.sample(idx) == cpp.sample(idx)
+        got = smp.candidates_array(smp.common_sampler_get_candidates(py.s, False))
+        want = cpp.s.candidates(do_sort=False)
+        assert got["id"].tolist() == want.ids.tolist() and len(got) == 1
+        assert got["logit"].tolist() == want.logits.tolist() and got["p"].tolist() == want.probs.tolist() == [1.0]
+        assert (py.s.cur_p.selected, bool(py.s.cur_p.sorted)) == (want.selected, want.sorted)
+        # and the same as the full path of the port itself
+        assert py.s.set_logits_top1(py.ctx, idx) == smp.top1_of_row(py.ctx.get_logits_ith(idx))
+
+
+@pytest.mark.parametrize("params", [
+    CommonParamsSampling(top_k=2, samplers=[S.TOP_K]),
+    CommonParamsSampling(top_k=1, samplers=[S.TOP_K, S.TEMPERATURE]),
+    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], logit_bias=[(450, 5.0)]),
+    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], grammar='root ::= "yes"'),
+    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], backend_sampling=True),
+    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], mirostat=2),
+], ids=["top-k-2", "more-samplers", "logit-bias", "grammar", "backend", "mirostat"])
+def test_greedy_shortcut_only_for_the_plain_top1_chain(target_model, params):
+    s = smp.common_sampler_init(target_model, dataclasses.replace(params))
+    try:
+        assert not s.top1_intact()
+    finally:
+        s.close()
+
+
+def test_greedy_shortcut_ends_when_the_chain_is_edited(target_model):
+    """Whoever holds the chain (common_sampler_get) may change it: sampling then runs the chain."""
+    seeded = dataclasses.replace(GREEDY, seed=21)
+    py, cpp = Side(target_model, seeded, cpp=False), Side(target_model, seeded, cpp=True)
+    assert py.s.top1_intact()
+    for side in (py, cpp):
+        chain = side.s.chain if side.cpp else smp.common_sampler_get(side.s)
+        llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, 0))  # top-k 1 goes: dist over all
+    assert not py.s.top1_intact()
+    assert py.generate(6) == cpp.generate(6)
+
+
+TIE_ROWS = {
+    "tie": [1.0, 3.0, 3.0, 2.0],
+    "all-equal": [0.0] * 64,
+    "all-minus-inf": [-np.inf] * 8,
+    "tie-after-minus-inf": [-np.inf, -np.inf, 0.0, 0.0, -1.0],
+    "signed-zeros": [-0.0, 0.0, -1.0],
+    "nan-first": [np.nan, 1.0, 2.0],
+    "nan-later": [1.0, 2.0, np.nan, 2.0],
+}
+
+
+@pytest.mark.parametrize("name", [*TIE_ROWS, "wide-tie"])
+def test_top1_of_row_keeps_what_the_top_k_sampler_keeps(name):
+    """The first of equal highest logits, as llama.cpp's top-k 1 (std::partial_sort with a strict >)."""
+    if name == "wide-tie":
+        row = np.random.default_rng(5).standard_normal(32000).astype(np.float32)
+        row[[901, 77, 31000]] = 9.0
+    else:
+        row = np.array(TIE_ROWS[name], dtype=np.float32)
+    cand = np.zeros(row.size, dtype=smp.TOKEN_DATA)
+    cand["id"], cand["logit"] = np.arange(row.size), row
+    cur_p = ffi.new("llama_token_data_array *")
+    cur_p.data = ffi.cast("llama_token_data *", ffi.from_buffer(cand))
+    cur_p.size, cur_p.selected, cur_p.sorted = row.size, -1, False
+    chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+    try:
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_k(1))
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(1))
+        llama.llama_sampler_apply(chain, cur_p)
+        kept = int(cur_p.data[cur_p.selected].id)
+    finally:
+        llama.llama_sampler_free(chain)
+    if np.isnan(row).any():
+        assert smp.top1_of_row(row) == -1  # the full path decides: argmax and the sort part ways on NaN
+    else:
+        assert smp.top1_of_row(row) == kept
+        assert name != "wide-tie" or kept == 77

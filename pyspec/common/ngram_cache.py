@@ -65,6 +65,15 @@ def _tokens_list(tokens: TokenSequence) -> list[int]:
     return [int(t) for t in tokens]
 
 
+def _check_tokens(tokens: TokenSequence) -> TokenSequence:
+    """``tokens`` unchanged where indexing it yields tokens: a sequence or a 1-D numpy array.
+
+    For a reader of a few tokens near the end, which _tokens_list would copy whole."""
+    if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+        raise ValueError(f"expected a 1-D token array, got shape {tokens.shape}")
+    return tokens
+
+
 # Data structures to map n-grams to empirical token probabilities:
 
 _NULL_TOKENS = [[LLAMA_TOKEN_NULL] * k for k in range(LLAMA_NGRAM_MAX + 1)]  # padding, by length
@@ -307,7 +316,7 @@ def common_ngram_cache_update(
                       file=sys.stderr)
 
 
-def get_token(inp: Sequence[int], draft: Sequence[int], i: int) -> int:
+def get_token(inp: TokenSequence, draft: Sequence[int], i: int) -> int:
     """Mirrors get_token (ngram-cache.cpp, static).
 
     Helper function to get a token from the combined, speculative sequence of inp and draft.
@@ -450,7 +459,7 @@ def common_ngram_cache_draft(
         # the C++ would write past common_ngram::tokens / read past the threshold arrays
         raise ValueError(
             f"common_ngram_cache_draft: n-gram sizes {ngram_min}..{ngram_max} exceed LLAMA_NGRAM_MAX={LLAMA_NGRAM_MAX}")
-    inp = _tokens_list(inp)
+    inp = _check_tokens(inp)  # get_token reads the last few, each through int()
 
     while len(draft) - 1 < n_draft:
         drafted_token = LLAMA_TOKEN_NULL

@@ -68,6 +68,15 @@ class CommonSampler(NotCopyable):
         self._single_data = ffi.new("llama_token_data *")
         self._row_data = ffi.new("pyspec_sampler_row_data *")
         self.t_total_us = 0
+        self._top1 = _top1_samplers(params, grmr, chain)
+
+    def top1_intact(self) -> bool:
+        """Whether the chain is still the [top-k 1, dist] that common_sampler_init built
+        (whoever holds common_sampler_get's chain can add or remove samplers)."""
+        top1, chain = self._top1, self.chain
+        return (top1 is not None and chain is not None and llama.llama_sampler_chain_n(chain) == 2
+                and llama.llama_sampler_chain_get(chain, 0) == top1[0]
+                and llama.llama_sampler_chain_get(chain, 1) == top1[1])
 
     def reset(self) -> None:
         """Mirrors common_sampler::reset."""
@@ -108,6 +117,33 @@ class CommonSampler(NotCopyable):
         cp.selected = -1
         cp.sorted = False
 
+    def set_logits_top1(self, ctx: Context, idx: int) -> int:
+        """set_logits, then the chain [top-k 1, dist], for a row of plain logits: the token, or
+        LLAMA_TOKEN_NULL where the full path must run (backend-sampled output, no row, a NaN logit).
+
+        The same result without the vocabulary-sized candidate array: top-k 1 is std::partial_sort
+        with a strict ``>``, which keeps the first of equal highest logits, as argmax does; dist then
+        selects that one candidate with p = 1. cur_p is left as the chain leaves it.
+        """
+        rd = self._row_data
+        ext.pyspec_sampler_row(ctx.ptr, idx, rd)
+        if rd.probs != ffi.NULL or rd.logits != ffi.NULL or rd.token != LLAMA_TOKEN_NULL or rd.row == ffi.NULL:
+            return LLAMA_TOKEN_NULL
+        row = np.frombuffer(ffi.buffer(rd.row, 4 * self.n_vocab), dtype=np.float32)
+        id = top1_of_row(row)
+        if id == LLAMA_TOKEN_NULL:
+            return id
+        logit = float(row[id])
+        top = self._cur_ptr[0]
+        top.id, top.logit, top.p = id, logit, 1.0
+        self.cur = self._cur_buf[:1]
+        cp = self.cur_p
+        cp.data = self._cur_ptr
+        cp.size = 1
+        cp.selected = 0
+        cp.sorted = True
+        return id
+
     def tm(self) -> CommonTimeMeas:
         """Mirrors common_sampler::tm."""
         return CommonTimeMeas(self, "t_total_us", self.params.no_perf)
@@ -135,6 +171,25 @@ class CommonSampler(NotCopyable):
             self.close()
         except Exception:
             pass
+
+
+def top1_of_row(row: np.ndarray) -> int:
+    """The token top-k 1 keeps from a row of logits in token order: the first of the highest,
+    or LLAMA_TOKEN_NULL for a row with a NaN, where argmax (which picks the first NaN) and the
+    comparison-based sort part ways."""
+    id = int(row.argmax())
+    logit = row[id]
+    return LLAMA_TOKEN_NULL if logit != logit else id
+
+
+def _top1_samplers(params: CommonParamsSampling, grmr, chain) -> tuple | None:
+    """The chain's two samplers where common_sampler_init built exactly [top-k 1, dist] (greedy
+    sampling, see CommonSampler.set_logits_top1), else None."""
+    if (params.mirostat != 0 or list(params.samplers) != [CommonSamplerType.TOP_K] or params.top_k != 1
+            or params.has_logit_bias() or params.backend_sampling or grmr != ffi.NULL
+            or llama.llama_sampler_chain_n(chain) != 2):
+        return None
+    return llama.llama_sampler_chain_get(chain, 0), llama.llama_sampler_chain_get(chain, 1)
 
 
 def _chain(gsmpl: CommonSampler):
@@ -315,6 +370,12 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
     with gsmpl.tm():
         grmr = gsmpl.grmr
         cur_p = gsmpl.cur_p  # initialized by set_logits
+
+        # greedy sampling: the chain's result without filling the candidate array (not in the C++)
+        if gsmpl._top1 is not None and gsmpl.top1_intact():
+            id = gsmpl.set_logits_top1(ctx, idx)
+            if id != LLAMA_TOKEN_NULL:
+                return id
 
         gsmpl.set_logits(ctx, idx)
 

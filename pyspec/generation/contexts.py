@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,18 +263,20 @@ def open_contexts(
     n_threads: int | None = None,
     mtp_checkpoint: bool = False,
     owned: Sequence[Handle] = (),
+    context_kw: Mapping[str, Any] | None = None,
 ) -> ContextSet:
     """Fresh contexts for ``spec.types`` on ``models``; sets ``spec.draft.ctx_dft``.
 
     ``n_ctx`` is per sequence; ``n_ubatch`` defaults to ``n_batch``, the draft's to
     the target's (EAGLE3: see the note in this module). ``mtp_checkpoint`` gives an MTP
     target no recurrent states to roll back with, so rollbacks go through checkpoints.
-    ``owned`` handles are closed with the set.
+    ``owned`` handles are closed with the set. ``context_kw``: more Context keywords for
+    both contexts (e.g. ``flash_attn_type``).
     """
     kind = draft_kind(spec.types)
     threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
     common: dict[str, Any] = dict(n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=n_ubatch or n_batch,
-                                  n_seq_max=n_seq, **threads)
+                                  n_seq_max=n_seq, **threads, **(context_kw or {}))
     n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()
     try:
         ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)
