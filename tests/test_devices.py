@@ -196,16 +196,21 @@ def test_the_driver_runs_each_type_on_the_accelerator_as_on_the_cpu(accel, types
 
 @on_accelerator
 def test_backend_sampling_runs_on_the_accelerator(accel):
-    from pyspec.common import sampling as smp
+    """The chain samples in the graph on the device, and the port draws what the C++ sampler draws there.
 
-    path = tm.make_target()
+    Not compared with the CPU backend: at temperature 0.8 a draw near a boundary follows the
+    device's own logits (measured on lavapipe: another token from the 7th on)."""
+    from pyspec.common import sampling as smp
+    from pyspec.reference.sampling import RefSampler
+
     params = CommonParamsSampling(seed=99, temp=0.8, top_k=20, samplers=[S.TOP_K, S.TEMPERATURE], backend_sampling=True)
     outs = {}
-    for where, kw in (("cpu", {"devices": []}), ("accel", {"devices": [accel]})):
-        with Model(path, **kw) as m:
-            s = smp.common_sampler_init(m, CommonParamsSampling(**vars(params)))
+    with Model(tm.make_target(), devices=[accel]) as m:
+        for side in ("port", "cpp"):
+            s: Any = smp.common_sampler_init(m, CommonParamsSampling(**vars(params))) if side == "port" else \
+                RefSampler(m, CommonParamsSampling(**vars(params)))
             with _ctx(m, 128, 32) as c:
-                assert llama.llama_set_sampler(c.ptr, 0, smp.common_sampler_get(s))
+                assert llama.llama_set_sampler(c.ptr, 0, smp.common_sampler_get(s) if side == "port" else s.chain)
                 b = Batch(32)
                 toks, pos = [1, 450, 4996, 17354], 0
                 out = []
@@ -216,13 +221,17 @@ def test_backend_sampling_runs_on_the_accelerator(accel):
                     pos += len(toks)
                     c.decode(b)
                     tok = c.get_sampled_token_ith(-1)  # sampled in the graph, on the device
-                    assert tok != -1 and smp.common_sampler_sample(s, c, -1) == tok
-                    smp.common_sampler_accept(s, tok, True)
+                    got = smp.common_sampler_sample(s, c, -1) if side == "port" else s.sample(c, -1)
+                    assert tok != -1 and got == tok
+                    if side == "port":
+                        smp.common_sampler_accept(s, tok, True)
+                    else:
+                        s.accept(tok, True)
                     out.append(tok)
                     toks = [tok]
-                outs[where] = out
-            smp.common_sampler_free(s)
-    assert outs["accel"] == outs["cpu"]
+                outs[side] = out
+            s.close()
+    assert outs["port"] == outs["cpp"]
 
 
 @on_accelerator

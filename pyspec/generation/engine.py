@@ -106,6 +106,7 @@ class _Job:
         # vocabulary-sized candidate array: waiting requests should not)
         self.sampler: Any = sampler
         self.stop = [w for w in req.stop if w]
+        self.stop_longest = max((len(w) for w in self.stop), default=0)
         self.n_remaining = req.n_predict
         self.generated: list[int] = []
         self.text = ""
@@ -887,7 +888,8 @@ class Engine:
                     assert s.job is not None
                     if len(s.spec_draft) < s.job.request.n_draft_min:
                         s.spec_draft.clear()  # too short to be worth a verify (the request's n_min)
-                self._event("draft", drafts={s.id: list(s.spec_draft) for s in drafting})
+                if self.on_event is not None:  # the drafts' copies only for a listener
+                    self._event("draft", drafts={s.id: list(s.spec_draft) for s in drafting})
 
         # checkpoints where the memory cannot drop the rejected part
         for s in drafting:
@@ -1127,8 +1129,7 @@ class Engine:
             if text and not is_eog:
                 before = len(job.text)
                 job.text += text
-                longest = max((len(w) for w in job.stop), default=0)
-                hit, word = _find_stop(job.text, job.stop, max(0, before - longest))
+                hit, word = _find_stop(job.text, job.stop, max(0, before - job.stop_longest)) if job.stop else (-1, "")
                 if hit >= 0:
                     job.text = job.text[:hit]
                     job.stopping_word = word
