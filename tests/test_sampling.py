@@ -159,7 +159,7 @@ def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
     """Greedy sampling skips the vocabulary-sized candidate array; on every row of a real batch it
     gives the C++ sampler's token and leaves the candidates as the C++ chain does."""
     py, cpp = Side(target_model, GREEDY, cpp=False), Side(target_model, GREEDY, cpp=True)
-    assert py.s.top1_intact()
+    assert py.s.top1
     for side in (py, cpp):
         side.feed(PROMPT, all_logits=True)
     for idx in range(len(PROMPT)):
@@ -184,7 +184,7 @@ def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
 def test_greedy_shortcut_only_for_the_plain_top1_chain(target_model, params):
     s = smp.common_sampler_init(target_model, dataclasses.replace(params))
     try:
-        assert not s.top1_intact()
+        assert not s.top1
     finally:
         s.close()
 
@@ -193,11 +193,11 @@ def test_greedy_shortcut_ends_when_the_chain_is_edited(target_model):
     """Whoever holds the chain (common_sampler_get) may change it: sampling then runs the chain."""
     seeded = dataclasses.replace(GREEDY, seed=21)
     py, cpp = Side(target_model, seeded, cpp=False), Side(target_model, seeded, cpp=True)
-    assert py.s.top1_intact()
+    assert py.s.top1
     for side in (py, cpp):
         chain = side.s.chain if side.cpp else smp.common_sampler_get(side.s)
         llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, 0))  # top-k 1 goes: dist over all
-    assert not py.s.top1_intact()
+    assert not py.s.top1
     assert py.generate(6) == cpp.generate(6)
 
 
@@ -238,3 +238,20 @@ def test_top1_of_row_keeps_what_the_top_k_sampler_keeps(name):
     else:
         assert smp.top1_of_row(row) == kept
         assert name != "wide-tie" or kept == 77
+
+
+def test_greedy_shortcut_ends_for_a_chain_rebuilt_at_the_same_addresses(target_model):
+    """Freed samplers' memory comes back for the next ones: the shortcut ends when the chain is handed
+    out, not when its pointers change; and a clone of such a sampler keeps running its chain."""
+    s = smp.common_sampler_init(target_model, dataclasses.replace(GREEDY, seed=8))
+    try:
+        chain = smp.common_sampler_get(s)
+        for i in (1, 0):
+            llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, i))
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_k(40))
+        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(8))
+        clone = smp.common_sampler_clone(s)
+        assert not s.top1 and not clone.top1
+        clone.close()
+    finally:
+        s.close()

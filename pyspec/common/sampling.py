@@ -68,15 +68,10 @@ class CommonSampler(NotCopyable):
         self._single_data = ffi.new("llama_token_data *")
         self._row_data = ffi.new("pyspec_sampler_row_data *")
         self.t_total_us = 0
-        self._top1 = _top1_samplers(params, grmr, chain)
-
-    def top1_intact(self) -> bool:
-        """Whether the chain is still the [top-k 1, dist] that common_sampler_init built
-        (whoever holds common_sampler_get's chain can add or remove samplers)."""
-        top1, chain = self._top1, self.chain
-        return (top1 is not None and chain is not None and llama.llama_sampler_chain_n(chain) == 2
-                and llama.llama_sampler_chain_get(chain, 0) == top1[0]
-                and llama.llama_sampler_chain_get(chain, 1) == top1[1])
+        # the chain is [top-k 1, dist] (greedy sampling): set_logits_top1 may stand in for it, until
+        # common_sampler_get hands the chain out (its holder may change it; a freed sampler's
+        # address comes back for the next one, so the chain's pointers cannot tell)
+        self.top1 = _is_top1_chain(params, grmr, chain)
 
     def reset(self) -> None:
         """Mirrors common_sampler::reset."""
@@ -182,14 +177,11 @@ def top1_of_row(row: np.ndarray) -> int:
     return LLAMA_TOKEN_NULL if logit != logit else id
 
 
-def _top1_samplers(params: CommonParamsSampling, grmr, chain) -> tuple | None:
-    """The chain's two samplers where common_sampler_init built exactly [top-k 1, dist] (greedy
-    sampling, see CommonSampler.set_logits_top1), else None."""
-    if (params.mirostat != 0 or list(params.samplers) != [CommonSamplerType.TOP_K] or params.top_k != 1
-            or params.has_logit_bias() or params.backend_sampling or grmr != ffi.NULL
-            or llama.llama_sampler_chain_n(chain) != 2):
-        return None
-    return llama.llama_sampler_chain_get(chain, 0), llama.llama_sampler_chain_get(chain, 1)
+def _is_top1_chain(params: CommonParamsSampling, grmr, chain) -> bool:
+    """Whether common_sampler_init built exactly [top-k 1, dist] (see CommonSampler.set_logits_top1)."""
+    return (params.mirostat == 0 and list(params.samplers) == [CommonSamplerType.TOP_K] and params.top_k == 1
+            and not params.has_logit_bias() and not params.backend_sampling and grmr == ffi.NULL
+            and llama.llama_sampler_chain_n(chain) == 2)
 
 
 def _chain(gsmpl: CommonSampler):
@@ -341,6 +333,7 @@ def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     grmr = llama.llama_sampler_clone(gsmpl.grmr) if gsmpl.grmr != ffi.NULL else ffi.NULL
     out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab, gsmpl.model)
     out.prev = deque(gsmpl.prev, maxlen=gsmpl.prev.maxlen)
+    out.top1 = gsmpl.top1  # a copy of a chain that was handed out is no longer known to be [top-k 1, dist]
     n = int(gsmpl.cur.size)
     # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
     ffi.memmove(out._cur_ptr, gsmpl._cur_ptr, n * TOKEN_DATA.itemsize)
@@ -349,10 +342,14 @@ def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
 
 
 def common_sampler_get(gsmpl: CommonSampler | None):
-    """Mirrors common_sampler_get (sampling.cpp): the chain, e.g. for llama_set_sampler."""
+    """Mirrors common_sampler_get (sampling.cpp): the chain, e.g. for llama_set_sampler.
+
+    The sampler then runs its chain for every token (no greedy shortcut): the caller may change it."""
     if gsmpl is None:
         return ffi.NULL
-    return _chain(gsmpl)
+    chain = _chain(gsmpl)
+    gsmpl.top1 = False
+    return chain
 
 
 def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_first: bool = False) -> int:
@@ -372,7 +369,7 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
         cur_p = gsmpl.cur_p  # initialized by set_logits
 
         # greedy sampling: the chain's result without filling the candidate array (not in the C++)
-        if gsmpl._top1 is not None and gsmpl.top1_intact():
+        if gsmpl.top1:
             id = gsmpl.set_logits_top1(ctx, idx)
             if id != LLAMA_TOKEN_NULL:
                 return id
