@@ -192,3 +192,23 @@ def test_every_console_script_of_pyproject_names_a_callable():
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} = {target}"
+
+
+def test_bench_ratio_to_the_cpp_loop_pairs_each_run_with_the_loops_run_beside_it():
+    """A machine that speeds up and slows down between repeats moves both engines' runs alike; the
+    ratio of the runs made side by side keeps the Python driver at 0.95, the ratio of medians not."""
+    from pyspec.cli import bench
+    from pyspec.common.params import CommonSpeculativeType as T
+    from pyspec.generation.draft_length import CostCurve
+
+    speeds = [(100.0, 90.0), (120.0, 114.0), (80.0, 76.0)]  # per repeat: the loop's and the driver's tok/s
+    runs = []
+    for rep, (loop_tps, py_tps) in enumerate(speeds):
+        for engine, v in (("python", py_tps), ("loop", loop_tps)):
+            runs.append(bench.Run("none", engine, 0, rep, [1] * 100, 100, 100 / v, 50 / v, 100, 0, 0))
+    report = bench.Report("m", 100, 3, ["p"], {})
+    bench._summarise(report, runs, [[T.NONE]], ["python", "loop"], 3, 1, CostCurve())
+    row, loop = report.row("none", "python"), report.row("none", "loop")
+    assert row is not None and loop is not None
+    assert row.cpp_ratio == pytest.approx(0.95)
+    assert row.gen_tps / loop.gen_tps == pytest.approx(0.90)  # what the medians give

@@ -17,7 +17,8 @@ engine, over all prompts and for the worst prompt (median over repeats of the
 paired ratio); the **bound**, the most any choice of draft lengths could gain
 with the drafts the implementation made (from a fixed-length run, on the verify
 cost curve measured in this run: :func:`~pyspec.generation.draft_length.oracle_speedup`);
-the ratio to the C++ loop; the wall time per step outside llama_decode /
+the ratio to the C++ loop (median over prompts and repeats of the paired ratio);
+the wall time per step outside llama_decode /
 llama_encode; whether the tokens equal plain decoding's, and the C++ loop's, for
 every prompt and repeat.
 """
@@ -155,7 +156,7 @@ class Row:
     speedup_prompts: list[float]  # per prompt: median over repeats of the paired ratio to plain decoding
     bound: float | None  # the most draft lengths chosen with foresight could gain (all prompts)
     bound_prompts: list[float]
-    cpp_ratio: float | None  # gen_tps / the C++ loop's gen_tps for the type
+    cpp_ratio: float | None  # tok/s / the C++ loop's tok/s for the type (median of the paired runs' ratios)
     overhead_us_per_step: float
     same_as_plain: bool | None  # tokens equal plain decoding's for every prompt and repeat
     identical: bool | None  # tokens equal the C++ loop's (or, without it, the other engine's) for every prompt
@@ -337,7 +338,13 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
             continue
         base = report.row(row.type, baseline)
         if row.engine != "loop" and "loop" in engines and base is not None and base.gen_tps > 0:
-            row.cpp_ratio = row.gen_tps / base.gen_tps
+            # paired: each run against the loop's run of the same prompt and repeat, made just before
+            # or after it, so that the machine's drift (a decode's time moves by several percent
+            # between runs here) falls out of the ratio
+            loops = {(r.prompt, r.repeat): r for r in select(row.type, "loop")}
+            pairs = [tps([r]) / t_loop for r in select(row.type, row.engine)
+                     if (lr := loops.get((r.prompt, r.repeat))) is not None and (t_loop := tps([lr])) > 0]
+            row.cpp_ratio = statistics.median(pairs) if pairs else row.gen_tps / base.gen_tps
         other = baseline if row.engine != baseline else next((e for e in engines if e != baseline), None)
         if other is not None:
             mine_t = {(r.prompt, r.repeat): r.tokens for r in select(row.type, row.engine)}
