@@ -336,15 +336,14 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
     for row in report.rows:
         if baseline is None:
             continue
-        base = report.row(row.type, baseline)
-        if row.engine != "loop" and "loop" in engines and base is not None and base.gen_tps > 0:
+        if row.engine != "loop" and "loop" in engines:
             # paired: each run against the loop's run of the same prompt and repeat, made just before
             # or after it, so that the machine's drift (a decode's time moves by several percent
             # between runs here) falls out of the ratio
             loops = {(r.prompt, r.repeat): r for r in select(row.type, "loop")}
             pairs = [tps([r]) / t_loop for r in select(row.type, row.engine)
                      if (lr := loops.get((r.prompt, r.repeat))) is not None and (t_loop := tps([lr])) > 0]
-            row.cpp_ratio = statistics.median(pairs) if pairs else row.gen_tps / base.gen_tps
+            row.cpp_ratio = statistics.median(pairs) if pairs else None
         other = baseline if row.engine != baseline else next((e for e in engines if e != baseline), None)
         if other is not None:
             mine_t = {(r.prompt, r.repeat): r.tokens for r in select(row.type, row.engine)}

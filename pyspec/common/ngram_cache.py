@@ -59,8 +59,7 @@ def _i32(x: int) -> int:
 def _tokens_list(tokens: TokenSequence) -> list[int]:
     """A list of Python ints from a list of ints or a 1-D numpy integer array."""
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"expected a 1-D token array, got shape {tokens.shape}")
+        _check_tokens(tokens)
         return tokens.tolist()
     return [int(t) for t in tokens]
 
