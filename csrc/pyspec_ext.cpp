@@ -17,7 +17,12 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 extern "C" {
 
@@ -144,6 +149,195 @@ void pyspec_sampler_row(llama_context * ctx, int32_t idx, pyspec_sampler_row_dat
         out->row = llama_get_logits_ith(ctx, idx);
     }
     out->token = llama_get_sampled_token_ith(ctx, idx);
+}
+
+// The highest of row[b0, b1) (any one of equal highest) and, in *nan, whether a NaN is
+// among them. On x86-64, SSE in four independent lanes: maxps(x, m) is x > m ? x : m, so a
+// NaN never wins and is looked for beside it (an unordered compare of two rows catches one
+// in either).
+static float block_max(const float * row, int32_t b0, int32_t b1, bool * nan) {
+    float   mx = -INFINITY;
+    bool    nn = false;
+    int32_t i  = b0;
+#if defined(__SSE2__)
+    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    __m128 u0 = _mm_setzero_ps(), u1 = u0;
+    for (; i + 32 <= b1; i += 32) {
+        const __m128 x0 = _mm_loadu_ps(row + i), x1 = _mm_loadu_ps(row + i + 4);
+        const __m128 x2 = _mm_loadu_ps(row + i + 8), x3 = _mm_loadu_ps(row + i + 12);
+        const __m128 x4 = _mm_loadu_ps(row + i + 16), x5 = _mm_loadu_ps(row + i + 20);
+        const __m128 x6 = _mm_loadu_ps(row + i + 24), x7 = _mm_loadu_ps(row + i + 28);
+        m0 = _mm_max_ps(x4, _mm_max_ps(x0, m0));
+        m1 = _mm_max_ps(x5, _mm_max_ps(x1, m1));
+        m2 = _mm_max_ps(x6, _mm_max_ps(x2, m2));
+        m3 = _mm_max_ps(x7, _mm_max_ps(x3, m3));
+        u0 = _mm_or_ps(u0, _mm_or_ps(_mm_cmpunord_ps(x0, x1), _mm_cmpunord_ps(x2, x3)));
+        u1 = _mm_or_ps(u1, _mm_or_ps(_mm_cmpunord_ps(x4, x5), _mm_cmpunord_ps(x6, x7)));
+    }
+    float lanes[4];
+    _mm_storeu_ps(lanes, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
+    for (const float v : lanes) {
+        mx = v > mx ? v : mx;
+    }
+    nn = _mm_movemask_ps(_mm_or_ps(u0, u1)) != 0;
+#endif
+    for (; i < b1; i++) {
+        const float x = row[i];
+        nn |= x != x;
+        mx  = x > mx ? x : mx;
+    }
+    *nan |= nn;
+    return mx;
+}
+
+// The token top-k 1 keeps from a row of logits in token order: std::partial_sort with a
+// strict > keeps the first of the highest. -1 for a row with a NaN (argmax and the sort part
+// ways there) or no logits. One pass in blocks: the first block whose highest is above all
+// before it holds the answer, at its first logit equal to that highest (-0.0 == +0.0 there,
+// as in the sort's comparisons).
+llama_token pyspec_top1(const float * row, int32_t n) {
+    constexpr int32_t BLOCK      = 256;
+    float             best       = -INFINITY;
+    int32_t           best_block = -1;
+    bool              nan        = false;
+    for (int32_t b0 = 0; b0 < n; b0 += BLOCK) {
+        const float mx = block_max(row, b0, std::min(n, b0 + BLOCK), &nan);
+        if (best_block < 0 || mx > best) {
+            best       = mx;
+            best_block = b0;
+        }
+    }
+    if (nan || best_block < 0) {
+        return LLAMA_TOKEN_NULL;
+    }
+    for (int32_t i = best_block;; i++) {
+        if (row[i] == best) {
+            return i;
+        }
+    }
+}
+
+// The greedy shortcut of common_sampler_sample (pyspec.common.sampling) in one call: its
+// llama_synchronize; then, for a row of plain logits, the token the chain [top-k 1, dist]
+// selects, with cur_p left as that chain leaves it (data = buf, buf[0] = {id, logit, 1},
+// size 1, selected 0, sorted) and the time after the synchronization added to *t_us (if given).
+// LLAMA_TOKEN_NULL, cur_p untouched, where the full path must run: a backend-sampled row,
+// no row, a NaN logit.
+llama_token pyspec_sampler_top1(llama_context * ctx, int32_t idx, int32_t n_vocab, llama_token_data_array * cur_p,
+                                llama_token_data * buf, int64_t * t_us) {
+    llama_synchronize(ctx);
+    const int64_t t0 = t_us != nullptr ? ggml_time_us() : 0;
+    if (llama_get_sampled_probs_ith(ctx, idx) != nullptr || llama_get_sampled_logits_ith(ctx, idx) != nullptr) {
+        return LLAMA_TOKEN_NULL;
+    }
+    const float * row = llama_get_logits_ith(ctx, idx);
+    if (row == nullptr || llama_get_sampled_token_ith(ctx, idx) != LLAMA_TOKEN_NULL) {
+        return LLAMA_TOKEN_NULL;
+    }
+    const llama_token id = pyspec_top1(row, n_vocab);
+    if (id == LLAMA_TOKEN_NULL) {
+        return id;
+    }
+    buf[0]          = llama_token_data{ id, row[id], 1.0f };
+    cur_p->data     = buf;
+    cur_p->size     = 1;
+    cur_p->selected = 0;
+    cur_p->sorted   = true;
+    if (t_us != nullptr) {
+        *t_us += ggml_time_us() - t0;
+    }
+    return id;
+}
+
+constexpr int32_t TOPK_BLOCK = 32;
+
+// Whether any of row[0, TOPK_BLOCK) is above thr or a NaN (SSE on x86-64).
+static bool block_has_above(const float * row, float thr) {
+#if defined(__SSE2__)
+    const __m128 t   = _mm_set1_ps(thr);
+    __m128       hit = _mm_setzero_ps();
+    for (int32_t j = 0; j < TOPK_BLOCK; j += 8) {
+        const __m128 x0 = _mm_loadu_ps(row + j), x1 = _mm_loadu_ps(row + j + 4);
+        hit = _mm_or_ps(hit, _mm_or_ps(_mm_cmpgt_ps(x0, t), _mm_cmpgt_ps(x1, t)));
+        hit = _mm_or_ps(hit, _mm_cmpunord_ps(x0, x1));
+    }
+    return _mm_movemask_ps(hit) != 0;
+#else
+    bool hit = false;
+    for (int32_t j = 0; j < TOPK_BLOCK; j++) {
+        hit |= !(row[j] <= thr);  // above, or a NaN
+    }
+    return hit;
+#endif
+}
+
+// The k highest of a row of n logits, highest first, as {id, logit, 0} in buf[0, k): what
+// std::partial_sort with a strict > leaves there where its order is certain, that is where the
+// k highest are distinct and above all others. false otherwise (equal logits there, a NaN), or
+// for k outside 1..PYSPEC_TOPK_MAX or n <= k.
+bool pyspec_topk(const float * row, int32_t n, int32_t k, llama_token_data * buf) {
+    if (k < 1 || k > PYSPEC_TOPK_MAX || n <= k) {
+        return false;
+    }
+    // the k + 1 highest seen so far, highest first (an equal one goes after those before it)
+    float   top[PYSPEC_TOPK_MAX + 1];
+    int32_t ids[PYSPEC_TOPK_MAX + 1];
+    int32_t n_top = 0;
+    for (int32_t i = 0; i < n;) {
+        // once k + 1 are kept, most blocks hold nothing above the lowest of them: skip those whole
+        if (n_top == k + 1 && i + TOPK_BLOCK <= n && !block_has_above(row + i, top[k])) {
+            i += TOPK_BLOCK;
+            continue;
+        }
+        for (const int32_t end = std::min(n, i + TOPK_BLOCK); i < end; i++) {
+            const float x = row[i];
+            if (x != x) {
+                return false;
+            }
+            if (n_top == k + 1 && !(x > top[k])) {
+                continue;
+            }
+            int32_t j = n_top < k + 1 ? n_top++ : k;
+            for (; j > 0 && x > top[j - 1]; j--) {
+                top[j] = top[j - 1];
+                ids[j] = ids[j - 1];
+            }
+            top[j] = x;
+            ids[j] = i;
+        }
+    }
+    for (int32_t j = 0; j < k; j++) {
+        if (!(top[j] > top[j + 1])) {
+            return false;  // equal logits: the sort's order among them is its own
+        }
+    }
+    for (int32_t j = 0; j < k; j++) {
+        buf[j] = llama_token_data{ ids[j], top[j], 0.0f };
+    }
+    return true;
+}
+
+// set_logits and the top-k sampler of common_sampler_sample (pyspec.common.sampling) for a
+// chain [top-k k, dist] and a row of plain logits, without the vocabulary-sized candidate
+// array: pyspec_topk into buf, and cur_p = {buf, k, -1, sorted}. false, cur_p untouched, where
+// pyspec_topk is, for a backend-sampled row and for no row: the full path runs.
+bool pyspec_sampler_topk(llama_context * ctx, int32_t idx, int32_t n_vocab, int32_t k, llama_token_data_array * cur_p,
+                         llama_token_data * buf) {
+    if (llama_get_sampled_probs_ith(ctx, idx) != nullptr || llama_get_sampled_logits_ith(ctx, idx) != nullptr) {
+        return false;
+    }
+    const float * row = llama_get_logits_ith(ctx, idx);
+    if (row == nullptr || llama_get_sampled_token_ith(ctx, idx) != LLAMA_TOKEN_NULL) {
+        return false;
+    }
+    if (!pyspec_topk(row, n_vocab, k, buf)) {
+        return false;
+    }
+    cur_p->data     = buf;
+    cur_p->size     = (size_t) k;
+    cur_p->selected = -1;
+    cur_p->sorted   = true;
+    return true;
 }
 
 // Batch-invariant mode (pyspec.core.context): ggml-cpu's reference switch

@@ -12,7 +12,7 @@ from pyspec import Batch, Context
 from pyspec.common import sampling as smp
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
-from pyspec.ffi import ffi, llama
+from pyspec.ffi import ext, ffi, llama
 from pyspec.reference.sampling import RefSampler
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
@@ -170,7 +170,7 @@ def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
         assert got["logit"].tolist() == want.logits.tolist() and got["p"].tolist() == want.probs.tolist() == [1.0]
         assert (py.s.cur_p.selected, bool(py.s.cur_p.sorted)) == (want.selected, want.sorted)
         # and the same as the full path of the port itself
-        assert py.s.set_logits_top1(py.ctx, idx) == smp.top1_of_row(py.ctx.get_logits_ith(idx))
+        assert py.s.sample_top1(py.ctx.ptr, idx) == int(np.argmax(py.ctx.get_logits_ith(idx)))
 
 
 @pytest.mark.parametrize("params", [
@@ -238,6 +238,100 @@ def test_top1_of_row_keeps_what_the_top_k_sampler_keeps(name):
     else:
         assert smp.top1_of_row(row) == kept
         assert name != "wide-tie" or kept == 77
+
+
+@pytest.mark.parametrize("n", [1, 2, 255, 256, 257, 1000, 32000, 262144])
+def test_top1_scan_equals_argmax_across_blocks(n):
+    """The C scan works in blocks of 256 logits: the first highest wherever it and its ties fall,
+    for rows of every sign and size (numpy's argmax keeps the first of equals too)."""
+    rng = np.random.default_rng(n)
+    rows = [rng.standard_normal(n).astype(np.float32), -np.abs(rng.standard_normal(n)).astype(np.float32) - 1,
+            np.full(n, -np.inf, np.float32), np.full(n, np.float32(1e-42))]  # the last: denormals
+    for spots in ([n - 1], [n // 2, n - 1], [0, n // 3, n - 1], [max(0, n - 257), n - 1]):
+        row = rng.standard_normal(n).astype(np.float32)
+        row[spots] = 50.0
+        rows.append(row)
+    for row in rows:
+        assert smp.top1_of_row(row) == int(np.argmax(row))
+    row = rows[0].copy()
+    row[-1] = np.nan
+    assert smp.top1_of_row(row) == -1
+    assert smp.top1_of_row(np.zeros(0, np.float32)) == -1
+
+
+DRAFT_LIKE = CommonParamsSampling(seed=31, top_k=10, samplers=[S.TOP_K])  # speculative.cpp's draft sampler
+
+
+@pytest.mark.parametrize("params", [DRAFT_LIKE, dataclasses.replace(DRAFT_LIKE, top_k=2, seed=5)], ids=["k10", "k2"])
+def test_top_k_shortcut_gives_the_chains_draw_and_candidates(target_model, params):
+    """[top-k k, dist] sorts the row's k highest alone: on every row of a real batch, the token, the
+    candidates (id, logit, p), the selection and the order equal the C++ sampler's."""
+    py, cpp = Side(target_model, params, cpp=False), Side(target_model, params, cpp=True)
+    assert py.s.plain_top_k == params.top_k and not py.s.top1
+    for side in (py, cpp):
+        side.feed(PROMPT, all_logits=True)
+    for idx in range(len(PROMPT)):
+        buf = ffi.new("llama_token_data[]", params.top_k)
+        row = py.ctx.get_logits_ith(idx)
+        assert ext.pyspec_topk(ffi.cast("const float *", ffi.from_buffer(row)), row.size, params.top_k, buf)
+        assert py.sample(idx) == cpp.sample(idx)
+        got = smp.candidates_array(smp.common_sampler_get_candidates(py.s, False))
+        want = cpp.s.candidates(do_sort=False)
+        assert got["id"].tolist() == want.ids.tolist() and len(got) == params.top_k
+        assert got["logit"].tolist() == want.logits.tolist() and got["p"].tolist() == want.probs.tolist()
+        assert (py.s.cur_p.selected, bool(py.s.cur_p.sorted)) == (want.selected, want.sorted)
+
+
+TOPK_ROWS = {
+    "distinct": ([0.5, 3.0, 1.0, 2.0, -1.0], True),
+    "tie-inside": ([3.0, 1.0, 3.0, 2.0, 0.0], False),
+    "tie-at-the-edge": ([3.0, 1.0, 2.0, 1.0, 0.0], False),
+    "tie-below": ([3.0, 2.0, 1.0, 0.0, 0.0], True),
+    "signed-zeros-at-the-edge": ([1.0, 2.0, -0.0, 0.0, -1.0], False),
+    "minus-inf-below": ([-np.inf, 1.0, 2.0, 3.0, -np.inf], True),
+    "nan": ([0.0, 1.0, np.nan, 2.0, 3.0], False),
+}
+
+
+@pytest.mark.parametrize("name", [*TOPK_ROWS, "wide", "wide-nan", "wide-tie"])
+def test_top_k_scan_is_certain_only_where_the_sort_is(name):
+    """pyspec_topk answers only where std::partial_sort's order is certain, and then as it does
+    (wide rows: past the first blocks, where whole blocks below the kept logits are skipped)."""
+    k = 3
+    if name.startswith("wide"):
+        row = np.random.default_rng(9).standard_normal(32000).astype(np.float32)
+        row[[20000, 31999]] = 7.0, 7.5  # the two highest, far apart
+        if name == "wide-nan":
+            row[30001] = np.nan
+        if name == "wide-tie":
+            row[[25000, 31000]] = 6.5  # the third highest, twice
+        certain = name == "wide"
+    else:
+        values, certain = TOPK_ROWS[name]
+        row = np.array(values, dtype=np.float32)
+    buf = ffi.new("llama_token_data[]", k)
+    assert ext.pyspec_topk(ffi.cast("const float *", ffi.from_buffer(row)), row.size, k, buf) == certain
+    if certain:
+        cand = np.zeros(row.size, dtype=smp.TOKEN_DATA)
+        cand["id"], cand["logit"] = np.arange(row.size), row
+        cur_p = ffi.new("llama_token_data_array *")
+        cur_p.data = ffi.cast("llama_token_data *", ffi.from_buffer(cand))
+        cur_p.size, cur_p.selected, cur_p.sorted = row.size, -1, False
+        top_k = llama.llama_sampler_init_top_k(k)
+        try:
+            llama.llama_sampler_apply(top_k, cur_p)
+        finally:
+            llama.llama_sampler_free(top_k)
+        assert [(buf[j].id, buf[j].logit) for j in range(k)] == [(cand[j]["id"], cand[j]["logit"]) for j in range(k)]
+
+
+def test_top_k_scan_refuses_what_it_cannot_hold():
+    row = np.arange(40, dtype=np.float32)
+    ptr = ffi.cast("const float *", ffi.from_buffer(row))
+    buf = ffi.new("llama_token_data[]", 40)
+    for k, n in ((0, 40), (ext.PYSPEC_TOPK_MAX + 1, 40), (5, 5), (5, 3)):
+        assert not ext.pyspec_topk(ptr, n, k, buf)
+    assert ext.pyspec_topk(ptr, 40, ext.PYSPEC_TOPK_MAX, buf) and buf[0].id == 39
 
 
 def test_greedy_shortcut_ends_for_a_chain_rebuilt_at_the_same_addresses(target_model):

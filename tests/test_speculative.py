@@ -164,3 +164,22 @@ def test_vocab_compatibility_compares_token_texts(target_model, draft_model):
     other = Model(tm.llama_cpp_dir() / "models" / "ggml-vocab-gpt-2.gguf", vocab_only=True)
     assert not sp.common_speculative_are_compatible(target_model, other)
     other.close()
+
+
+def test_a_growing_history_is_checked_where_it_grew():
+    """common_speculative_draft checks the prompt's tokens once: a history that grows between
+    drafts is checked in its new part (whole, it would cost O(context) every step), a new list whole."""
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    history = list(HISTORY)
+    assert draft_once(spec, history, 101)[:4] == [102, 103, 104, 105]
+    history += [101, 2**31]
+    with pytest.raises(ValueError, match="prompt must be integers that fit llama_token"):
+        draft_once(spec, history, 102)
+    history[-1] = 102
+    assert draft_once(spec, history, 103)[:2] == [104, 105]
+    with pytest.raises(ValueError, match="prompt must be integers"):
+        draft_once(spec, [2**31, *HISTORY], 101)  # another list: checked whole
+    with pytest.raises(ValueError, match="id_last must be integers"):
+        draft_once(spec, list(HISTORY), 2**31)
+    with pytest.raises(ValueError, match="id_last must be integers"):
+        draft_once(spec, list(HISTORY), None)  # type: ignore[arg-type]

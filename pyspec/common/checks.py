@@ -30,7 +30,7 @@ from pyspec.core.sampler import (
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import llama
 
-__all__ = ["check_n_accepted", "check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
+__all__ = ["check_llama_token", "check_n_accepted", "check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
            "check_token", "token_array"]
 
 _INT32 = (-(2**31), 2**31 - 1)
@@ -70,6 +70,12 @@ def token_array(tokens: Sequence[int] | np.ndarray, what: str = "tokens") -> np.
         return np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
     except (OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"{what} must be integers that fit llama_token (int32): {e}") from None
+
+
+def check_llama_token(token: Any, what: str) -> None:
+    """token_array's check of one token (a plain int in range passes without numpy)."""
+    if type(token) is not int or not _INT32[0] <= token <= _INT32[1]:
+        token_array([token], what)
 
 
 def check_n_accepted(n_accepted: Any) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pyspec.common.checks import check_output_row, check_sampling_params, check_token
-from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas
+from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas, ggml_time_us
 from pyspec.common.params import CommonParamsSampling, CommonSamplerType
 from pyspec.core.handle import NotCopyable
 from pyspec.errors import SpeculativeError
@@ -67,11 +67,15 @@ class CommonSampler(NotCopyable):
         self._single = ffi.new("llama_token_data_array *")
         self._single_data = ffi.new("llama_token_data *")
         self._row_data = ffi.new("pyspec_sampler_row_data *")
-        self.t_total_us = 0
-        # the chain is [top-k 1, dist] (greedy sampling): set_logits_top1 may stand in for it, until
-        # common_sampler_get hands the chain out (its holder may change it; a freed sampler's
-        # address comes back for the next one, so the chain's pointers cannot tell)
-        self.top1 = _is_top1_chain(params, grmr, chain)
+        self._t_total = ffi.new("int64_t *")  # t_total_us, in C: the greedy shortcut adds to it there
+        self.timed = not params.no_perf
+        self._t_total_arg = self._t_total if self.timed else ffi.NULL
+        # k where the chain is [top-k k, dist] and nothing else, else 0: sampling may then skip the
+        # vocabulary-sized candidate array (sample_top1 for greedy sampling, pyspec_sampler_topk),
+        # until common_sampler_get hands the chain out (its holder may change it; a freed
+        # sampler's address comes back for the next one, so the chain's pointers cannot tell)
+        self.plain_top_k = _plain_top_k(params, grmr, chain)
+        self._cur_k = self._cur_buf[: max(1, self.plain_top_k)]  # self.cur after a shortcut
 
     def reset(self) -> None:
         """Mirrors common_sampler::reset."""
@@ -112,32 +116,32 @@ class CommonSampler(NotCopyable):
         cp.selected = -1
         cp.sorted = False
 
-    def set_logits_top1(self, ctx: Context, idx: int) -> int:
-        """set_logits, then the chain [top-k 1, dist], for a row of plain logits: the token, or
-        LLAMA_TOKEN_NULL where the full path must run (backend-sampled output, no row, a NaN logit).
+    def sample_top1(self, cptr: Any, idx: int) -> int:
+        """llama_synchronize, set_logits and the chain [top-k 1, dist] for a row of plain logits, in one
+        C call (csrc/pyspec_ext.cpp): the token, or LLAMA_TOKEN_NULL where the full path must run
+        (backend-sampled output, no row, a NaN logit). ``cptr`` is the context's pointer, held.
 
         The same result without the vocabulary-sized candidate array: top-k 1 is std::partial_sort
-        with a strict ``>``, which keeps the first of equal highest logits, as argmax does; dist then
-        selects that one candidate with p = 1. cur_p is left as the chain leaves it.
+        with a strict ``>``, which keeps the first of equal highest logits; dist then selects that
+        one candidate with p = 1. cur_p is left as the chain leaves it.
         """
-        rd = self._row_data
-        ext.pyspec_sampler_row(ctx.ptr, idx, rd)
-        if rd.probs != ffi.NULL or rd.logits != ffi.NULL or rd.token != LLAMA_TOKEN_NULL or rd.row == ffi.NULL:
-            return LLAMA_TOKEN_NULL
-        row = np.frombuffer(ffi.buffer(rd.row, 4 * self.n_vocab), dtype=np.float32)
-        id = top1_of_row(row)
-        if id == LLAMA_TOKEN_NULL:
-            return id
-        logit = float(row[id])
-        top = self._cur_ptr[0]
-        top.id, top.logit, top.p = id, logit, 1.0
-        self.cur = self._cur_buf[:1]
-        cp = self.cur_p
-        cp.data = self._cur_ptr
-        cp.size = 1
-        cp.selected = 0
-        cp.sorted = True
+        id = int(ext.pyspec_sampler_top1(cptr, idx, self.n_vocab, self.cur_p, self._cur_ptr, self._t_total_arg))
+        if id != LLAMA_TOKEN_NULL:
+            self.cur = self._cur_k
         return id
+
+    @property
+    def top1(self) -> bool:
+        """Whether sample_top1 stands in for the chain (greedy sampling)."""
+        return self.plain_top_k == 1
+
+    @property
+    def t_total_us(self) -> int:
+        return int(self._t_total[0])
+
+    @t_total_us.setter
+    def t_total_us(self, value: int) -> None:
+        self._t_total[0] = value
 
     def tm(self) -> CommonTimeMeas:
         """Mirrors common_sampler::tm."""
@@ -171,17 +175,19 @@ class CommonSampler(NotCopyable):
 def top1_of_row(row: np.ndarray) -> int:
     """The token top-k 1 keeps from a row of logits in token order: the first of the highest,
     or LLAMA_TOKEN_NULL for a row with a NaN, where argmax (which picks the first NaN) and the
-    comparison-based sort part ways."""
-    id = int(row.argmax())
-    logit = row[id]
-    return LLAMA_TOKEN_NULL if logit != logit else id
+    comparison-based sort part ways. The greedy shortcut's own C scan (pyspec_top1)."""
+    row = np.ascontiguousarray(row, dtype=np.float32).reshape(-1)
+    return int(ext.pyspec_top1(ffi.cast("const float *", ffi.from_buffer(row)), row.size))
 
 
-def _is_top1_chain(params: CommonParamsSampling, grmr, chain) -> bool:
-    """Whether common_sampler_init built exactly [top-k 1, dist] (see CommonSampler.set_logits_top1)."""
-    return (params.mirostat == 0 and list(params.samplers) == [CommonSamplerType.TOP_K] and params.top_k == 1
-            and not params.has_logit_bias() and not params.backend_sampling and grmr == ffi.NULL
-            and llama.llama_sampler_chain_n(chain) == 2)
+def _plain_top_k(params: CommonParamsSampling, grmr, chain) -> int:
+    """k where common_sampler_init built exactly [top-k k, dist] (see CommonSampler.plain_top_k) and
+    k <= PYSPEC_TOPK_MAX (the C scan keeps k + 1 logits in a sorted array), else 0."""
+    plain = (params.mirostat == 0 and list(params.samplers) == [CommonSamplerType.TOP_K]
+             and 1 <= params.top_k <= ext.PYSPEC_TOPK_MAX
+             and not params.has_logit_bias() and not params.backend_sampling and grmr == ffi.NULL
+             and llama.llama_sampler_chain_n(chain) == 2)
+    return int(params.top_k) if plain else 0
 
 
 def _chain(gsmpl: CommonSampler):
@@ -307,17 +313,20 @@ def common_sampler_accept(gsmpl: CommonSampler | None, token: int, is_generated:
     if gsmpl is None:
         return
     token = check_token(int(token), gsmpl.n_vocab)  # the C++ indexes its vocabulary with it
-    with gsmpl.tm():
-        accept_grammar = is_generated and grammar_should_apply(gsmpl)
-        if accept_grammar:
-            # a token the grammar does not allow throws through llama.cpp's C API (the process ends)
-            err = ffi.new("char[]", 512)
-            vptr = gsmpl.model.vocab.ptr if gsmpl.model is not None else ffi.NULL
-            if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token, err, 512) != 0:
-                raise SpeculativeError(ffi.string(err).decode(errors="replace"))
-            llama.llama_sampler_accept(gsmpl.grmr, token)
-        llama.llama_sampler_accept(_chain(gsmpl), token)
-        gsmpl.prev.append(token)
+    chain = _chain(gsmpl)
+    t_start_us = ggml_time_us() if gsmpl.timed else -1  # gsmpl->tm(), inline: a call per token
+    accept_grammar = is_generated and grammar_should_apply(gsmpl)
+    if accept_grammar:
+        # a token the grammar does not allow throws through llama.cpp's C API (the process ends)
+        err = ffi.new("char[]", 512)
+        vptr = gsmpl.model.vocab.ptr if gsmpl.model is not None else ffi.NULL
+        if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token, err, 512) != 0:
+            raise SpeculativeError(ffi.string(err).decode(errors="replace"))
+        llama.llama_sampler_accept(gsmpl.grmr, token)
+    llama.llama_sampler_accept(chain, token)
+    gsmpl.prev.append(token)
+    if t_start_us >= 0:
+        gsmpl._t_total[0] += ggml_time_us() - t_start_us
 
 
 def common_sampler_reset(gsmpl: CommonSampler | None) -> None:
@@ -333,7 +342,7 @@ def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     grmr = llama.llama_sampler_clone(gsmpl.grmr) if gsmpl.grmr != ffi.NULL else ffi.NULL
     out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab, gsmpl.model)
     out.prev = deque(gsmpl.prev, maxlen=gsmpl.prev.maxlen)
-    out.top1 = gsmpl.top1  # a copy of a chain that was handed out is no longer known to be [top-k 1, dist]
+    out.plain_top_k = gsmpl.plain_top_k  # a copy of a chain that was handed out is not known to be plain
     n = int(gsmpl.cur.size)
     # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
     ffi.memmove(out._cur_ptr, gsmpl._cur_ptr, n * TOKEN_DATA.itemsize)
@@ -348,19 +357,30 @@ def common_sampler_get(gsmpl: CommonSampler | None):
     if gsmpl is None:
         return ffi.NULL
     chain = _chain(gsmpl)
-    gsmpl.top1 = False
+    gsmpl.plain_top_k = 0
     return chain
 
 
 def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_first: bool = False) -> int:
     """Mirrors common_sampler_sample (sampling.cpp)."""
-    with ctx.held() as cptr:  # no other thread may decode on ctx while its outputs are read
+    cptr = ctx._enter_compute()  # ctx.held(): no other thread may decode on ctx while its outputs are read
+    try:
         return _sample(gsmpl, ctx, cptr, idx, grammar_first)
+    finally:
+        ctx._leave()
 
 
 def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: bool) -> int:
     chain = _chain(gsmpl)
     check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
+
+    # greedy sampling: the chain's result without filling the candidate array (not in the C++)
+    k = gsmpl.plain_top_k
+    if k == 1:
+        id = gsmpl.sample_top1(cptr, idx)
+        if id != LLAMA_TOKEN_NULL:
+            return id
+
     llama.llama_synchronize(cptr)
 
     # measure after the synchronization so ongoing async work is not counted
@@ -368,23 +388,22 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
         grmr = gsmpl.grmr
         cur_p = gsmpl.cur_p  # initialized by set_logits
 
-        # greedy sampling: the chain's result without filling the candidate array (not in the C++)
-        if gsmpl.top1:
-            id = gsmpl.set_logits_top1(ctx, idx)
+        if k > 1 and ext.pyspec_sampler_topk(cptr, idx, gsmpl.n_vocab, k, cur_p, gsmpl._cur_ptr):
+            # [top-k k, dist]: set_logits and the top-k sort on the row's k highest alone, where the
+            # sort's order is certain (not in the C++); the chain's top-k keeps them as they are
+            gsmpl.cur = gsmpl._cur_k
+        else:
+            gsmpl.set_logits(ctx, idx)
+
+            # a backend sampler may have sampled already: then return its token directly
+            id = int(gsmpl._row_data.token)  # llama_get_sampled_token_ith, read by set_logits
             if id != LLAMA_TOKEN_NULL:
+                if grmr != ffi.NULL:
+                    raise SpeculativeError("using grammar in combination with backend sampling is not supported")
+                hits = np.flatnonzero(gsmpl.cur["id"] == id)
+                if hits.size:
+                    cur_p.selected = int(hits[0])
                 return id
-
-        gsmpl.set_logits(ctx, idx)
-
-        # a backend sampler may have sampled already: then return its token directly
-        id = int(gsmpl._row_data.token)  # llama_get_sampled_token_ith, read by set_logits
-        if id != LLAMA_TOKEN_NULL:
-            if grmr != ffi.NULL:
-                raise SpeculativeError("using grammar in combination with backend sampling is not supported")
-            hits = np.flatnonzero(gsmpl.cur["id"] == id)
-            if hits.size:
-                cur_p.selected = int(hits[0])
-            return id
 
         if grammar_first and grammar_should_apply(gsmpl):
             llama.llama_sampler_apply(grmr, cur_p)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.common.checks import check_n_accepted, check_speculative_params, token_array
+from pyspec.common.checks import check_llama_token, check_n_accepted, check_speculative_params, token_array
 from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
@@ -176,6 +176,10 @@ class CommonSpeculativeDraftParams:
     prompt: Sequence[int] = field(default_factory=list)
 
     result: list[int] = field(default_factory=list)
+
+    # the prompt object common_speculative_draft checked last, and how much of it (not in the C++)
+    checked_prompt: Sequence[int] | None = field(default=None, repr=False, compare=False)
+    n_checked: int = field(default=0, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -1631,8 +1635,8 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
         if dp.drafting:
             n_drafting += 1
             # a std::vector<llama_token> and a llama_token in the C++
-            token_array(dp.prompt, "prompt")
-            token_array([dp.id_last], "id_last")
+            _check_draft_prompt(dp)
+            check_llama_token(dp.id_last, "id_last")
 
     if n_drafting == 0:
         return
@@ -1676,6 +1680,22 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
     for dp in dparams:
         if dp.drafting:
             dp.drafting = False
+
+
+def _check_draft_prompt(dp: CommonSpeculativeDraftParams) -> None:
+    """token_array's check of dp.prompt for the part of it not checked before.
+
+    A caller's history grows by a few tokens a step: checked whole, it would cost O(context) every
+    step. The C++ reads the caller's vector through a pointer; tokens changed in place in the part
+    already checked are not checked again (the port reads them as Python ints; nothing overflows)."""
+    prompt = dp.prompt
+    n = len(prompt)
+    start = dp.n_checked if dp.checked_prompt is prompt and n >= dp.n_checked else 0
+    if start == 0:
+        token_array(prompt, "prompt")
+    elif start < n:
+        token_array(prompt[start:], "prompt")
+    dp.checked_prompt, dp.n_checked = prompt, n
 
 
 def common_speculative_accept(spec: CommonSpeculative, seq_id: int, n_accepted: int) -> None:

@@ -62,6 +62,7 @@ _POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_call
 _THREAD_FIELDS = {"n_threads", "n_threads_batch"}
 # architectures whose graph (src/models/<arch>.cpp) records each layer's input: on any
 # other, a decode with set_embeddings_layer_inp enabled hits a GGML_ASSERT and aborts
+_NO_LAYERS: frozenset[int] = frozenset()  # what _layer_inp_ready holds after a decode that kept no layer inputs
 _LAYER_INP_ARCHS = {"llama", "qwen3", "qwen3moe", "gpt-oss", "gemma4"}
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): ggml's per-thread tables have this many entries
 _STATE_FLAGS_HOST = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; ON_DEVICE (2) keeps the data off the host
@@ -289,7 +290,7 @@ class Context(Handle):
         self._nextn_masked = True
         self._nextn_ready = False
         self._layer_inp_on: set[int] = set()
-        self._layer_inp_ready: set[int] = set()
+        self._layer_inp_ready: frozenset[int] | set[int] = _NO_LAYERS
 
     def _init_from_model(self, model: Model, cparams: Any) -> Any:
         if self._rpc is not None:
@@ -401,6 +402,16 @@ class Context(Handle):
         if other is not None and not other._busy.acquire(blocking=False):
             self._busy.release()
             raise ConcurrentUseError("the context this one reads (ctx_other) is in use by another thread")
+        return ptr
+
+    def _enter_compute(self) -> Any:
+        """_enter() for C code that may compute on this context (held(), the port's sampler)."""
+        ptr = self._enter()
+        try:
+            fork.note_compute(self._threads)
+        except BaseException:
+            self._leave()
+            raise
         return ptr
 
     def _leave(self) -> None:
@@ -520,7 +531,7 @@ class Context(Handle):
         self._n_tokens = n
         self._embd_ready = self._embeddings
         self._nextn_ready = self._nextn_on
-        self._layer_inp_ready = set(self._layer_inp_on)
+        self._layer_inp_ready = set(self._layer_inp_on) if self._layer_inp_on else _NO_LAYERS
 
     def encode(self, batch: AnyBatch) -> None:
         """Mirrors llama_encode (llama.h); a non-zero result raises DecodeError."""
@@ -952,7 +963,7 @@ class Context(Handle):
         self._outputs = np.zeros(0, np.int32)
         self._n_outputs = self._n_tokens = 0
         self._embd_ready = self._nextn_ready = False
-        self._layer_inp_ready = set()
+        self._layer_inp_ready = _NO_LAYERS
 
     def close(self) -> None:
         """Free the context (deferred while an MTP/EAGLE3 context still uses it); refused mid-decode."""
@@ -1121,14 +1132,7 @@ class _Held:
         self._ctx = ctx
 
     def __enter__(self) -> Any:
-        ctx = self._ctx
-        ptr = ctx._enter()
-        try:
-            fork.note_compute(ctx._threads)
-        except BaseException:
-            ctx._leave()
-            raise
-        return ptr
+        return self._ctx._enter_compute()
 
     def __exit__(self, *exc: object) -> None:
         self._ctx._leave()

@@ -37,6 +37,21 @@ typedef struct pyspec_sampler_row_data {
     llama_token   token;      /* the backend-sampled token, or LLAMA_TOKEN_NULL */
 } pyspec_sampler_row_data;
 void pyspec_sampler_row(struct llama_context * ctx, int32_t idx, pyspec_sampler_row_data * out);
+/* the token top-k 1 keeps from a row of n logits (the first of the highest); -1 for a NaN or n < 1 */
+llama_token pyspec_top1(const float * row, int32_t n);
+/* common_sampler_sample for the chain [top-k 1, dist]: synchronize, then the row's top-1 token with
+   cur_p (its data = buf) as that chain leaves it and the time added to *t_us (if not NULL);
+   -1: run the full path */
+llama_token pyspec_sampler_top1(struct llama_context * ctx, int32_t idx, int32_t n_vocab,
+                                llama_token_data_array * cur_p, llama_token_data * buf, int64_t * t_us);
+/* the k highest of a row of n logits, highest first, where std::partial_sort's order is certain
+   (distinct, above all others; no NaN): true and buf[0, k) = {id, logit, 0}; else false */
+#define PYSPEC_TOPK_MAX 32
+bool pyspec_topk(const float * row, int32_t n, int32_t k, llama_token_data * buf);
+/* set_logits + the top-k sampler of a chain [top-k k, dist] for a row of plain logits: cur_p = the
+   k highest, sorted, in buf; false, cur_p untouched, where pyspec_topk is or the full path must run */
+bool pyspec_sampler_topk(struct llama_context * ctx, int32_t idx, int32_t n_vocab, int32_t k,
+                         llama_token_data_array * cur_p, llama_token_data * buf);
 
 /* csrc/pyspec_batch.cpp: a batch's checks before llama_decode and its output rows, in one pass */
 typedef struct pyspec_batch_info {

@@ -231,6 +231,7 @@ class Engine:
                 "no implementations specified for speculative decoding "
                 "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
         self.vocab = ctx_tgt.model.vocab
+        self._token_info: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation), for _emit
         self.n_vocab = self.vocab.n_tokens
         self.n_ctx_seq = ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
@@ -497,6 +498,8 @@ class Engine:
 
     def step(self) -> bool:
         """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
+        if self._held and self._thread is None and not self._closed:  # what claim() checks when held
+            return self._step()
         with self.claim():
             return self._step()
 
@@ -862,7 +865,7 @@ class Engine:
                 s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, list(s.tokens)))
+                requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, s.tokens))  # read, not kept
                 s.spec_cap = n_draft_max
                 drafting.append(s)
             if requests:
@@ -1101,31 +1104,35 @@ class Engine:
         """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
         job = s.job
         assert job is not None
-        now = time.perf_counter()
         if not job.generated:
+            now = time.perf_counter()
             job.t_first = now
             job.stats.t_prompt_ms = (now - job.t_start) * 1e3
             job.stats.t_first_token_ms = (now - job.handle.t_submit) * 1e3
-        new_tokens: list[int] = []
         new_probs: list[TokenLogprob] = []
+        n_probs = job.request.n_probs
+        token_info = self._token_info
         reason = ""
+        n_new = 0
         for tok, idx in zip(toks, idxs, strict=True):
-            s.sampled = tok
-            job.generated.append(tok)
-            new_tokens.append(tok)
-            if job.request.n_probs > 0:
-                lp = self._logprob(idx, tok, job.request.n_probs)
+            n_new += 1
+            if n_probs > 0:
+                lp = self._logprob(idx, tok, n_probs)
                 job.logprobs.append(lp)
                 new_probs.append(lp)
             if job.n_remaining > 0:
                 job.n_remaining -= 1
-            piece = job.pending + self.vocab.token_to_piece_bytes(tok, special=False)
+            info = token_info.get(tok)
+            if info is None:  # a vocabulary does not change: each token's piece and end-of-generation flag once
+                info = token_info[tok] = (self.vocab.token_to_piece_bytes(tok, special=False), self.vocab.is_eog(tok))
+            piece, is_eog = info
+            if job.pending:
+                piece = job.pending + piece
             try:
                 text = piece.decode("utf-8")
                 job.pending = b""
             except UnicodeDecodeError:
                 job.pending, text = piece, ""  # wait for the rest of the character
-            is_eog = self.vocab.is_eog(tok)
             if text and not is_eog:
                 before = len(job.text)
                 job.text += text
@@ -1141,10 +1148,14 @@ class Engine:
             if job.n_remaining == 0:
                 reason = "n_predict"
                 break
+        new_tokens = toks[:n_new]
+        if new_tokens:
+            s.sampled = new_tokens[-1]
+            job.generated.extend(new_tokens)
         if not reason and len(s.tokens) + 1 >= self.n_ctx_seq:
             reason = "context"
         # release the text that can no longer turn into a stop string
-        end = len(job.text) if reason else len(job.text) - _partial_stop(job.text, job.stop)
+        end = len(job.text) if reason or not job.stop else len(job.text) - _partial_stop(job.text, job.stop)
         out = job.text[job.n_sent : end] if end > job.n_sent else ""
         job.n_sent = max(job.n_sent, end)
         if out or new_tokens:
