@@ -86,7 +86,10 @@ def test_memory_sequence_operations_move_positions(target_model):
     assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == (10, 13)
 
     mem.seq_div(1, 0, -1, 2)
-    assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == (5, 6)
+    assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == mem.seq_pos_range(1) == (5, 6)
+    assert mem.seq_pos_range(0) == (mem.seq_pos_min(0), mem.seq_pos_max(0))
+    with pytest.raises(ValueError, match="seq_id 2 out of range"):
+        mem.seq_pos_range(2)
 
     mem.seq_keep(1)
     assert mem.seq_pos_max(0) == -1 and mem.seq_pos_max(1) == 6

@@ -287,9 +287,13 @@ def common_ngram_cache_update(
 
     for ngram_size in range(ngram_min, ngram_max + 1):
         i_start = max(inp_size - nnew, ngram_size)
+        pad = _NULL_TOKENS[LLAMA_NGRAM_MAX - ngram_size] if 0 <= ngram_size <= LLAMA_NGRAM_MAX else None
         for i in range(i_start, inp_size):
             ngram_start = i - ngram_size
-            ngram = CommonNgram(inp, ngram_size, ngram_start)
+            if pad is not None:  # CommonNgram(inp, ngram_size, ngram_start) for a window inside inp, built directly
+                ngram = tuple.__new__(CommonNgram, inp[ngram_start:i] + pad)
+            else:
+                ngram = CommonNgram(inp, ngram_size, ngram_start)
             token = inp[i]
 
             part = ngram_cache.get(ngram)
@@ -327,6 +331,23 @@ def get_token(inp: TokenSequence, draft: Sequence[int], i: int) -> int:
         # LLAMA_TOKEN_NULL never starts a cached n-gram, so that n-gram finds nothing, as in the C++.
         return LLAMA_TOKEN_NULL
     return int(inp[i] if i < len(inp) else draft[1 + i - len(inp)])
+
+
+def _ngram_at(inp: TokenSequence, draft: Sequence[int], start: int, size: int) -> CommonNgram:
+    """The common_ngram whose tokens[j - start] = get_token(inp, draft, j) for j in start .. start +
+    size - 1 (common_ngram_cache_draft's loops), with one slice where they all lie in inp."""
+    if size <= 0:
+        return CommonNgram()
+    if 0 <= start and start + size <= len(inp):
+        head = inp[start : start + size]
+        if type(head) is not list:
+            head = [int(t) for t in head]
+    else:
+        head = [get_token(inp, draft, j) for j in range(start, start + size)]
+    return tuple.__new__(CommonNgram, head + _NULL_TOKENS[LLAMA_NGRAM_MAX - size])
+
+
+_NO_PART: Mapping[int, int] = {}  # the empty common_ngram_cache_part an n-gram not in a cache reads
 
 
 # If sample size or percentage are below these thresholds the draft is aborted early:
@@ -464,20 +485,14 @@ def common_ngram_cache_draft(
         drafted_token = LLAMA_TOKEN_NULL
 
         ngram_start_static = inp_size - LLAMA_NGRAM_STATIC + len(draft) - 1
-        tokens = [LLAMA_TOKEN_NULL] * LLAMA_NGRAM_MAX
-        for j in range(ngram_start_static, ngram_start_static + LLAMA_NGRAM_STATIC):
-            tokens[j - ngram_start_static] = get_token(inp, draft, j)
-        ngram_static = CommonNgram(tokens, LLAMA_NGRAM_MAX)
-        part_static: Mapping[int, int] = nc_static.get(ngram_static, {})
+        ngram_static = _ngram_at(inp, draft, ngram_start_static, LLAMA_NGRAM_STATIC)
+        part_static: Mapping[int, int] = nc_static.get(ngram_static, _NO_PART)
 
         # cd = context + dynamic
         ngrams_cd = []
         for ngram_size_cd in range(ngram_min, ngram_max + 1):
             ngram_start_cd = inp_size - ngram_size_cd + len(draft) - 1
-            tokens = [LLAMA_TOKEN_NULL] * LLAMA_NGRAM_MAX
-            for j in range(ngram_start_cd, ngram_start_cd + ngram_size_cd):
-                tokens[j - ngram_start_cd] = get_token(inp, draft, j)
-            ngrams_cd.append(CommonNgram(tokens, LLAMA_NGRAM_MAX))
+            ngrams_cd.append(_ngram_at(inp, draft, ngram_start_cd, ngram_size_cd))
         if drafted_token == LLAMA_TOKEN_NULL:
             drafted_token = try_draft(
                 nc_context, ngrams_cd, part_static, draft_min_sample_size_lax, draft_min_percent_lax)

@@ -78,6 +78,8 @@ __all__ = [
 
 logger = logging.getLogger("pyspec.common.speculative")
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
 
@@ -182,7 +184,7 @@ class CommonSpeculativeDraftParams:
     n_checked: int = field(default=0, repr=False, compare=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DraftRequest:
     """What a caller sets in one sequence's draft params before common_speculative_draft.
 
@@ -198,9 +200,11 @@ class DraftRequest:
 
     def __post_init__(self) -> None:
         # int32 fields in the C++ (llama_seq_id, int32_t, llama_pos, llama_token)
-        for name in ("seq_id", "n_max", "n_past", "id_last"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not -(2**31) <= int(v) < 2**31:
+        for name, v in (("seq_id", self.seq_id), ("n_max", self.n_max), ("n_past", self.n_past),
+                        ("id_last", self.id_last)):
+            if type(v) is int and _INT32_MIN <= v <= _INT32_MAX:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not _INT32_MIN <= int(v) <= _INT32_MAX:
                 raise ValueError(f"DraftRequest.{name} must be an int32, got {v!r}")
 
 
@@ -1661,8 +1665,10 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
                         del result[dp.n_max :]
 
                 if result:
-                    logger.debug("called impl %s, hist size = %d, call_count = %d, gen = %d",
-                                 common_speculative_type_to_str(impl.type), len(dp.prompt), impl.n_call_draft, len(result))
+                    if logger.isEnabledFor(logging.DEBUG):  # its arguments cost a step's worth of a fast draft
+                        logger.debug("called impl %s, hist size = %d, call_count = %d, gen = %d",
+                                     common_speculative_type_to_str(impl.type), len(dp.prompt), impl.n_call_draft,
+                                     len(result))
 
                     # remember which implementation was used
                     spec.impl_last[seq_id] = impl
@@ -1694,7 +1700,10 @@ def _check_draft_prompt(dp: CommonSpeculativeDraftParams) -> None:
     if start == 0:
         token_array(prompt, "prompt")
     elif start < n:
-        token_array(prompt[start:], "prompt")
+        for t in prompt[start:]:  # a few tokens: numpy's conversion would cost more than the check
+            if type(t) is not int or not _INT32_MIN <= t <= _INT32_MAX:
+                token_array(prompt[start:], "prompt")  # converts what numpy does, says what does not fit
+                break
     dp.checked_prompt, dp.n_checked = prompt, n
 
 

@@ -111,5 +111,16 @@ class Memory:
     def seq_pos_max(self, seq_id: int) -> int:
         return int(self._call(llama.llama_memory_seq_pos_max, self.check_seq(seq_id)))
 
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) of seq_id in one call: the generation loop asks for both every step."""
+        seq = self.check_seq(seq_id)
+        ctx = self._ctx
+        cptr = ctx._enter()
+        try:
+            mem = llama.llama_get_memory(cptr)
+            return int(llama.llama_memory_seq_pos_min(mem, seq)), int(llama.llama_memory_seq_pos_max(mem, seq))
+        finally:
+            ctx._leave()
+
     def can_shift(self) -> bool:
         return bool(self._call(llama.llama_memory_can_shift))

@@ -124,8 +124,8 @@ class PortBackend(_SamplerSlots):
 
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         spec = self.spec
-        for seq_id in range(self.n_seq):
-            sp.common_speculative_get_draft_params(spec, seq_id).drafting = False
+        for dp in spec.dparams:
+            dp.drafting = False
         out: dict[int, list[int]] = {}
         for r in requests:
             dp = sp.common_speculative_get_draft_params(spec, r.seq_id)

@@ -222,6 +222,10 @@ class Engine:
         self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
         if self.ctx_dft is not None:
             self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
+        # a draft's checkpoint positions are read only by a draft context's rollback and a target's
+        # checkpoint restore: without either, the two memory queries a step are skipped
+        self._spec_ckpt_pos = self.ctx_dft is not None or self.ctx_tgt_seq_rm_type in (
+            CommonContextSeqRmType.FULL, CommonContextSeqRmType.RS)
 
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
         wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
@@ -861,8 +865,8 @@ class Engine:
                 n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0:
                     continue  # no room
-                mem = ctx_tgt.memory
-                s.spec_ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
+                if self._spec_ckpt_pos:
+                    s.spec_ckpt.update_pos(len(s.tokens), *ctx_tgt.memory.seq_pos_range(s.id))
                 if use_ckpt_dft_full:
                     s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, s.tokens))  # read, not kept
@@ -947,7 +951,8 @@ class Engine:
         if not self._draft_catch_up:
             if not eng.process(batch):
                 raise PyspecError("failed to process speculative batch")
-            self._event("process", n_tokens=batch.n_tokens)
+            if self.on_event is not None:
+                self._event("process", n_tokens=batch.n_tokens)
 
         # slots whose prompt ended begin speculation; slots without a draft sample
         for s in self.slots:
@@ -1025,7 +1030,7 @@ class Engine:
     def _prompt_checkpoint(self, s: _Slot) -> None:
         mem = self.ctx_tgt.memory
         ckpt = CommonPromptCheckpoint()
-        ckpt.update_pos(len(s.tokens), mem.seq_pos_min(s.id), mem.seq_pos_max(s.id))
+        ckpt.update_pos(len(s.tokens), *mem.seq_pos_range(s.id))
         ckpt.update_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         s.checkpoints.append(ckpt)
@@ -1072,7 +1077,8 @@ class Engine:
         if self.draft_ctl is not None and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_full)
-        self._event("accept", seq_id=s.id, accepted=list(accepted))
+        if self.on_event is not None:
+            self._event("accept", seq_id=s.id, accepted=list(accepted))
 
         # the memory keeps the prompt, the sampled token and the accepted draft tokens
         del s.tokens[len(s.tokens) - n_draft :]
