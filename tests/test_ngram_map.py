@@ -287,3 +287,55 @@ def test_values_array_has_max_values_slots():
     mp = CommonNgramMap(2, 2, False, 1)
     common_ngram_map_draft(mp, [1, 2, 7, 8, 1, 2, 7, 8, 5, 1], 2, [])
     assert len(mp.keys[0].values) == COMMON_NGRAM_MAX_VALUES
+
+
+# --- the searches' fast paths against the C++ loops ---------------------------------
+
+
+def _rfind_loop(tokens, pattern, j_hi, j_lo):
+    for j in range(j_hi, j_lo, -1):  # for (j = j_hi; j > j_lo; --j)
+        if list(tokens[j : j + len(pattern)]) == list(pattern):
+            return j
+    return 0
+
+
+def test_rfind_takes_the_last_candidates_one_by_one_then_numpy_chunks():
+    """The search looks at the last _SCAN_FIRST candidates in Python, then in numpy chunks: every
+    range, near and far matches, and no match give the C++ loop's answer."""
+    from pyspec.common.ngram_map import _SCAN_FIRST, _rfind_ngram
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 6, 3000).tolist()
+    n_far = 0
+    for _ in range(400):
+        n = int(rng.integers(1, 5))
+        j_lo = int(rng.integers(0, 2000))
+        j_hi = int(rng.integers(j_lo, len(tokens) - n + 1))
+        pattern = tokens[int(rng.integers(0, len(tokens) - n)):][:n] if rng.random() < 0.8 else [9] * n
+        got = _rfind_ngram(tokens, pattern, j_hi, j_lo)
+        assert got == _rfind_loop(tokens, pattern, j_hi, j_lo)
+        n_far += got != 0 and got < j_hi - _SCAN_FIRST
+    assert n_far > 10  # the numpy chunks found matches too
+    with pytest.raises(IndexError, match="past the end"):
+        _rfind_ngram(tokens, [1, 2], len(tokens) - 1, 0)
+
+
+@pytest.mark.parametrize("count", [1, 5, 32, 33, 300])
+def test_key_map_add_in_python_and_numpy_fills_as_the_loop(count):
+    """A few new n-grams are hashed one by one, many in numpy: each fills key_map as the C++ loop."""
+    from pyspec.common.ngram_map import _key_map_add
+
+    rng = np.random.default_rng(count)
+    tokens = rng.integers(0, 50, 600).tolist()
+    n, j_lo = 3, 100
+    for size in (7, COMMON_NGRAM_HASH_MAP_SIZE):  # 7 slots: collisions everywhere
+        m = CommonNgramMap(n, 2, True, 1)
+        m.key_map = np.zeros(size, dtype=np.uint32)
+        m.key_map[[1, 2]] = 77  # taken slots stay as they are
+        want = m.key_map.copy()
+        for j in range(j_lo + count, j_lo, -1):
+            h = common_ngram_map_hash(tokens, j, n) % size
+            if want[h] == 0:
+                want[h] = j
+        _key_map_add(m, tokens, j_lo + count, j_lo, n)
+        assert m.key_map.tolist() == want.tolist()

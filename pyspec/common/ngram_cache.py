@@ -279,8 +279,10 @@ def common_ngram_cache_update(
         # with a negative size and nnew > len(inp) the C++ reads before inp's start
         raise ValueError(f"common_ngram_cache_update: ngram_min must be >= 0, got {ngram_min}")
     inp = _tokens_list(inp)
-    t_start_ms = time.monotonic_ns() // 1_000_000
     inp_size = len(inp)
+    if max(inp_size - nnew, ngram_min) >= inp_size:
+        return  # no n-gram ends in the new tokens: the loops below would run empty
+    t_start_ms = time.monotonic_ns() // 1_000_000
 
     n_todo = inp_size * (ngram_max - ngram_min + 1)
     n_done = 0
@@ -493,14 +495,15 @@ def common_ngram_cache_draft(
         for ngram_size_cd in range(ngram_min, ngram_max + 1):
             ngram_start_cd = inp_size - ngram_size_cd + len(draft) - 1
             ngrams_cd.append(_ngram_at(inp, draft, ngram_start_cd, ngram_size_cd))
+        # try_draft's overloads, called directly
         if drafted_token == LLAMA_TOKEN_NULL:
-            drafted_token = try_draft(
+            drafted_token = _try_draft_primary(
                 nc_context, ngrams_cd, part_static, draft_min_sample_size_lax, draft_min_percent_lax)
         if drafted_token == LLAMA_TOKEN_NULL:
-            drafted_token = try_draft(
+            drafted_token = _try_draft_primary(
                 nc_dynamic, ngrams_cd, part_static, draft_min_sample_size_strict, draft_min_percent_strict)
         if drafted_token == LLAMA_TOKEN_NULL:
-            drafted_token = try_draft(nc_static, ngram_static)
+            drafted_token = _try_draft_static(nc_static, ngram_static)
 
         if drafted_token == LLAMA_TOKEN_NULL:
             break

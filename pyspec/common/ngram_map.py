@@ -77,20 +77,30 @@ def common_tokens_to_str(inp: TokenSequence, start: int, length: int) -> str:
     return "[" + ", ".join(str(int(inp[start + i])) for i in range(length)) + "]"
 
 
+_SCAN_FIRST = 32  # positions the n-gram searches take one by one before numpy's chunks
+
+
 def _rfind_ngram(tokens: TokenSequence, pattern: Sequence[int], j_hi: int, j_lo: int) -> int:
     """``for (j = j_hi; j > j_lo; --j) if (tokens[j..j+len) == pattern) return j; return 0;``
 
-    Scans backwards in growing numpy chunks, so a match near the end costs
-    little, as in the C++, and a long history is not walked token by token.
+    The last _SCAN_FIRST candidates one by one, then backwards in growing numpy
+    chunks: a match near the end costs little, as in the C++, and a long history
+    is not walked token by token.
     """
     n = len(pattern)
     if j_hi <= j_lo:
         return 0
     if n == 0:
         return j_hi
+    if j_hi + n > len(tokens):
+        raise IndexError(f"n-gram search reads past the end of the history ({len(tokens)} tokens)")
+    # the last few candidates one by one: a match is often recent, and numpy's set-up costs more
+    end = max(j_lo, j_hi - _SCAN_FIRST)
+    for j in range(j_hi, end, -1):
+        if _match_at(tokens, j, pattern, n):
+            return j
     pat = np.asarray(pattern, dtype=np.int64)
     chunk = 256
-    end = j_hi  # highest candidate not yet checked
     while end > j_lo:
         start = max(j_lo + 1, end - chunk + 1)
         count = end - start + 1
@@ -358,6 +368,15 @@ def _key_map_add(map: CommonNgramMap, inp: TokenSequence, j_hi: int, j_lo: int, 
     if j_hi <= j_lo:
         return
     count = j_hi - j_lo
+    if count <= _SCAN_FIRST:  # a step adds a few n-grams: the loop itself costs less than numpy's set-up
+        if j_hi + n > len(inp):
+            raise IndexError(f"key_map update reads past the end of the history ({len(inp)} tokens)")
+        key_map, size = map.key_map, map.key_map.size
+        for j in range(j_hi, j_lo, -1):
+            idx_hash = common_ngram_map_hash(inp, j, n) % size
+            if key_map[idx_hash] == 0:
+                key_map[idx_hash] = j
+        return
     window = np.asarray(inp[j_lo + 1 : j_hi + n], dtype=np.int64)
     if window.shape[0] != count + n - 1:
         raise IndexError(f"key_map update reads past the end of the history ({len(inp)} tokens)")

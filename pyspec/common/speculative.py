@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 
 from pyspec.common.checks import check_llama_token, check_n_accepted, check_speculative_params, token_array
-from pyspec.common.common import CommonTimeMeas, common_batch_add, common_batch_clear, common_token_to_piece
+from pyspec.common.common import (
+    CommonTimeMeas,
+    common_batch_add,
+    common_batch_clear,
+    common_token_to_piece,
+    ggml_time_us,
+)
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
     LLAMA_NGRAM_MIN,
@@ -1198,9 +1204,9 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
 
             sinfo.i_last = cur_len - n
 
-        # result = [last n-1 prompt tokens, id_last, drafted...]
-        buf = np.zeros(n + max(self.params.n_max, 0), dtype=np.int32)
-        buf[: n - 1] = np.asarray(prompt[cur_len - n + 1 : cur_len], dtype=np.int32)
+        # result = [last n-1 prompt tokens, id_last, drafted...] (a list: mod.get reads it token by token)
+        buf = [0] * (n + max(self.params.n_max, 0))
+        buf[: n - 1] = [int(t) for t in prompt[cur_len - n + 1 : cur_len]]
         buf[n - 1] = dparams.id_last
         size = n + max(self.params.n_max, 0)
 
@@ -1216,7 +1222,7 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
             buf[n + i] = token
 
         # only return the m tokens that were drafted
-        result[:] = buf[n:size].tolist()
+        result[:] = buf[n:size]
 
         # store length of drafted n-gram for later acceptance analysis
         sinfo.n_draft_last = len(result)
@@ -1646,9 +1652,11 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
         return
 
     for impl in spec.impls:
-        with CommonTimeMeas(impl, "t_draft_us", not impl.gen_perf):
-            impl.draft(dparams)
-            impl.n_call_draft += 1
+        t_start_us = ggml_time_us() if impl.gen_perf else -1  # common_time_meas, inline: a call per step
+        impl.draft(dparams)
+        impl.n_call_draft += 1
+        if t_start_us >= 0:
+            impl.t_draft_us += ggml_time_us() - t_start_us
 
         n_drafting = 0
 
