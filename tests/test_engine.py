@@ -312,3 +312,29 @@ def test_a_slot_saved_to_a_file_is_reused_after_restore(chat_model, tmp_path):
         (tmp_path / "junk.bin").write_bytes(b"not a slot file")
         with pytest.raises(ValueError, match="not a pyspec slot file"):
             eng.restore_slot(0, tmp_path / "junk.bin")
+
+
+def test_a_handle_wakes_its_waiting_consumer_and_times_out_alone():
+    """A piece wakes a consumer blocked in iteration; result(timeout) gives up on time; with nobody
+    waiting, a piece is only queued (the engine skips the notification)."""
+    import time
+
+    from pyspec.generation.requests import Completion, Delta, RequestHandle
+
+    h = RequestHandle(1, Request(prompt="x"))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.2 s"):
+        h.result(timeout=0.2)
+    assert 0.15 < time.monotonic() - t0 < 5 and h._n_waiting == 0
+    h._put(Delta("queued ", [1]))  # nobody waits: queued
+    got: list[str] = []
+    consumer = threading.Thread(target=lambda: got.extend(d.text for d in h))
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while h._n_waiting == 0 and time.monotonic() < deadline:  # the consumer took "queued" and waits
+        time.sleep(0.01)
+    assert h._n_waiting == 1
+    h._put(Delta("woken", [2]))
+    h._finish(Completion(1, [], [1, 2], "queued woken", "n_predict"))
+    consumer.join(10)
+    assert not consumer.is_alive() and got == ["queued ", "woken"] and h.result(timeout=1).text == "queued woken"

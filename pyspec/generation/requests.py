@@ -155,13 +155,15 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._cancelled = False
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._n_waiting = 0  # threads in self._cond.wait (under the lock): a piece wakes only those
         self.t_submit = time.perf_counter()
 
     # --- the engine's side ------------------------------------------------------
 
     def _notify(self) -> None:
         # under self._lock
-        self._cond.notify_all()
+        if self._n_waiting:
+            self._cond.notify_all()
         for loop, ev in self._async_waiters:
             try:
                 loop.call_soon_threadsafe(ev.set)
@@ -208,7 +210,7 @@ class RequestHandle:
         while True:
             with self._lock:
                 while not self._deltas and not self.done:
-                    self._cond.wait()
+                    self._wait(None)
                 out, ended = self._take()
             yield from out
             if ended:
@@ -244,6 +246,24 @@ class RequestHandle:
                 if not out:
                     await ev.wait()
 
+    def _wait(self, timeout: float | None) -> bool:
+        # under self._lock
+        self._n_waiting += 1
+        try:
+            return self._cond.wait(timeout)
+        finally:
+            self._n_waiting -= 1
+
+    def _wait_for_done(self, timeout: float | None) -> bool:
+        # under self._lock: Condition.wait_for, counted as a waiter
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._wait(left)
+        return True
+
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
@@ -251,7 +271,7 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> Completion:
         """Wait for the end of the request; its Completion, or the exception that failed it."""
         with self._lock:
-            if not self._cond.wait_for(lambda: self.done, timeout):
+            if not self._wait_for_done(timeout):
                 raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         self._raise_error()
         assert self._completion is not None
