@@ -79,9 +79,11 @@ class CostCurve:
         self._median: dict[int, float] = {}  # the same made non-decreasing in size
         self._sizes: list[int] = []
         self._cache: dict[int, float] = {}  # cost() of any size, cleared when a median changes
+        self._stale: set[int] = set()  # sizes recorded since their median was taken
 
     def record(self, n_tokens: int, seconds: float) -> None:
-        """One decode of ``n_tokens`` tokens took ``seconds``."""
+        """One decode of ``n_tokens`` tokens took ``seconds`` (the medians are taken when next read:
+        the generation loop records every step, and only the cost-aware controller reads)."""
         if n_tokens <= 0 or not seconds > 0:
             return
         obs = self._obs.get(n_tokens)
@@ -89,16 +91,25 @@ class CostCurve:
             obs = self._obs[n_tokens] = deque(maxlen=self.window)
             self._sizes = sorted(self._obs)
         obs.append(seconds)
-        self._raw[n_tokens] = statistics.median(obs)
-        prev = 0.0
-        for n in self._sizes:  # the running maximum of the medians
-            prev = self._median[n] = max(prev, self._raw[n])
-        self._cache.clear()
+        self._stale.add(n_tokens)
+
+    def _medians(self) -> dict[int, float]:
+        """The non-decreasing medians, brought up to date."""
+        if self._stale:
+            for n in self._stale:
+                self._raw[n] = statistics.median(self._obs[n])
+            self._stale.clear()
+            prev = 0.0
+            for n in self._sizes:  # the running maximum of the medians
+                prev = self._median[n] = max(prev, self._raw[n])
+            self._cache.clear()
+        return self._median
 
     @property
     def ready(self) -> bool:
         """Whether the curve knows a one-token decode and at least one larger batch."""
-        return 1 in self._median and len(self._median) >= 2
+        med = self._medians()
+        return 1 in med and len(med) >= 2
 
     def sizes(self) -> list[int]:
         """The batch sizes measured so far."""
@@ -106,6 +117,8 @@ class CostCurve:
 
     def cost(self, n_tokens: int) -> float:
         """Seconds for one decode of ``n_tokens`` tokens (interpolated where not measured)."""
+        if self._stale:
+            self._medians()
         c = self._cache.get(n_tokens)
         if c is None:
             c = self._cache[n_tokens] = self._interpolate(n_tokens)
@@ -135,7 +148,8 @@ class CostCurve:
     def relative(self) -> dict[int, float]:
         """The measured points as multiples of a one-token decode."""
         c1 = self.cost(1)
-        return {n: self._median[n] / c1 for n in self._sizes}
+        med = self._medians()
+        return {n: med[n] / c1 for n in self._sizes}
 
     def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 3,
                   seq_id: int = 0) -> CostCurve:
@@ -171,7 +185,8 @@ class CostCurve:
 
     def as_dict(self) -> dict[int, float]:
         """{batch size: median seconds} of the measured sizes."""
-        return {n: self._median[n] for n in self._sizes}
+        med = self._medians()
+        return {n: med[n] for n in self._sizes}
 
 
 # one curve per (model, context settings that change the cost), shared by the generators of a process
@@ -278,8 +293,11 @@ class LinearCost:
             return
         s, k = self._s, self.decay
         c, t = float(n_seqs), float(n_tokens)
-        for i, v in enumerate((c * c, c * t, t * t, c * seconds, t * seconds)):
-            s[i] = s[i] * k + v
+        s[0] = s[0] * k + c * c  # the sums of a least-squares fit, decayed
+        s[1] = s[1] * k + c * t
+        s[2] = s[2] * k + t * t
+        s[3] = s[3] * k + c * seconds
+        s[4] = s[4] * k + t * seconds
         self.n_calls += 1
 
     def params(self) -> tuple[float, float]:
