@@ -365,6 +365,12 @@ def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_
     """Mirrors common_sampler_sample (sampling.cpp)."""
     cptr = ctx._enter_compute()  # ctx.held(): no other thread may decode on ctx while its outputs are read
     try:
+        if gsmpl.plain_top_k == 1 and gsmpl.chain is not None:
+            # greedy sampling: the chain's result without the candidate array, in one C call (not in the C++)
+            check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
+            id = gsmpl.sample_top1(cptr, idx)
+            if id != LLAMA_TOKEN_NULL:
+                return id
         return _sample(gsmpl, ctx, cptr, idx, grammar_first)
     finally:
         ctx._leave()
@@ -374,12 +380,7 @@ def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: b
     chain = _chain(gsmpl)
     check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
 
-    # greedy sampling: the chain's result without filling the candidate array (not in the C++)
-    k = gsmpl.plain_top_k
-    if k == 1:
-        id = gsmpl.sample_top1(cptr, idx)
-        if id != LLAMA_TOKEN_NULL:
-            return id
+    k = gsmpl.plain_top_k  # 1: common_sampler_sample's shortcut found a NaN; the full path decides
 
     llama.llama_synchronize(cptr)
 
