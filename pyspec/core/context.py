@@ -397,6 +397,14 @@ class Context(Handle):
         A context reading another one (EAGLE3 reads its target's layer inputs, an MTP context
         shares its target's memory) takes that one's guard too.
         """
+        if self.other is None and self._busy.acquire(blocking=False):
+            # the common case in this one frame (a generation takes the guard several times a token):
+            # open, not forked since, no claim or this thread's
+            owner = self._claim_owner
+            if not self._closed and self._fork_gen == fork._generation and (
+                    owner is None or owner == threading.get_ident()):
+                return self._ptr
+            self._busy.release()  # the full checks below say what is wrong
         ptr = self._acquire()
         other = self.other
         if other is not None and not other._busy.acquire(blocking=False):
@@ -407,11 +415,12 @@ class Context(Handle):
     def _enter_compute(self) -> Any:
         """_enter() for C code that may compute on this context (held(), the port's sampler)."""
         ptr = self._enter()
-        try:
-            fork.note_compute(self._threads)
-        except BaseException:
-            self._leave()
-            raise
+        if self._threads > 1:  # fork.note_compute heeds only several threads
+            try:
+                fork.note_compute(self._threads)
+            except BaseException:
+                self._leave()
+                raise
         return ptr
 
     def _leave(self) -> None:
@@ -505,7 +514,8 @@ class Context(Handle):
             n_out = self._check_batch(batch, self._embeddings)
             if refuse_bad_token and self._scan.has_bad_token:
                 raise ValueError(f"token {self._scan.bad_token} is outside the vocabulary (0..{self.n_vocab - 1})")
-            fork.note_compute(self._threads)
+            if self._threads > 1:  # fork.note_compute heeds only several threads
+                fork.note_compute(self._threads)
             t0 = time.perf_counter_ns()
             if self._rpc is not None:
                 rc = self._rpc.decode(ptr, batch.c[0])

@@ -346,7 +346,10 @@ class DraftLengthController:
       match (or, for a draft model, a stronger one: the rates say which).
 
     The generator reports what happened with the ``record_*`` methods. With
-    ``fixed=True`` both return their input unchanged: llama.cpp's behaviour.
+    ``fixed=True`` both return their input unchanged: llama.cpp's behaviour; the
+    generator then records only the verify cost curve (what ``pyspec bench``
+    reports), not the acceptance and the draft and step costs, which feed only
+    the cost-aware choice.
     ``draft_d1`` is a first guess of the seconds a drafted token costs (a draft
     model's one-token decode), until draft calls are measured.
     """

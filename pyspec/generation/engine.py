@@ -884,7 +884,7 @@ class Engine:
                     s.spec_draft = drafts.get(s.id, [])
                     assert s.job is not None
                     s.job.stats.t_draft_s += t_draft / len(drafting)
-                if ctl is not None:
+                if ctl is not None and not ctl.fixed:
                     ctl.record_draft_call(len(requests), sum(len(s.spec_draft) for s in drafting), t_draft)
                     for s in drafting:  # how much of each draft is worth verifying, now that it is known
                         n = len(s.spec_draft)
@@ -980,7 +980,8 @@ class Engine:
         if ctl is not None and batch.n_tokens == n_verify > 0:
             # a step of verify rows only (prompt rows need no logits and cost less): the cost curve's
             ctl.record_verify(batch.n_tokens, t_verify)
-            ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft - t_skip)
+            if not ctl.fixed:
+                ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft - t_skip)
 
     def _catch_up_draft(self, slots: Sequence[_Slot]) -> int:
         """Decode on the draft context what the target holds of each slot's sequence and it does not yet;
@@ -1074,7 +1075,7 @@ class Engine:
         eng.accept(s.id, len(accepted) - 1)
         job.stats.n_accepted += len(accepted) - 1
         job.stats.drafts.append((n_draft, len(accepted) - 1))
-        if self.draft_ctl is not None and s.spec_cap > 0:
+        if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_full)
         if self.on_event is not None:
