@@ -60,9 +60,9 @@ _SPECIAL = {*_ENUM_FIELDS, "ctx_other", "samplers"}
 _FIELDS = {name for name, _ in ffi.typeof("struct llama_context_params").fields}
 _POINTER_FIELDS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "n_samplers"}
 _THREAD_FIELDS = {"n_threads", "n_threads_batch"}
+_NO_LAYERS: frozenset[int] = frozenset()  # what _layer_inp_ready holds after a decode that kept no layer inputs
 # architectures whose graph (src/models/<arch>.cpp) records each layer's input: on any
 # other, a decode with set_embeddings_layer_inp enabled hits a GGML_ASSERT and aborts
-_NO_LAYERS: frozenset[int] = frozenset()  # what _layer_inp_ready holds after a decode that kept no layer inputs
 _LAYER_INP_ARCHS = {"llama", "qwen3", "qwen3moe", "gpt-oss", "gemma4"}
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): ggml's per-thread tables have this many entries
 _STATE_FLAGS_HOST = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; ON_DEVICE (2) keeps the data off the host
