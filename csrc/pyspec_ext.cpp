@@ -217,6 +217,17 @@ llama_token pyspec_top1(const float * row, int32_t n) {
     }
 }
 
+// The row of plain logits common_sampler::set_logits would read for output idx: nullptr where it
+// reads something else (backend-sampled probabilities or logits, a backend-sampled token) or
+// there is no row. The sampler's shortcuts below take only such rows.
+static const float * plain_logits_row(llama_context * ctx, int32_t idx) {
+    if (llama_get_sampled_probs_ith(ctx, idx) != nullptr || llama_get_sampled_logits_ith(ctx, idx) != nullptr) {
+        return nullptr;
+    }
+    const float * row = llama_get_logits_ith(ctx, idx);
+    return llama_get_sampled_token_ith(ctx, idx) == LLAMA_TOKEN_NULL ? row : nullptr;
+}
+
 // The greedy shortcut of common_sampler_sample (pyspec.common.sampling) in one call: its
 // llama_synchronize; then, for a row of plain logits, the token the chain [top-k 1, dist]
 // selects, with cur_p left as that chain leaves it (data = buf, buf[0] = {id, logit, 1},
@@ -226,12 +237,9 @@ llama_token pyspec_top1(const float * row, int32_t n) {
 llama_token pyspec_sampler_top1(llama_context * ctx, int32_t idx, int32_t n_vocab, llama_token_data_array * cur_p,
                                 llama_token_data * buf, int64_t * t_us) {
     llama_synchronize(ctx);
-    const int64_t t0 = t_us != nullptr ? ggml_time_us() : 0;
-    if (llama_get_sampled_probs_ith(ctx, idx) != nullptr || llama_get_sampled_logits_ith(ctx, idx) != nullptr) {
-        return LLAMA_TOKEN_NULL;
-    }
-    const float * row = llama_get_logits_ith(ctx, idx);
-    if (row == nullptr || llama_get_sampled_token_ith(ctx, idx) != LLAMA_TOKEN_NULL) {
+    const int64_t t0  = t_us != nullptr ? ggml_time_us() : 0;
+    const float * row = plain_logits_row(ctx, idx);
+    if (row == nullptr) {
         return LLAMA_TOKEN_NULL;
     }
     const llama_token id = pyspec_top1(row, n_vocab);
@@ -323,14 +331,8 @@ bool pyspec_topk(const float * row, int32_t n, int32_t k, llama_token_data * buf
 // pyspec_topk is, for a backend-sampled row and for no row: the full path runs.
 bool pyspec_sampler_topk(llama_context * ctx, int32_t idx, int32_t n_vocab, int32_t k, llama_token_data_array * cur_p,
                          llama_token_data * buf) {
-    if (llama_get_sampled_probs_ith(ctx, idx) != nullptr || llama_get_sampled_logits_ith(ctx, idx) != nullptr) {
-        return false;
-    }
-    const float * row = llama_get_logits_ith(ctx, idx);
-    if (row == nullptr || llama_get_sampled_token_ith(ctx, idx) != LLAMA_TOKEN_NULL) {
-        return false;
-    }
-    if (!pyspec_topk(row, n_vocab, k, buf)) {
+    const float * row = plain_logits_row(ctx, idx);
+    if (row == nullptr || !pyspec_topk(row, n_vocab, k, buf)) {
         return false;
     }
     cur_p->data     = buf;

@@ -1707,11 +1707,9 @@ def _check_draft_prompt(dp: CommonSpeculativeDraftParams) -> None:
     start = dp.n_checked if dp.checked_prompt is prompt and n >= dp.n_checked else 0
     if start == 0:
         token_array(prompt, "prompt")
-    elif start < n:
+    else:
         for t in prompt[start:]:  # a few tokens: numpy's conversion would cost more than the check
-            if type(t) is not int or not _INT32_MIN <= t <= _INT32_MAX:
-                token_array(prompt[start:], "prompt")  # converts what numpy does, says what does not fit
-                break
+            check_llama_token(t, "prompt")
     dp.checked_prompt, dp.n_checked = prompt, n
 
 
