@@ -666,7 +666,7 @@ def ref_accept_without_draft() -> Any:
 
 def loop_draft_token_outside_vocab() -> Any:
     from pyspec.common.ngram_cache import LLAMA_NGRAM_MAX
-    from pyspec.reference.loop import cpp_generate
+    from pyspec.generation.cpp_loop import cpp_generate
 
     c = ctx(n_ctx=512)
     prompt = "def f(x): return f(x) + f(x)"

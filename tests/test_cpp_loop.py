@@ -1,4 +1,4 @@
-"""The C++ reference loop (pyspec.reference.loop) generates what the Python driver generates."""
+"""The C++ reference loop (pyspec.generation.cpp_loop) generates what the Python driver generates."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pyspec.ffi import ffi
 from pyspec.ffi import ref as lib
 from pyspec.generation.driver import SpeculativeGenerator
 from pyspec.generation.statistics import GenerationStats, SequenceResult
-from pyspec.reference.loop import cpp_generate
+from pyspec.generation.cpp_loop import cpp_generate
 from pyspec.testing import models as tm
 
 PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3

@@ -294,7 +294,7 @@ def test_speculative_generation_with_the_target_on_rpc_and_the_draft_local_equal
 
 
 def test_the_cpp_loop_runs_a_target_on_rpc_as_the_python_driver_does(server):
-    from pyspec.reference.loop import cpp_generate
+    from pyspec.generation.cpp_loop import cpp_generate
 
     with Model(tm.make_cyclic_target(), rpc_servers=[server], use_extra_bufts=False) as m, _ctx(m, 256, 64) as c:
         res, _ = generate(c, "the quick brown fox", 20)
@@ -322,7 +322,7 @@ def test_the_command_line_places_the_target_on_a_server_and_the_draft_on_the_cpu
 
 
 def test_a_frozen_server_ends_the_cpp_loop_with_rpc_connection_error(short_timeouts):
-    from pyspec.reference.loop import cpp_generate
+    from pyspec.generation.cpp_loop import cpp_generate
 
     with rpc.RpcServer(threads=1) as s:
         m = Model(tm.make_cyclic_target(), rpc_servers=[s])

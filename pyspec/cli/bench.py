@@ -207,7 +207,7 @@ def run_once(
     spec = spec_params(types, **spec_kw)
     with open_contexts(models, spec, **ctx_kw) as cs:
         if engine == "loop":
-            from pyspec.reference.loop import cpp_generate
+            from pyspec.generation.cpp_loop import cpp_generate
 
             (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
             return res, st
