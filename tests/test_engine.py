@@ -338,3 +338,24 @@ def test_a_handle_wakes_its_waiting_consumer_and_times_out_alone():
     h._finish(Completion(1, [], [1, 2], "queued woken", "n_predict"))
     consumer.join(10)
     assert not consumer.is_alive() and got == ["queued ", "woken"] and h.result(timeout=1).text == "queued woken"
+
+
+def test_waiting_on_an_engine_nobody_runs_raises_at_once_and_names_the_fix(chat_model, expected):
+    """result(), iteration and aresult() on an engine neither started nor stepped raise instead of
+    waiting forever; once the caller steps it (run_until_idle) or starts it, the same handles complete."""
+    from pyspec.errors import PyspecError
+
+    with make_engine(chat_model, 1, adaptive_draft=False) as eng:
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        with pytest.raises(PyspecError, match=r"call engine\.start\(\).*engine\.run_until_idle\(\)"):
+            h.result()
+        with pytest.raises(PyspecError, match=r"engine\.start\(\)"):
+            next(iter(h))
+        with pytest.raises(PyspecError, match=r"engine\.start\(\)"):
+            asyncio.run(h.aresult())
+        eng.run_until_idle()  # manual stepping: the request was kept and runs
+        assert h.result().tokens == expected[0]
+    with make_engine(chat_model, 1, adaptive_draft=False) as eng:
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        eng.start()
+        assert h.result(timeout=60).tokens == expected[0]

@@ -281,6 +281,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._claims: contextlib.ExitStack | None = None
         self._held = False  # claim() holds the contexts for the caller's steps
+        self._driven = False  # start() or a claim() for the caller's steps happened: a waiting handle will move
 
     # --- construction from files ---------------------------------------------------
 
@@ -408,6 +409,7 @@ class Engine:
                     sampler.close()
                 raise ClosedError("engine is closed")
             handle = RequestHandle(self._next_id, request)
+            handle._check_driven = self._check_driven
             self._next_id += 1
             self._waiting.append(_Job(handle, tokens, sampling, sampler))
             self._wake.notify_all()
@@ -421,6 +423,7 @@ class Engine:
             raise ClosedError("engine is closed")
         if self._thread is not None:
             return self
+        self._driven = True
         # the loop thread claims the contexts itself (a claim serves the thread that holds it);
         # start() waits for that, so a context claimed elsewhere raises here
         claimed: Future = Future()
@@ -447,6 +450,14 @@ class Engine:
             stack.close()
             raise
         return stack
+
+    def _check_driven(self) -> None:
+        """Raise for a handle about to wait on an engine nothing steps: that wait would never end."""
+        if not self._driven and not self._closed:
+            raise PyspecError(
+                "the engine is not running, so this request would wait forever: call engine.start() first "
+                "(e.g. `with Engine(...).start() as engine:`), or step it in this thread with "
+                "engine.run_until_idle() / engine.step()")
 
     @property
     def running(self) -> bool:
@@ -494,6 +505,7 @@ class Engine:
             yield
             return
         with self._claim():
+            self._driven = True
             self._held = True
             try:
                 yield

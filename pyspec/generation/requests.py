@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +156,9 @@ class RequestHandle:
         self._cancelled = False
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._n_waiting = 0  # threads in self._cond.wait (under the lock): a piece wakes only those
+        # set by the engine: raises when nothing will ever step this request (engine neither started nor stepped),
+        # so a wait fails at once instead of hanging
+        self._check_driven: Callable[[], None] | None = None
         self.t_submit = time.perf_counter()
 
     # --- the engine's side ------------------------------------------------------
@@ -244,10 +247,16 @@ class RequestHandle:
                     self._raise_error()
                     return
                 if not out:
+                    self._check_waitable()
                     await ev.wait()
+
+    def _check_waitable(self) -> None:
+        if self._check_driven is not None and not self.done:
+            self._check_driven()
 
     def _wait(self, timeout: float | None) -> bool:
         # under self._lock
+        self._check_waitable()
         self._n_waiting += 1
         try:
             return self._cond.wait(timeout)
@@ -285,6 +294,7 @@ class RequestHandle:
                     if self.done:
                         break
                     ev.clear()
+                self._check_waitable()
                 await ev.wait()
         self._raise_error()
         assert self._completion is not None
