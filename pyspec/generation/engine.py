@@ -43,7 +43,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,10 @@ from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
-from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, RequestStats, TokenLogprob
+from pyspec.generation.output import _find_stop, _partial_stop
+from pyspec.generation.queue import _Command
+from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
+from pyspec.generation.slots import _CKPT_MAX, _CKPT_TAIL, _Job, _Slot, common_prefix
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -79,10 +81,6 @@ logger = logging.getLogger("pyspec.engine")
 # on_event(name, data): a trace of every call into the speculative backend, for the parity harness
 EventCallback = Callable[[str, dict], Any]
 
-# prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
-# step of their own so that the state before them can be kept (the server's checkpoint offset 4)
-_CKPT_TAIL = 4
-_CKPT_MAX = 4  # per slot; the oldest goes first
 _N_PROBS_MAX = 1000
 _SLOT_FILE_MAGIC = b"PYSPEC-SLOT\x00"
 
@@ -90,76 +88,6 @@ _SLOT_FILE_MAGIC = b"PYSPEC-SLOT\x00"
 def greedy_sampling() -> CommonParamsSampling:
     """Sampling parameters that pick the most likely token (top-k 1)."""
     return CommonParamsSampling(top_k=1, samplers=[CommonSamplerType.TOP_K])
-
-
-class _Job:
-    """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
-
-    def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
-                 sampler: Any) -> None:
-        req = handle.request
-        self.handle = handle
-        self.request = req
-        self.prompt = tokens
-        self.sampling = sampling
-        # made at submit only to check a grammar; else when a slot takes the job (a sampler holds a
-        # vocabulary-sized candidate array: waiting requests should not)
-        self.sampler: Any = sampler
-        self.stop = [w for w in req.stop if w]
-        self.stop_longest = max((len(w) for w in self.stop), default=0)
-        self.n_remaining = req.n_predict
-        self.generated: list[int] = []
-        self.text = ""
-        self.n_sent = 0  # characters of text already released
-        self.pending = b""  # bytes of an incomplete UTF-8 character
-        self.logprobs: list[TokenLogprob] = []
-        self.stats = RequestStats(n_prompt=len(tokens))
-        self.stop_reason = ""
-        self.stopping_word = ""
-        self.t_start = 0.0
-        self.t_first = 0.0
-
-
-class _Slot:
-    """One sequence of the contexts: the server's server_slot, reduced to what speculation needs."""
-
-    def __init__(self, seq_id: int) -> None:
-        self.id = seq_id
-        self.tokens: list[int] = []  # what the target's memory holds for this sequence (prompt.tokens)
-        self.job: _Job | None = None
-        self.reading = False  # still adding prompt tokens
-        self.sampled = -1
-        self.i_batch = -1
-        self.spec_draft: list[int] = []
-        self.spec_i_batch: list[int] = []
-        self.spec_ckpt = CommonPromptCheckpoint()
-        self.spec_cap = 0  # the most draft tokens asked for this step
-        self.spec_full = False  # whether the draft came back as long as asked
-        self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
-        self.t_last_used = 0.0
-
-    @property
-    def generating(self) -> bool:
-        return self.job is not None and not self.reading
-
-
-@dataclass
-class _Command:
-    """Work for the loop thread that must not run beside a step (slot files)."""
-
-    fn: Callable[[], Any]
-    future: Future
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if diff.size else n
 
 
 class Engine:
@@ -1222,24 +1150,3 @@ class Engine:
                 job.sampler.close()
             job.stop_reason = "error"
             job.handle._finish(None, error)
-
-
-def _find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
-    """The earliest position at or after ``start`` where a stop string occurs, and that string; (-1, "") if none."""
-    best, word = -1, ""
-    for w in stop:
-        i = text.find(w, start)
-        if i >= 0 and (best < 0 or i < best):
-            best, word = i, w
-    return best, word
-
-
-def _partial_stop(text: str, stop: Sequence[str]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string (held back when streaming)."""
-    n = 0
-    for w in stop:
-        for k in range(min(len(w) - 1, len(text)), n, -1):
-            if text.endswith(w[:k]):
-                n = k
-                break
-    return n

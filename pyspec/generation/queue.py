@@ -1,0 +1,16 @@
+"""The engine's work queue: commands that the loop thread runs between steps (tools/server/server-queue.cpp)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class _Command:
+    """Work for the loop thread that must not run beside a step (slot files)."""
+
+    fn: Callable[[], Any]
+    future: Future

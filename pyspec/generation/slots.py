@@ -1,0 +1,82 @@
+"""The engine's slots: a request's state while it waits or runs, a slot's state, prefix matching.
+
+The server's server_slot (tools/server/server-context.cpp) reduced to what speculation needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pyspec.common.common import CommonPromptCheckpoint
+from pyspec.common.params import CommonParamsSampling
+from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
+
+# prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
+# step of their own so that the state before them can be kept (the server's checkpoint offset 4)
+_CKPT_TAIL = 4
+_CKPT_MAX = 4  # per slot; the oldest goes first
+
+
+class _Job:
+    """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
+
+    def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
+                 sampler: Any) -> None:
+        req = handle.request
+        self.handle = handle
+        self.request = req
+        self.prompt = tokens
+        self.sampling = sampling
+        # made at submit only to check a grammar; else when a slot takes the job (a sampler holds a
+        # vocabulary-sized candidate array: waiting requests should not)
+        self.sampler: Any = sampler
+        self.stop = [w for w in req.stop if w]
+        self.stop_longest = max((len(w) for w in self.stop), default=0)
+        self.n_remaining = req.n_predict
+        self.generated: list[int] = []
+        self.text = ""
+        self.n_sent = 0  # characters of text already released
+        self.pending = b""  # bytes of an incomplete UTF-8 character
+        self.logprobs: list[TokenLogprob] = []
+        self.stats = RequestStats(n_prompt=len(tokens))
+        self.stop_reason = ""
+        self.stopping_word = ""
+        self.t_start = 0.0
+        self.t_first = 0.0
+
+
+class _Slot:
+    """One sequence of the contexts: the server's server_slot, reduced to what speculation needs."""
+
+    def __init__(self, seq_id: int) -> None:
+        self.id = seq_id
+        self.tokens: list[int] = []  # what the target's memory holds for this sequence (prompt.tokens)
+        self.job: _Job | None = None
+        self.reading = False  # still adding prompt tokens
+        self.sampled = -1
+        self.i_batch = -1
+        self.spec_draft: list[int] = []
+        self.spec_i_batch: list[int] = []
+        self.spec_ckpt = CommonPromptCheckpoint()
+        self.spec_cap = 0  # the most draft tokens asked for this step
+        self.spec_full = False  # whether the draft came back as long as asked
+        self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
+        self.t_last_used = 0.0
+
+    @property
+    def generating(self) -> bool:
+        return self.job is not None and not self.reading
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
