@@ -69,10 +69,10 @@ from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
-from pyspec.generation.output import _find_stop, _partial_stop
-from pyspec.generation.queue import _Command
+from pyspec.generation.output import find_stop, partial_stop
+from pyspec.generation.queue import Command
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.generation.slots import _CKPT_MAX, _CKPT_TAIL, _Job, _Slot, common_prefix
+from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -188,7 +188,7 @@ class Engine:
                                 and self.ctx_dft is not None
                                 and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.PART)
         self._dft_batch = Batch(self.ctx_dft.n_batch, 0, 1) if self._draft_catch_up and self.ctx_dft else None
-        self.slots = [_Slot(i) for i in range(self.n_parallel)]
+        self.slots = [Slot(i) for i in range(self.n_parallel)]
         # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
         self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
             not c.params.swa_full and llama.llama_model_n_swa(c.model.ptr) > 0
@@ -201,8 +201,8 @@ class Engine:
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._waiting: deque[_Job] = deque()
-        self._commands: deque[_Command] = deque()
+        self._waiting: deque[Job] = deque()
+        self._commands: deque[Command] = deque()
         self._next_id = 0
         self._closed = False
         self._stopping = False
@@ -339,7 +339,7 @@ class Engine:
             handle = RequestHandle(self._next_id, request)
             handle._check_driven = self._check_driven
             self._next_id += 1
-            self._waiting.append(_Job(handle, tokens, sampling, sampler))
+            self._waiting.append(Job(handle, tokens, sampling, sampler))
             self._wake.notify_all()
         return handle
 
@@ -510,7 +510,7 @@ class Engine:
                 return fn()
         fut: Future = Future()
         with self._lock:
-            self._commands.append(_Command(fn, fut))
+            self._commands.append(Command(fn, fut))
             self._wake.notify_all()
         return fut.result()
 
@@ -549,7 +549,7 @@ class Engine:
             return n
         return int(self._call(erase))
 
-    def _idle_slot(self, slot_id: int) -> _Slot:
+    def _idle_slot(self, slot_id: int) -> Slot:
         if not isinstance(slot_id, int) or not 0 <= slot_id < self.n_parallel:
             raise ValueError(f"slot_id must be 0..{self.n_parallel - 1}, got {slot_id}")
         s = self.slots[slot_id]
@@ -557,7 +557,7 @@ class Engine:
             raise PyspecError(f"slot {slot_id} is busy")
         return s
 
-    def _save_slot(self, s: _Slot, path: Path) -> int:
+    def _save_slot(self, s: Slot, path: Path) -> int:
         tgt = self.ctx_tgt.state_seq_get(s.id)
         dft = self.ctx_dft.state_seq_get(s.id) if self.ctx_dft is not None else b""
         head = json.dumps({"model": self.model.desc, "n_vocab": self.n_vocab, "tokens": s.tokens,
@@ -568,7 +568,7 @@ class Engine:
         tmp.replace(path)
         return len(s.tokens)
 
-    def _restore_slot(self, s: _Slot, path: Path) -> int:
+    def _restore_slot(self, s: Slot, path: Path) -> int:
         data = path.read_bytes()
         m = len(_SLOT_FILE_MAGIC)
         if data[:m] != _SLOT_FILE_MAGIC or len(data) < m + 8:
@@ -621,7 +621,7 @@ class Engine:
             if s.job is not None and s.job.handle.cancelled:
                 self._finish(s, "cancelled")
 
-    def _pick_slot(self, job: _Job, free: list[_Slot]) -> _Slot | None:
+    def _pick_slot(self, job: Job, free: list[Slot]) -> Slot | None:
         if job.request.slot_id >= 0:
             pinned = self.slots[job.request.slot_id]
             return pinned if pinned in free else None
@@ -644,9 +644,9 @@ class Engine:
             if not self._waiting:
                 return
             free = [s for s in self.slots if s.job is None]
-            keep: deque[_Job] = deque()
-            taken: list[tuple[_Slot, _Job]] = []
-            dropped: list[_Job] = []
+            keep: deque[Job] = deque()
+            taken: list[tuple[Slot, Job]] = []
+            dropped: list[Job] = []
             while self._waiting:
                 job = self._waiting.popleft()
                 if job.handle.cancelled:
@@ -667,14 +667,14 @@ class Engine:
         for s, job in taken:
             self._start(s, job)
 
-    def _clear_memory(self, s: _Slot) -> None:
+    def _clear_memory(self, s: Slot) -> None:
         common_context_seq_rm(self.ctx_tgt, s.id, -1, -1)
         if self.ctx_dft is not None:
             common_context_seq_rm(self.ctx_dft, s.id, -1, -1)
         s.tokens = []
         s.checkpoints = []
 
-    def _keep_prefix(self, s: _Slot, n_keep: int) -> int:
+    def _keep_prefix(self, s: Slot, n_keep: int) -> int:
         """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
         if n_keep <= 0:
             self._clear_memory(s)
@@ -714,7 +714,7 @@ class Engine:
         pos_min = ctx.memory.seq_pos_min(seq_id)
         return pos_min == 0 or 0 < pos_min < n_keep - n_swa
 
-    def _start(self, s: _Slot, job: _Job) -> None:
+    def _start(self, s: Slot, job: Job) -> None:
         """The server's SLOT_STATE_STARTED: reuse the cached prefix, drop the rest, set up the sampler."""
         s.job = job
         job.t_start = time.perf_counter()
@@ -744,7 +744,7 @@ class Engine:
 
     # --- one step (the server's update_slots) ---------------------------------------
 
-    def n_draft_max(self, s: _Slot, n_active: int) -> int:
+    def n_draft_max(self, s: Slot, n_active: int) -> int:
         """THE place where a sequence's draft length for this step is decided.
 
         Within the limits (:meth:`_n_draft_room`), what the draft-length controller
@@ -757,7 +757,7 @@ class Engine:
             return n
         return ctl.choose(s.id, min(n, self._spec_n_max), n_active)
 
-    def _n_draft_room(self, s: _Slot, n_active: int) -> int:
+    def _n_draft_room(self, s: Slot, n_active: int) -> int:
         """What fits the context (one token kept spare), the request's remaining budget and its own cap,
         and a share of the batch so that every generating slot fits one target decode."""
         n = self.n_ctx_seq - len(s.tokens) - 2
@@ -793,7 +793,7 @@ class Engine:
         use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
 
         # draft for the slots that have room for one
-        drafting: list[_Slot] = []
+        drafting: list[Slot] = []
         if eng.has_spec and generating:
             requests: list[DraftRequest] = []
             for s in generating:
@@ -923,7 +923,7 @@ class Engine:
             if not ctl.fixed:
                 ctl.record_overhead(batch.n_tokens, time.perf_counter() - t_step - t_verify - t_draft - t_skip)
 
-    def _catch_up_draft(self, slots: Sequence[_Slot]) -> int:
+    def _catch_up_draft(self, slots: Sequence[Slot]) -> int:
         """Decode on the draft context what the target holds of each slot's sequence and it does not yet;
         returns the number of tokens decoded."""
         ctx_dft, batch = self.ctx_dft, self._dft_batch
@@ -946,7 +946,7 @@ class Engine:
             n_done += batch.n_tokens
         return n_done
 
-    def _add_prompt_chunk(self, s: _Slot, batch: Batch, n_batch: int) -> None:
+    def _add_prompt_chunk(self, s: Slot, batch: Batch, n_batch: int) -> None:
         job = s.job
         assert job is not None
         prompt, n_prompt = job.prompt, len(job.prompt)
@@ -954,7 +954,7 @@ class Engine:
         # the state before them, so a later request sharing this prefix can resume from it
         ckpt_at = -1
         if job.request.cache_prompt and self._needs_prompt_checkpoints:
-            ckpt_at = n_prompt - min(_CKPT_TAIL, n_batch)
+            ckpt_at = n_prompt - min(CKPT_TAIL, n_batch)
         n0 = len(s.tokens)
         if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
             self._prompt_checkpoint(s)
@@ -968,16 +968,16 @@ class Engine:
             if last:
                 s.i_batch = batch.n_tokens - 1
 
-    def _prompt_checkpoint(self, s: _Slot) -> None:
+    def _prompt_checkpoint(self, s: Slot) -> None:
         mem = self.ctx_tgt.memory
         ckpt = CommonPromptCheckpoint()
         ckpt.update_pos(len(s.tokens), *mem.seq_pos_range(s.id))
         ckpt.update_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         s.checkpoints.append(ckpt)
-        del s.checkpoints[:-_CKPT_MAX]
+        del s.checkpoints[:-CKPT_MAX]
 
-    def _verify(self, s: _Slot) -> None:
+    def _verify(self, s: Slot) -> None:
         ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
         job = s.job
         assert job is not None
@@ -1047,7 +1047,7 @@ class Engine:
         b = self.vocab.token_to_piece_bytes(tok, special=True)
         return TokenLogprob(tok, b.decode("utf-8", "replace"), b, float(row[tok] - lse), top)
 
-    def _emit(self, s: _Slot, toks: list[int], idxs: Sequence[int]) -> None:
+    def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int]) -> None:
         """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
         job = s.job
         assert job is not None
@@ -1083,7 +1083,7 @@ class Engine:
             if text and not is_eog:
                 before = len(job.text)
                 job.text += text
-                hit, word = _find_stop(job.text, job.stop, max(0, before - job.stop_longest)) if job.stop else (-1, "")
+                hit, word = find_stop(job.text, job.stop, max(0, before - job.stop_longest)) if job.stop else (-1, "")
                 if hit >= 0:
                     job.text = job.text[:hit]
                     job.stopping_word = word
@@ -1102,7 +1102,7 @@ class Engine:
         if not reason and len(s.tokens) + 1 >= self.n_ctx_seq:
             reason = "context"
         # release the text that can no longer turn into a stop string
-        end = len(job.text) if reason or not job.stop else len(job.text) - _partial_stop(job.text, job.stop)
+        end = len(job.text) if reason or not job.stop else len(job.text) - partial_stop(job.text, job.stop)
         out = job.text[job.n_sent : end] if end > job.n_sent else ""
         job.n_sent = max(job.n_sent, end)
         if out or new_tokens:
@@ -1110,7 +1110,7 @@ class Engine:
         if reason:
             self._finish(s, reason)
 
-    def _completion(self, job: _Job, slot_id: int) -> Completion:
+    def _completion(self, job: Job, slot_id: int) -> Completion:
         st = job.stats
         st.n_gen = len(job.generated)
         if job.t_first:
@@ -1118,7 +1118,7 @@ class Engine:
         return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
                           slot_id, job.logprobs, st)
 
-    def _finish(self, s: _Slot, reason: str) -> None:
+    def _finish(self, s: Slot, reason: str) -> None:
         job = s.job
         assert job is not None
         job.stop_reason = reason
@@ -1133,7 +1133,7 @@ class Engine:
         s.t_last_used = time.perf_counter()
         job.handle._finish(self._completion(job, s.id))
 
-    def _fail(self, s: _Slot, error: BaseException) -> None:
+    def _fail(self, s: Slot, error: BaseException) -> None:
         """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""
         job = s.job
         s.job = None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = ["find_stop", "partial_stop"]
 
-def _find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
+
+def find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
     """The earliest position at or after ``start`` where a stop string occurs, and that string; (-1, "") if none."""
     best, word = -1, ""
     for w in stop:
@@ -15,7 +17,7 @@ def _find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
     return best, word
 
 
-def _partial_stop(text: str, stop: Sequence[str]) -> int:
+def partial_stop(text: str, stop: Sequence[str]) -> int:
     """How many characters at the end of ``text`` could be the start of a stop string (held back when streaming)."""
     n = 0
     for w in stop:

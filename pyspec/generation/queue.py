@@ -7,9 +7,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["Command"]
+
 
 @dataclass
-class _Command:
+class Command:
     """Work for the loop thread that must not run beside a step (slot files)."""
 
     fn: Callable[[], Any]

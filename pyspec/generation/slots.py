@@ -14,13 +14,15 @@ from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
 from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
 
+__all__ = ["CKPT_MAX", "CKPT_TAIL", "Job", "Slot", "common_prefix"]
+
 # prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
 # step of their own so that the state before them can be kept (the server's checkpoint offset 4)
-_CKPT_TAIL = 4
-_CKPT_MAX = 4  # per slot; the oldest goes first
+CKPT_TAIL = 4
+CKPT_MAX = 4  # per slot; the oldest goes first
 
 
-class _Job:
+class Job:
     """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
 
     def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
@@ -48,13 +50,13 @@ class _Job:
         self.t_first = 0.0
 
 
-class _Slot:
+class Slot:
     """One sequence of the contexts: the server's server_slot, reduced to what speculation needs."""
 
     def __init__(self, seq_id: int) -> None:
         self.id = seq_id
         self.tokens: list[int] = []  # what the target's memory holds for this sequence (prompt.tokens)
-        self.job: _Job | None = None
+        self.job: Job | None = None
         self.reading = False  # still adding prompt tokens
         self.sampled = -1
         self.i_batch = -1
