@@ -36,7 +36,6 @@ loop thread owns the contexts until :meth:`Engine.close`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -64,6 +63,7 @@ from pyspec.common.params import (
 from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
+from pyspec.core.slot_file import read_slot_file, write_slot_file
 from pyspec.core.workers import release_cpu_workers
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
@@ -82,7 +82,6 @@ logger = logging.getLogger("pyspec.engine")
 EventCallback = Callable[[str, dict], Any]
 
 _N_PROBS_MAX = 1000
-_SLOT_FILE_MAGIC = b"PYSPEC-SLOT\x00"
 
 
 def greedy_sampling() -> CommonParamsSampling:
@@ -560,29 +559,19 @@ class Engine:
     def _save_slot(self, s: Slot, path: Path) -> int:
         tgt = self.ctx_tgt.state_seq_get(s.id)
         dft = self.ctx_dft.state_seq_get(s.id) if self.ctx_dft is not None else b""
-        head = json.dumps({"model": self.model.desc, "n_vocab": self.n_vocab, "tokens": s.tokens,
-                           "n_tgt": len(tgt), "n_dft": len(dft)}).encode()
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as f:
-            f.write(_SLOT_FILE_MAGIC + len(head).to_bytes(8, "little") + head + tgt + dft)
-        tmp.replace(path)
+        write_slot_file(path, {"model": self.model.desc, "n_vocab": self.n_vocab, "tokens": s.tokens,
+                               "n_tgt": len(tgt), "n_dft": len(dft)}, tgt, dft)
         return len(s.tokens)
 
     def _restore_slot(self, s: Slot, path: Path) -> int:
-        data = path.read_bytes()
-        m = len(_SLOT_FILE_MAGIC)
-        if data[:m] != _SLOT_FILE_MAGIC or len(data) < m + 8:
-            raise ValueError(f"{path} is not a pyspec slot file")
-        n_head = int.from_bytes(data[m : m + 8], "little")
+        head, body = read_slot_file(path)
         try:
-            head = json.loads(data[m + 8 : m + 8 + n_head])
             tokens = [self.vocab.check_token(t) for t in head["tokens"]]
             n_tgt, n_dft = int(head["n_tgt"]), int(head["n_dft"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: bad slot file header ({e})") from None
         if head.get("n_vocab") != self.n_vocab or head.get("model") != self.model.desc:
             raise ValueError(f"{path} was saved from another model ({head.get('model')!r})")
-        body = data[m + 8 + n_head :]
         if len(body) != n_tgt + n_dft or (n_dft > 0) != (self.ctx_dft is not None):
             raise ValueError(f"{path}: state sizes do not match this engine's contexts")
         if len(tokens) + 1 > self.n_ctx_seq:
