@@ -139,6 +139,19 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     _run(block, tmp_path)
 
 
+# the subcommands the docs' shell blocks use: each must exist (its --help exits 0); bash blocks are not run
+SUBCOMMANDS = sorted({m for d in DOCS for b in blocks(d) if b.lang == "bash"
+                      for m in re.findall(r"python3? -m pyspec(?: -v)? ([a-z][a-z-]*)", b.code)})
+
+
+def test_shell_blocks_name_real_subcommands() -> None:
+    assert "serve" in SUBCOMMANDS, SUBCOMMANDS
+    for sub in SUBCOMMANDS:
+        r = subprocess.run([sys.executable, "-m", "pyspec", sub, "--help"], capture_output=True, text=True,
+                           timeout=120, check=False)
+        assert r.returncode == 0, f"python -m pyspec {sub} --help: {r.stderr[-2000:]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in PY_BLOCKS if b.mark == "slow"], ids=lambda b: b.name)
 def test_python_block_runs_real_model(block: Block, tmp_path: Path) -> None:
