@@ -246,6 +246,27 @@ class CommonParamsSpeculativeNgramCache:
     _c_types: ClassVar[dict[str, Callable[[Any], Any]]] = {"lookup_cache_static": str, "lookup_cache_dynamic": str}
 
 
+def _speculative_types(types: Any) -> list[CommonSpeculativeType]:
+    """``types`` with each llama.cpp name ("ngram-map-k", or one string "a,b") as its enum value.
+
+    Integers and enum values pass through unchecked (check_speculative_params judges them)."""
+    if isinstance(types, str):
+        types = [n.strip() for n in types.split(",") if n.strip()]
+    if not any(isinstance(t, str) for t in types):
+        return types  # type: ignore[no-any-return]
+    # the one name table lives with the dispatcher it mirrors; imported here because it imports us
+    from pyspec.common.speculative import common_speculative_type_from_name_map as names
+
+    out: list[CommonSpeculativeType] = []
+    for t in types:
+        if isinstance(t, str):
+            if t not in names:
+                raise ValueError(f"unknown speculative type: {t!r} (valid names: {', '.join(names)})")
+            t = names[t]
+        out.append(t)
+    return out
+
+
 @dataclass
 class CommonParamsSpeculative:
     """Mirrors struct common_params_speculative (common.h)."""
@@ -257,6 +278,11 @@ class CommonParamsSpeculative:
     ngram_map_k: CommonParamsSpeculativeNgramMap = field(default_factory=CommonParamsSpeculativeNgramMap)
     ngram_map_k4v: CommonParamsSpeculativeNgramMap = field(default_factory=CommonParamsSpeculativeNgramMap)
     ngram_cache: CommonParamsSpeculativeNgramCache = field(default_factory=CommonParamsSpeculativeNgramCache)
+
+    def __post_init__(self) -> None:
+        # the names of the CLI's --types ("ngram-map-k") work here too, as in llama.cpp's
+        # common_speculative_type_from_name; a Python-side convenience, the C++ struct holds enums
+        self.types = _speculative_types(self.types)
 
     def need_n_rs_seq(self) -> int:
         """Mirrors common_params_speculative::need_n_rs_seq (common.h): the int32_t n_max as uint32_t."""
