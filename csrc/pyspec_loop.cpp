@@ -1,5 +1,17 @@
 // The generation loop of pyspec/generation/engine.py (the Engine that
-// SpeculativeGenerator steps), in C++, for a fixed set of prompts.
+// SpeculativeGenerator steps), in C++, for a fixed set of prompts: a declared
+// mirror of the engine, tracked in the drift record (UPSTREAM, tests/test_upstream_drift.py)
+// and tested equal to it token for token (tests/test_cpp_loop.py).
+//
+// What it mirrors: Engine._step / _update / _verify / _emit's budget side with
+// FIXED draft lengths (Engine(adaptive_draft=False)): Engine.n_draft_max's room
+// (_n_draft_room: context, remaining budget, the per-request cap
+// Request.n_draft_max as pyspec_loop_params.n_draft_max, a share of the batch).
+// What it does not: the cost-aware draft-length controller
+// (pyspec/generation/draft_length.py) is Python-only by design, and
+// pyspec.generation.cpp_loop.cpp_generate refuses adaptive_draft=True; nor does
+// it do text, stop strings, logprobs, n_draft_min, prefix reuse or slot files
+// (requests that come and go).
 //
 // Same decisions as the Python engine, step by step (which in turn mirrors
 // what tools/server/server-context.cpp's update_slots does around
@@ -15,7 +27,7 @@
 //
 // The speculative and sampler calls go through libpyspec_ref's C API (this
 // file is part of that library), i.e. the very code that engine="cpp" of the
-// Python driver runs, with the same precondition checks: whatever the C++
+// Python engine runs, with the same precondition checks: whatever the C++
 // reference would GGML_ASSERT on is refused with a status instead. The memory
 // helpers (common_context_can_seq_rm, common_prompt_checkpoint) are the ones
 // of libllama-common; the two that abort on failure (common_context_seq_rm,
@@ -87,7 +99,7 @@ void ckpt_load(llama_context * ctx, const std::vector<uint8_t> & data, llama_seq
     }
 }
 
-// one sequence's generation state (driver.py's _Slot)
+// one sequence's generation state (generation/slots.py's Slot)
 struct slot {
     llama_seq_id id = 0;
     std::vector<llama_token> prompt;
@@ -120,6 +132,7 @@ struct loop {
     spec_ptr spec;  // null: no speculation
     std::vector<sampler_ptr> smpls;
     int32_t spec_n_max = 0;
+    int32_t n_draft_cap = -1;  // pyspec_loop_params.n_draft_max (< 0: no cap)
 
     llama_batch batch = {};
     int32_t n_batch   = 0;
@@ -180,7 +193,7 @@ struct loop {
         s.spec_draft.clear();
     }
 
-    // driver.py's _emit without text and stop strings: end of generation, budget, context
+    // engine.py's Engine._emit without text and stop strings: end of generation, budget, context
     void emit(slot & s, const llama_token * toks, size_t n) {
         for (size_t i = 0; i < n; ++i) {
             const llama_token tok = toks[i];
@@ -201,12 +214,16 @@ struct loop {
         }
     }
 
+    // Engine.n_draft_max with a fixed controller, i.e. Engine._n_draft_room
     int32_t n_draft_max(const slot & s, int32_t n_active) const {
-        // what fits the context (one token kept spare for shifts) and the remaining budget,
-        // and a share of the batch so all sequences fit one target decode
+        // what fits the context (one token kept spare for shifts), the remaining budget and the
+        // request's own cap, and a share of the batch so all sequences fit one target decode
         int32_t n = n_ctx_seq - (int32_t) s.tokens.size() - 2;
         if (s.n_remaining > 0) {
             n = std::min(n, s.n_remaining - 1);
+        }
+        if (n_draft_cap >= 0) {
+            n = std::min(n, n_draft_cap);
         }
         return std::min(n, n_batch / n_active - 1);
     }
@@ -480,6 +497,7 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
     L.vocab     = llama_model_get_vocab(llama_get_model(p.ctx_tgt));
     L.n_batch   = (int32_t) llama_n_batch(p.ctx_tgt);
     L.n_ctx_seq = (int32_t) llama_n_ctx_seq(p.ctx_tgt);
+    L.n_draft_cap = p.n_draft_max;
     const int32_t n_vocab = llama_vocab_n_tokens(L.vocab);
 
     size_t off = 0;
@@ -495,7 +513,7 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         for (int32_t k = 0; k < n; ++k) {
             const llama_token t = p.prompt_tokens[off + k];
             if (t < 0 || t >= n_vocab) {
-                // Context._check_batch's words: the Python driver refuses the same prompt with them
+                // Context._check_batch's words: the Python engine refuses the same prompt with them
                 fail(PYSPEC_REF_E_RANGE, "token %d is outside the vocabulary (0..%d)", (int) t, (int) n_vocab - 1);
             }
         }
@@ -529,7 +547,7 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
     pyspec_ref_sampling_params greedy;
     const int32_t greedy_samplers[] = { COMMON_SAMPLER_TYPE_TOP_K };
     const pyspec_ref_sampling_params * sampling = p.sampling;
-    if (sampling == nullptr) {  // driver.py's greedy_sampling()
+    if (sampling == nullptr) {  // engine.py's greedy_sampling()
         pyspec_ref_sampling_params_default(&greedy);
         greedy.top_k      = 1;
         greedy.samplers   = greedy_samplers;

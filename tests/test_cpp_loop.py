@@ -1,4 +1,5 @@
-"""The C++ reference loop (pyspec.generation.cpp_loop) generates what the Python driver generates."""
+"""The C++ loop (pyspec.generation.cpp_loop) generates what the Python driver and engine generate
+(fixed draft lengths, with and without a per-request draft cap)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.errors import LoopInputError, RefError
 from pyspec.ffi import ffi
 from pyspec.ffi import ref as lib
-from pyspec.generation.driver import SpeculativeGenerator
-from pyspec.generation.statistics import GenerationStats, SequenceResult
 from pyspec.generation.cpp_loop import cpp_generate
+from pyspec.generation.driver import SpeculativeGenerator
+from pyspec.generation.engine import Engine, greedy_sampling
+from pyspec.generation.requests import Request
+from pyspec.generation.statistics import GenerationStats, SequenceResult
 from pyspec.testing import models as tm
 
 PROMPT = "def fib(n): return fib(n-1) + fib(n-2)\n" * 3
@@ -124,6 +127,57 @@ def test_cpp_loop_generates_the_python_drivers_tokens(kind: str, n_seq: int, req
     if kind != "none":
         assert st.n_drafted > 0  # the speculative path ran
     assert st.n_steps > 0 and st.t_gen_s > 0 and st.t_decode_s > 0
+
+
+def _engine_capped(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], n_predict: int,
+                   n_draft_max: int) -> tuple:
+    """What the Python engine generates with fixed draft lengths and every request's draft capped."""
+    with Engine(ctx, spec, greedy_sampling(), n_parallel=len(prompts), adaptive_draft=False) as eng:
+        hs = [eng.submit(Request(prompt=p, n_predict=n_predict, n_draft_max=n_draft_max, cache_prompt=False,
+                                 slot_id=i)) for i, p in enumerate(prompts)]
+        eng.run_until_idle()
+        cs = [h.result() for h in hs]
+    return ([c.tokens for c in cs], [c.stop_reason for c in cs], [c.stats.n_drafted for c in cs],
+            [c.stats.n_accepted for c in cs])
+
+
+@pytest.mark.parametrize("n_draft_max", [0, 1, 2])
+@pytest.mark.parametrize("n_seq", [1, 2])
+@pytest.mark.parametrize("kind", ["draft-simple", "mtp"])
+def test_cpp_loop_caps_each_draft_as_the_engines_per_request_n_draft_max(
+        kind: str, n_seq: int, n_draft_max: int, request: pytest.FixtureRequest) -> None:
+    prompts = [PROMPT, PROMPT[:50]][:n_seq]
+    ctx, spec, contexts = _setup(kind, n_seq, request)
+    try:
+        expected = _engine_capped(ctx, spec, prompts, N_PREDICT, n_draft_max)
+    finally:
+        _close(contexts)
+    ctx, spec, contexts = _setup(kind, n_seq, request)
+    try:
+        results, st = cpp_generate(ctx, prompts, N_PREDICT, spec, n_draft_max=n_draft_max)
+    finally:
+        _close(contexts)
+    assert _outcome(results) == expected
+    # the cap bites: no step drafts more than it (each step drafts at most n_draft_max per sequence)
+    assert st.n_drafted <= n_draft_max * n_seq * st.n_steps
+    assert (st.n_drafted > 0) == (n_draft_max > 0)
+
+
+def test_cpp_loop_draft_cap_changes_the_draft_counts_not_the_tokens(request: pytest.FixtureRequest) -> None:
+    ctx, spec, contexts = _setup("draft-simple", 1, request)
+    try:
+        (free,), _ = cpp_generate(ctx, [PROMPT], N_PREDICT, spec)
+        (capped,), _ = cpp_generate(ctx, [PROMPT], N_PREDICT, spec, n_draft_max=1)
+    finally:
+        _close(contexts)
+    assert capped.tokens == free.tokens and capped.n_drafted < free.n_drafted
+
+
+def test_cpp_loop_refuses_the_cost_aware_controller_and_a_negative_cap(target_ctx: Context) -> None:
+    with pytest.raises(LoopInputError, match="fixed draft lengths"):
+        cpp_generate(target_ctx, [PROMPT], 4, adaptive_draft=True)
+    with pytest.raises(LoopInputError, match="n_draft_max must be in 0"):
+        cpp_generate(target_ctx, [PROMPT], 4, n_draft_max=-1)
 
 
 @pytest.mark.parametrize("kind", ["draft-simple", "mtp"])

@@ -1,14 +1,15 @@
-/* pyspec_loop: the generation loop of pyspec/driver.py (SpeculativeGenerator),
- * written in C++ over the same C++ reference calls (libpyspec_ref's
+/* pyspec_loop: the generation loop of pyspec/generation/engine.py (the Engine that
+ * SpeculativeGenerator steps) with fixed draft lengths, written in C++ over the same C++ reference calls (libpyspec_ref's
  * common_speculative_* / common_sampler_* wrappers, common_context_can_seq_rm,
  * common_prompt_checkpoint), so that the Python loop's speed can be measured
- * against a loop with no Python in it, token for token.
+ * against a loop with no Python in it, token for token. Not mirrored: the
+ * cost-aware draft-length controller (Python-only; see csrc/pyspec_loop.cpp).
  * Implemented in csrc/pyspec_loop.cpp (part of libpyspec_ref), which includes
  * this very file. Needs the declarations of decl/llama.h and decl/pyspec_ref.h.
  * Plain C: no #include, no #ifdef.
  */
 
-/* why a sequence stopped (SequenceResult.stop_reason of driver.py) */
+/* why a sequence stopped (SequenceResult.stop_reason, Completion.stop_reason) */
 enum pyspec_loop_stop_reason {
     PYSPEC_LOOP_STOP_NONE      = 0,
     PYSPEC_LOOP_STOP_EOG       = 1, /* "eog" */
@@ -25,6 +26,8 @@ typedef struct pyspec_loop_params {
     const llama_token * prompt_tokens; /* the prompts one after the other */
     const int32_t *     prompt_lens;   /* n_seq entries, each > 0 */
     int32_t n_predict;                 /* > 0: tokens to generate per sequence at most */
+    int32_t n_draft_max;               /* Request.n_draft_max for every sequence; < 0: no cap
+                                        * (0, a zeroed struct's value, turns drafting off) */
 } pyspec_loop_params;
 
 typedef struct pyspec_loop_result {

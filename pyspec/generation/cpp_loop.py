@@ -1,11 +1,15 @@
-"""The C++ reference loop: driver.py's generation loop run entirely in C++.
+"""The C++ loop: the engine's generation loop (generation/engine.py) run entirely in C++.
 
 ``cpp_generate`` hands the prompts and parameters to ``pyspec_loop_generate``
 (csrc/pyspec_loop.cpp, declared in decl/pyspec_loop.h), which makes the same
-decisions as :class:`pyspec.generation.driver.SpeculativeGenerator` over the C++
+decisions as :class:`pyspec.generation.engine.Engine` (and so
+:class:`pyspec.generation.driver.SpeculativeGenerator`) over the C++
 ``common_speculative_*`` / ``common_sampler_*`` calls, with no Python between
-the steps. Its tokens equal the Python driver's for the same contexts and
-parameters; its timings show what the Python loop costs.
+the steps. Its tokens and draft counts equal the engine's for the same contexts
+and parameters with fixed draft lengths (``adaptive_draft=False``), with or
+without a per-request draft cap (``n_draft_max``, Request.n_draft_max); its
+timings show what the Python loop costs. The cost-aware draft-length controller
+is Python-only by design: ``adaptive_draft=True`` is refused.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def cpp_generate(
     sampling: CommonParamsSampling | None = None,
     *,
     add_special: bool = True,
+    n_draft_max: int | None = None,
+    adaptive_draft: bool = False,
 ) -> tuple[list[SequenceResult], GenerationStats]:
     """Generate for one prompt per sequence (sequences 0 .. len(prompts) - 1) with the C++ loop.
 
@@ -61,7 +67,19 @@ def cpp_generate(
     and the run's statistics, the types the Python driver returns. Bad input
     raises :class:`~pyspec.errors.LoopInputError` (a ValueError); a failure
     inside the loop raises :class:`~pyspec.errors.RefError`.
+    ``n_draft_max`` caps every sequence's draft as Request.n_draft_max does
+    (None: no cap). The loop has fixed draft lengths only: ``adaptive_draft=True``
+    (the engine's cost-aware controller) raises LoopInputError.
     """
+    if adaptive_draft:
+        raise ref_error(c_const("PYSPEC_REF_E_RANGE"),
+                        "the C++ loop has fixed draft lengths: the cost-aware draft-length controller "
+                        "(adaptive_draft=True) runs only in the Python engine", input_error=True)
+    if n_draft_max is not None:
+        n_draft_max = operator.index(n_draft_max)
+        if not 0 <= n_draft_max < 2**31:
+            raise ref_error(c_const("PYSPEC_REF_E_RANGE"),
+                            f"n_draft_max must be in 0..{2**31 - 1} (or None), got {n_draft_max}", input_error=True)
     if isinstance(prompts, (str, bytes)):
         raise TypeError("prompts must be a list of prompts")
     n_seq = len(prompts)
@@ -107,6 +125,7 @@ def cpp_generate(
     p.prompt_tokens = ffi.cast("llama_token *", ffi.from_buffer(flat)) if flat.size else ffi.NULL
     p.prompt_lens = ffi.cast("int32_t *", ffi.from_buffer(lens)) if lens.size else ffi.NULL
     p.n_predict = n_predict
+    p.n_draft_max = -1 if n_draft_max is None else n_draft_max
 
     r = ffi.new("pyspec_loop_result *")
     r.tokens = ffi.cast("llama_token *", ffi.from_buffer(out_tokens))
