@@ -39,6 +39,19 @@ def test_the_record_covers_every_file_the_issue_names():
             assert (Path(__file__).resolve().parents[1] / mirror).exists(), mirror
 
 
+def test_the_server_loop_row_names_the_engine_modules_and_the_cpp_loop_that_mirror_it():
+    """A change of upstream's server loop is reviewed in the engine split and in its C++ mirror."""
+    rows = {s.name: s.mirrors for s in upstream.read_record()}
+    server = rows["tools/server/server-context.cpp"]
+    for mirror in ("pyspec/generation/engine.py", "pyspec/generation/slots.py", "pyspec/generation/output.py",
+                   "pyspec/generation/queue.py", "csrc/pyspec_loop.cpp"):
+        assert mirror in server
+    assert "pyspec/generation/driver.py" not in server  # the driver only steps the engine
+    # the C++ loop's checked twins of the two aborting memory helpers
+    for helper in ("common_context_seq_rm", "common_prompt_checkpoint::"):
+        assert "csrc/pyspec_loop.cpp" in rows[f"common/common.cpp :: {helper}"]
+
+
 @pytest.fixture
 def tree_copy(tmp_path) -> Path:
     """The recorded files of the vendored tree, copied (so they can be edited)."""
