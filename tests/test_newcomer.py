@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import http.client
+import io
+import json
+import signal
+import socket
+import subprocess
+import sys
+
 import pytest
 
 from pyspec.common.params import CommonParamsSpeculative, CommonSpeculativeType
@@ -24,3 +32,65 @@ def test_speculative_params_keep_enum_values() -> None:
 def test_unknown_speculative_type_name_lists_the_valid_names() -> None:
     with pytest.raises(ValueError, match=r"unknown speculative type: 'ngram-mapk'.*ngram-map-k, ngram-map-k4v"):
         CommonParamsSpeculative(types=["ngram-mapk"])
+
+
+# --------------------------------------------------------------------------- pyspec serve
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pyspec", "serve", "--tiny", "--host", "127.0.0.1",
+                             "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True)
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line_without_an_address() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        p = _serve(port)
+        _, err = p.communicate(timeout=120)
+    assert p.returncode != 0
+    assert "Traceback" not in err
+    assert "on http://" not in err  # nothing announced before the bind
+    lines = [ln for ln in err.splitlines() if f"127.0.0.1:{port}" in ln]
+    assert len(lines) == 1 and "cannot listen" in lines[0] and "--port" in lines[0]
+
+
+def test_ctrl_c_during_a_streaming_request_stops_the_server_with_one_line() -> None:
+    port = _free_port()
+    p = _serve(port)
+    try:
+        assert p.stderr is not None
+        banner = p.stderr.readline()
+        assert f"on http://127.0.0.1:{port}" in banner
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = json.dumps({"prompt": "hello", "max_tokens": 100000, "stream": True})
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.read1(64).startswith(b"data: ")  # the stream is running
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0
+    assert "Traceback" not in err
+    assert err.strip().splitlines() == ["pyspec serve: stopped"]
+
+
+def test_serve_without_the_server_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyspec.cli.commands import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn now raises ImportError
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert main(["serve", "--tiny"]) != 0
+    assert "server extra" in err.getvalue() and "[server]" in err.getvalue()
+    assert "starlette uvicorn" in err.getvalue()

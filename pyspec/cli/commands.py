@@ -258,17 +258,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pyspec.common.params import CommonParamsSampling
     from pyspec.generation.contexts import REAL_MODEL_PACKAGE
     from pyspec.generation.engine import Engine
+    from pyspec.server import SERVER_EXTRA_HINT, bind_socket, serve
     from pyspec.server.params import ServerDefaults
 
-    try:
-        from pyspec.server import serve
-    except ImportError as e:  # pragma: no cover - the extra is not installed
-        raise CliError(f"pyspec serve needs the server extra (pip install 'pyspec[server]'): {e}") from None
     if args.parallel <= 0:
         raise CliError("--parallel must be positive")
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
         raise CliError(f"--slot-save-path {args.slot_save_path} is not a folder")
-    import uvicorn  # noqa: F401  (fail early, with the hint above, when the extra is missing)
+    try:  # fail early, before loading the model, when the extra is missing
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise CliError(f"pyspec serve needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
+    bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
 
     kw = _ctx_kw(args, args.parallel)
     sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -282,10 +284,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = args.alias or (Path(args.model).stem if args.model else
                               ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
         defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
-        print(f"pyspec serve: {name} on http://{args.host}:{args.port} ({args.parallel} slots, types {args.types})",
-              file=sys.stderr, flush=True)
+
+        def listening(url: str) -> None:  # called once the port is bound, so a busy port prints no address
+            print(f"pyspec serve: {name} on {url} ({args.parallel} slots, types {args.types})",
+                  file=sys.stderr, flush=True)
+
         serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key, defaults=defaults,
-              slot_save_path=args.slot_save_path, log_level="info" if args.verbose else "warning")
+              slot_save_path=args.slot_save_path, log_level="info" if args.verbose else "warning",
+              on_listening=listening)
+    print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 

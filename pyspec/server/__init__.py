@@ -13,10 +13,14 @@ Needs the ``server`` extra (starlette, uvicorn).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["create_app", "serve"]
+__all__ = ["SERVER_EXTRA_HINT", "bind_socket", "create_app", "serve"]
 
 
 def create_app(*args: Any, **kwargs: Any) -> Any:
@@ -28,13 +32,64 @@ def create_app(*args: Any, **kwargs: Any) -> Any:
 
 def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name: str = "pyspec",
           api_key: str | None = None, defaults: Any = None, slot_save_path: str | Path | None = None,
-          log_level: str = "warning") -> None:
-    """Serve ``engine`` until interrupted (uvicorn), then close it."""
-    import uvicorn
+          log_level: str = "warning", on_listening: Callable[[str], None] | None = None) -> None:
+    """Serve ``engine`` until interrupted (uvicorn), then close it.
 
-    app = create_app(engine, model_name=model_name, api_key=api_key, defaults=defaults,
-                     slot_save_path=slot_save_path)
+    The port is bound before anything is announced: a busy port raises OSError naming it (and
+    ``on_listening``, called with the address once bound, never runs). Ctrl-C returns normally.
+    """
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
-    finally:
+        import uvicorn
+    except ImportError as e:
         engine.close()
+        raise ImportError(f"the HTTP server needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
+
+    sock = bind_socket(host, port)
+    try:
+        app = create_app(engine, model_name=model_name, api_key=api_key, defaults=defaults,
+                         slot_save_path=slot_save_path)
+        if on_listening is not None:
+            on_listening(f"http://{host}:{sock.getsockname()[1]}")
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        quiet = _QuietShutdown()
+        logging.getLogger("uvicorn.error").addFilter(quiet)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises the Ctrl-C it shut down for; the shutdown itself is done
+        finally:
+            logging.getLogger("uvicorn.error").removeFilter(quiet)
+    finally:
+        sock.close()
+        engine.close()
+
+
+class _QuietShutdown(logging.Filter):
+    """Drops uvicorn's report of the streams it cancels at shutdown (a 40-line CancelledError traceback
+    each): Ctrl-C during a streaming request is a normal way to stop the server."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        return not str(record.msg).startswith("Cancel %s running task(s)")
+
+
+# the extra's packages by name, so the hint works whatever the distribution is called
+SERVER_EXTRA_HINT = 'pip install "llama-pyspec[server]" (or: pip install jinja2 starlette uvicorn)'
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; OSError with one line naming the address when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "busy"
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}"
+                      " (another server there? choose another --port)") from None
+    sock.set_inheritable(True)
+    return sock
