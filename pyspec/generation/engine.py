@@ -45,8 +45,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pyspec.common.common import (
     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
     CommonContextSeqRmType,
@@ -69,7 +67,7 @@ from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
-from pyspec.generation.output import find_stop, partial_stop
+from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix
@@ -1023,18 +1021,7 @@ class Engine:
 
     def _logprob(self, idx: int, tok: int, n_probs: int) -> TokenLogprob:
         """The token's log-probability and the n_probs most likely tokens: log-softmax of the target's logits."""
-        row = self.ctx_tgt.get_logits_ith(idx).astype(np.float64)
-        m = row.max()
-        lse = m + np.log(np.exp(row - m).sum())
-        top: list[tuple[int, str, bytes, float]] = []
-        if n_probs > 0:
-            ids = np.argpartition(-row, n_probs - 1)[:n_probs] if n_probs < row.size else np.arange(row.size)
-            ids = ids[np.argsort(-row[ids], kind="stable")]
-            for i in ids.tolist():
-                b = self.vocab.token_to_piece_bytes(i, special=True)
-                top.append((i, b.decode("utf-8", "replace"), b, float(row[i] - lse)))
-        b = self.vocab.token_to_piece_bytes(tok, special=True)
-        return TokenLogprob(tok, b.decode("utf-8", "replace"), b, float(row[tok] - lse), top)
+        return token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
 
     def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int]) -> None:
         """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
@@ -1062,22 +1049,10 @@ class Engine:
             if info is None:  # a vocabulary does not change: each token's piece and end-of-generation flag once
                 info = token_info[tok] = (self.vocab.token_to_piece_bytes(tok, special=False), self.vocab.is_eog(tok))
             piece, is_eog = info
-            if job.pending:
-                piece = job.pending + piece
-            try:
-                text = piece.decode("utf-8")
-                job.pending = b""
-            except UnicodeDecodeError:
-                job.pending, text = piece, ""  # wait for the rest of the character
-            if text and not is_eog:
-                before = len(job.text)
-                job.text += text
-                hit, word = find_stop(job.text, job.stop, max(0, before - job.stop_longest)) if job.stop else (-1, "")
-                if hit >= 0:
-                    job.text = job.text[:hit]
-                    job.stopping_word = word
-                    reason = "stop"
-                    break
+            text = decode_piece(job, piece)
+            if text and not is_eog and append_text(job, text):
+                reason = "stop"
+                break
             if is_eog:
                 reason = "eog"
                 break
@@ -1090,10 +1065,7 @@ class Engine:
             job.generated.extend(new_tokens)
         if not reason and len(s.tokens) + 1 >= self.n_ctx_seq:
             reason = "context"
-        # release the text that can no longer turn into a stop string
-        end = len(job.text) if reason or not job.stop else len(job.text) - partial_stop(job.text, job.stop)
-        out = job.text[job.n_sent : end] if end > job.n_sent else ""
-        job.n_sent = max(job.n_sent, end)
+        out = release_text(job, bool(reason))
         if out or new_tokens:
             job.handle._put(Delta(out, new_tokens, new_probs))
         if reason:

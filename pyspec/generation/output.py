@@ -1,10 +1,66 @@
-"""Tokens out: stop strings in the generated text (the server's process_token, tools/server/server-context.cpp)."""
+"""Tokens out: text pieces, stop strings, what may be streamed, logprobs (the server's process_token and
+populate_token_probs, tools/server/server-context.cpp). The engine calls these per new token (Engine._emit);
+end of generation, budget and context stay with the engine's step."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["find_stop", "partial_stop"]
+import numpy as np
+
+from pyspec.core.vocab import Vocab
+from pyspec.generation.requests import TokenLogprob
+from pyspec.generation.slots import Job
+
+__all__ = ["append_text", "decode_piece", "find_stop", "partial_stop", "release_text", "token_logprob"]
+
+
+def decode_piece(job: Job, piece: bytes) -> str:
+    """A token's piece as text; the bytes of an incomplete UTF-8 character wait in ``job.pending`` for the rest."""
+    if job.pending:
+        piece = job.pending + piece
+    try:
+        text = piece.decode("utf-8")
+        job.pending = b""
+    except UnicodeDecodeError:
+        job.pending, text = piece, ""  # wait for the rest of the character
+    return text
+
+
+def append_text(job: Job, text: str) -> bool:
+    """Add ``text`` to the job's text; True when a stop string now occurs (the text is cut before it)."""
+    before = len(job.text)
+    job.text += text
+    hit, word = find_stop(job.text, job.stop, max(0, before - job.stop_longest)) if job.stop else (-1, "")
+    if hit >= 0:
+        job.text = job.text[:hit]
+        job.stopping_word = word
+        return True
+    return False
+
+
+def release_text(job: Job, ended: bool) -> str:
+    """The text not yet streamed that can no longer turn into a stop string (all of it once the request ended)."""
+    end = len(job.text) if ended or not job.stop else len(job.text) - partial_stop(job.text, job.stop)
+    out = job.text[job.n_sent : end] if end > job.n_sent else ""
+    job.n_sent = max(job.n_sent, end)
+    return out
+
+
+def token_logprob(logits: np.ndarray, vocab: Vocab, tok: int, n_probs: int) -> TokenLogprob:
+    """The token's log-probability and the n_probs most likely tokens: log-softmax of one row of the target's logits."""
+    row = logits.astype(np.float64)
+    m = row.max()
+    lse = m + np.log(np.exp(row - m).sum())
+    top: list[tuple[int, str, bytes, float]] = []
+    if n_probs > 0:
+        ids = np.argpartition(-row, n_probs - 1)[:n_probs] if n_probs < row.size else np.arange(row.size)
+        ids = ids[np.argsort(-row[ids], kind="stable")]
+        for i in ids.tolist():
+            b = vocab.token_to_piece_bytes(i, special=True)
+            top.append((i, b.decode("utf-8", "replace"), b, float(row[i] - lse)))
+    b = vocab.token_to_piece_bytes(tok, special=True)
+    return TokenLogprob(tok, b.decode("utf-8", "replace"), b, float(row[tok] - lse), top)
 
 
 def find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
