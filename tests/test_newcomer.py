@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -94,3 +95,20 @@ def test_serve_without_the_server_extra_names_the_extra(monkeypatch: pytest.Monk
     assert main(["serve", "--tiny"]) != 0
     assert "server extra" in err.getvalue() and "[server]" in err.getvalue()
     assert "starlette uvicorn" in err.getvalue()
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_run_warns_once_when_the_default_threads_oversubscribe(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from pyspec.cli.commands import main
+    from pyspec.core import workers
+
+    monkeypatch.setattr(workers, "_cores", lambda: 2)
+    monkeypatch.setattr(workers.os, "getloadavg", lambda: (6.0, 6.0, 6.0))  # two other jobs at work
+    monkeypatch.setattr(workers, "_warned_oversubscribed", False)
+    with caplog.at_level(logging.WARNING, logger="pyspec"):
+        assert main(["run", "--tiny", "-n", "2", "--quiet"]) == 0
+    said = [r.getMessage() for r in caplog.records if "CPU threads but only" in r.getMessage()]
+    assert len(said) == 1 and "--threads 1" in said[0] and "2 CPU threads" in said[0]

@@ -208,3 +208,49 @@ def test_decoding_from_a_second_thread_with_a_live_pool_warns_once(target_model)
             assert threading.get_ident() not in workers.pools()
     finally:
         log.removeHandler(seen)
+
+
+def _fake_machine(monkeypatch: pytest.MonkeyPatch, cores: int, load: float) -> None:
+    from pyspec.core import workers
+
+    monkeypatch.setattr(workers, "_cores", lambda: cores)
+    monkeypatch.setattr(workers.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(workers, "_warned_oversubscribed", False)
+
+
+def test_oversubscription_warns_once_with_the_free_core_count(monkeypatch, caplog):
+    from pyspec.core.workers import check_oversubscription
+
+    _fake_machine(monkeypatch, cores=8, load=5.0)  # two other jobs busy on 5 of 8 cores
+    with caplog.at_level(logging.WARNING, logger="pyspec"):
+        assert check_oversubscription(None) == 3  # the default: all 8 cores
+        assert check_oversubscription(8) is None  # once
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "--threads 3" in warnings[0] and "8 CPU threads" in warnings[0]
+
+
+def test_threads_within_the_free_cores_do_not_warn(monkeypatch, caplog):
+    from pyspec.core.workers import check_oversubscription
+
+    _fake_machine(monkeypatch, cores=8, load=5.0)
+    with caplog.at_level(logging.WARNING, logger="pyspec"):
+        assert check_oversubscription(3) is None
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_a_fully_loaded_machine_suggests_one_thread(monkeypatch):
+    from pyspec.core.workers import check_oversubscription
+
+    _fake_machine(monkeypatch, cores=2, load=7.5)
+    assert check_oversubscription(2) == 1
+
+
+def test_other_threads_openmp_pools_count_as_busy_cores(monkeypatch):
+    from pyspec.core import workers
+
+    _fake_machine(monkeypatch, cores=8, load=0.0)
+    other = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    other.start()
+    monkeypatch.setitem(workers._pools, other.ident, 6)  # another thread decodes with 6 threads
+    assert workers.free_cores() == 2
+    assert workers.check_oversubscription(4) == 2

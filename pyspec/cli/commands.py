@@ -126,6 +126,13 @@ def _ctx_kw(args: argparse.Namespace, n_seq: int = 1) -> dict[str, Any]:
     return {"n_ctx": args.n_ctx, "n_batch": args.n_batch, "n_seq": n_seq, "n_threads": args.threads or None}
 
 
+def _check_threads(args: argparse.Namespace) -> None:
+    """One warning, before a model loads, when --threads (default: all cores) exceeds the free cores."""
+    from pyspec.core.workers import check_oversubscription
+
+    check_oversubscription(getattr(args, "threads", None) or None)
+
+
 def _read_text(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -213,6 +220,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.n_predict <= 0:
         raise CliError("--n-predict must be positive")
     n_seq = max(args.n_seq, len(prompts))
+    _check_threads(args)
     prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
     types = parse_types(args.types)
     if args.temp <= 0:
@@ -271,6 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CliError(f"pyspec serve needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
     bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
+    _check_threads(args)
 
     kw = _ctx_kw(args, args.parallel)
     sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -314,6 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
     if args.n_prompts is not None:
         prompts = prompts[: max(1, args.n_prompts)]
+    _check_threads(args)  # before the port's warnings are silenced below
 
     log = logging.getLogger("pyspec")
     level = log.level
@@ -388,6 +398,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.repeat <= 0:
         raise CliError("--repeat must be positive")
+    _check_threads(args)
     return demo(n_predict=args.n_predict, model=args.model, n_threads=args.threads or None, repeat=args.repeat,
                 verbose=args.verbose)
 

@@ -22,12 +22,13 @@ import threading
 
 from pyspec.ffi import ext
 
-__all__ = ["pools", "release_cpu_workers"]
+__all__ = ["check_oversubscription", "free_cores", "pools", "release_cpu_workers"]
 
 _log = logging.getLogger("pyspec")
 _lock = threading.Lock()
 _pools: dict[int, int] = {}  # thread ident -> the largest team it started (its pool's size)
 _warned = False
+_warned_oversubscribed = False
 _openmp: bool | None = None  # whether the CPU backend runs its graphs on OpenMP teams
 
 
@@ -96,3 +97,42 @@ def release_cpu_workers() -> bool:
     with _lock:
         _pools.pop(threading.get_ident(), None)
     return rc == 1
+
+
+def free_cores() -> int:
+    """The cores nothing else is using now, at least 1: this process's cores less the 1-minute load
+    average (other processes' runnable threads) and the OpenMP pools of this process's other threads."""
+    cores = _cores()
+    load = _load()
+    me = threading.get_ident()
+    others = sum(n for ident, n in pools().items() if ident != me)
+    return max(1, min(cores, round(cores - load - others)))
+
+
+def check_oversubscription(n_threads: int | None) -> int | None:
+    """Warn once when ``n_threads`` (None: all cores, llama.cpp's default) exceeds the free cores.
+
+    A decode's threads meet at a barrier after every op, so one thread that waits for a core stalls
+    them all: beside two other decoding jobs, plain decoding with all cores fell to 1 tok/s where
+    one thread ran at 78. Returns the suggested thread count when it warned, else None.
+    The entry points (``pyspec run / serve / bench / demo``) call it before they load a model.
+    """
+    global _warned_oversubscribed
+    n = n_threads or _cores()
+    free = free_cores()
+    if n <= free or _warned_oversubscribed:
+        return None
+    _warned_oversubscribed = True
+    _log.warning(
+        "pyspec: %d CPU threads but only about %d of %d cores are free (load average %.1f, other decoding "
+        "threads in this process); every decode would wait for busy cores. Use --threads %d "
+        "(n_threads=%d) for steadier, often much faster decoding", n, free, _cores(), _load(), free, free)
+    return free
+
+
+def _load() -> float:
+    # the 1-minute load average: runnable threads, including other processes' (0 where there is none)
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
