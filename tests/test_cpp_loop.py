@@ -1,4 +1,4 @@
-"""The C++ loop (pyspec.generation.cpp_loop) generates what the Python driver and engine generate
+"""The C++ loop (pyspec.generation.cpp_loop) generates what the Python engine generates
 (fixed draft lengths, with and without a per-request draft cap)."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from pyspec.errors import LoopInputError, RefError
 from pyspec.ffi import ffi
 from pyspec.ffi import ref as lib
 from pyspec.generation.cpp_loop import cpp_generate
-from pyspec.generation.driver import SpeculativeGenerator
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.generation.requests import Request
 from pyspec.generation.statistics import GenerationStats, SequenceResult
@@ -38,7 +37,7 @@ def mtp_model():
 
 def _setup(kind: str, n_seq: int,
            request: pytest.FixtureRequest) -> tuple[Context, CommonParamsSpeculative | None, list]:
-    """Target context and speculative params for one kind, as the driver's users set them up."""
+    """Target context and speculative params for one kind, as the engine's users set them up."""
     n_ctx = 1024 * n_seq
     contexts: list[Context] = []
     if kind == "mtp":
@@ -89,19 +88,27 @@ def _outcome(rs: list[SequenceResult]) -> tuple:
             [r.n_accepted for r in rs])
 
 
-def _driver(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], engine: str,
-            n_predict: int) -> tuple:
-    with SpeculativeGenerator(ctx, spec, n_seq=len(prompts), engine=engine, adaptive_draft=False) as gen:
-        return _outcome(gen.generate(prompts, n_predict))
+def _engine(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], n_predict: int,
+            backend: str = "python", n_draft_max: int | None = None) -> tuple:
+    """What the engine generates with fixed draft lengths (every request's draft capped at ``n_draft_max``),
+    one prompt per slot, as SpeculativeGenerator submits them."""
+    with Engine(ctx, spec, greedy_sampling(), n_parallel=len(prompts), backend=backend,
+                adaptive_draft=False) as eng:
+        hs = [eng.submit(Request(prompt=p, n_predict=n_predict, n_draft_max=n_draft_max, cache_prompt=False,
+                                 slot_id=i)) for i, p in enumerate(prompts)]
+        eng.run_until_idle()
+        cs = [h.result() for h in hs]
+    return ([c.tokens for c in cs], [c.stop_reason for c in cs], [c.stats.n_drafted for c in cs],
+            [c.stats.n_accepted for c in cs])
 
 
 def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest) -> GenerationStats:
-    """Run the driver and the C++ loop, each on fresh contexts; assert the same outcome; return the loop's stats."""
+    """Run the engine and the C++ loop, each on fresh contexts; assert the same outcome; return the loop's stats."""
     prompts = [PROMPT, PROMPT[:50]][:n_seq]
     n_predict = 128 if kind == "ngram-simple" else N_PREDICT  # n-gram drafts need some history
     ctx, spec, contexts = _setup(kind, n_seq, request)
     try:
-        expected = _driver(ctx, spec, prompts, engine, n_predict)
+        expected = _engine(ctx, spec, prompts, n_predict, engine)
     finally:
         _close(contexts)
     ctx, spec, contexts = _setup(kind, n_seq, request)
@@ -122,23 +129,11 @@ def _compare(kind: str, n_seq: int, engine: str, request: pytest.FixtureRequest)
 
 @pytest.mark.parametrize("n_seq", [1, 2])
 @pytest.mark.parametrize("kind", ["none", "draft-simple", "ngram-simple", "eagle3", "mtp"])
-def test_cpp_loop_generates_the_python_drivers_tokens(kind: str, n_seq: int, request: pytest.FixtureRequest) -> None:
+def test_cpp_loop_generates_the_python_engines_tokens(kind: str, n_seq: int, request: pytest.FixtureRequest) -> None:
     st = _compare(kind, n_seq, "python", request)
     if kind != "none":
         assert st.n_drafted > 0  # the speculative path ran
     assert st.n_steps > 0 and st.t_gen_s > 0 and st.t_decode_s > 0
-
-
-def _engine_capped(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], n_predict: int,
-                   n_draft_max: int) -> tuple:
-    """What the Python engine generates with fixed draft lengths and every request's draft capped."""
-    with Engine(ctx, spec, greedy_sampling(), n_parallel=len(prompts), adaptive_draft=False) as eng:
-        hs = [eng.submit(Request(prompt=p, n_predict=n_predict, n_draft_max=n_draft_max, cache_prompt=False,
-                                 slot_id=i)) for i, p in enumerate(prompts)]
-        eng.run_until_idle()
-        cs = [h.result() for h in hs]
-    return ([c.tokens for c in cs], [c.stop_reason for c in cs], [c.stats.n_drafted for c in cs],
-            [c.stats.n_accepted for c in cs])
 
 
 @pytest.mark.parametrize("n_draft_max", [0, 1, 2])
@@ -149,7 +144,7 @@ def test_cpp_loop_caps_each_draft_as_the_engines_per_request_n_draft_max(
     prompts = [PROMPT, PROMPT[:50]][:n_seq]
     ctx, spec, contexts = _setup(kind, n_seq, request)
     try:
-        expected = _engine_capped(ctx, spec, prompts, N_PREDICT, n_draft_max)
+        expected = _engine(ctx, spec, prompts, N_PREDICT, n_draft_max=n_draft_max)
     finally:
         _close(contexts)
     ctx, spec, contexts = _setup(kind, n_seq, request)
