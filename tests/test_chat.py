@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from pyspec import Model
-from pyspec.errors import ChatTemplateError, NoChatTemplateError
+from pyspec.errors import ChatTemplateError
+from pyspec.generation import chat as chat_mod
 from pyspec.generation.chat import (
     chat_template,
+    fallback_template,
     render_chat,
     render_template,
     tokenize_chat,
@@ -61,10 +65,38 @@ def test_a_jinja_template_given_as_text_renders_with_the_transformers_names():
     assert out == 'USER: héllo\nASSISTANT:{"k": "é"}'
 
 
-def test_a_model_without_a_template_refuses_messages_clearly():
+def test_a_model_without_a_template_falls_back_to_its_architectures_builtin_and_warns_once(monkeypatch):
+    monkeypatch.setattr(chat_mod, "_warned", set())
+    msgs = [{"role": "user", "content": "Hi"}]
     with Model(tm.make_cyclic_target(), vocab_only=True) as m:
-        with pytest.raises(NoChatTemplateError, match=r"has no chat template .*tokenizer\.chat_template"):
-            render_chat(m, [{"role": "user", "content": "Hi"}])
+        assert chat_template(m) is None
+        name = fallback_template(m)
+        with pytest.warns(UserWarning, match=rf"no chat template .*built-in '{name}'.*chat_template="):
+            text = render_chat(m, msgs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the second chat on the same model is quiet
+            assert render_chat(m, msgs) == text
+            # a named template is used as given, without a warning
+            assert render_chat(m, msgs, template="chatml") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert text == render_chat_builtin(name, msgs)
+
+
+def render_chat_builtin(name, msgs):
+    from pyspec.generation.chat_builtin import apply_builtin_template
+
+    return apply_builtin_template(name, msgs, True)
+
+
+def test_fallback_templates_by_architecture():
+    class Fake:
+        def __init__(self, arch):
+            self.arch = arch
+
+        def meta(self, key):
+            return self.arch if key == "general.architecture" else None
+
+    assert [fallback_template(Fake(a)) for a in ("gemma3", "gemma", "llama", "qwen2", None)] == [  # type: ignore[arg-type]
+        "gemma", "gemma", "llama3", "chatml", "chatml"]
 
 
 def test_a_template_that_raises_gives_a_chat_template_error(chat_model):
@@ -93,9 +125,10 @@ def test_malformed_messages_are_refused(chat_model, messages, match):
 def test_gemma_turns_become_special_tokens_not_literal_text():
     with Model(default_model_path(), vocab_only=True) as m:  # the test extra installs the real model
         msgs = [{"role": "user", "content": "Hi"}]
-        # this GGUF carries no tokenizer.chat_template: messages need a named template
-        with pytest.raises(NoChatTemplateError):
-            render_chat(m, msgs)
+        # this GGUF carries no tokenizer.chat_template: the gemma built-in is its fallback
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert render_chat(m, msgs) == render_chat(m, msgs, template="gemma")
         text = render_chat(m, msgs, template="gemma")
         toks = tokenize_chat(m.vocab, text)
         literal = m.vocab.tokenize(text, add_special=True, parse_special=False)

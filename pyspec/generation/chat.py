@@ -7,6 +7,10 @@ vocabulary's texts), ``raise_exception``, ``strftime_now`` and a ``tojson``
 that keeps non-ASCII text. A template given by name, or one that Jinja2
 cannot compile, goes to llama.cpp's built-in templates
 (llama_chat_apply_template), which know a fixed list by name and by marker.
+A model without a template (a base model such as Gemma 3 270M) gets the
+built-in template of its architecture (:func:`fallback_template`: gemma ->
+"gemma", llama -> "llama3", any other -> "chatml") and one warning naming it;
+``template=`` (a built-in name or a Jinja template) chooses another.
 
     text = render_chat(model, [{"role": "user", "content": "Hi"}])
 """
@@ -16,16 +20,50 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pyspec.core.model import Model
 from pyspec.core.vocab import Vocab
-from pyspec.errors import ChatTemplateError, NoChatTemplateError
+from pyspec.errors import ChatTemplateError
 
-__all__ = ["CHAT_TEMPLATE_KEY", "chat_template", "render_chat", "render_template", "tokenize_chat"]
+__all__ = ["CHAT_TEMPLATE_KEY", "FALLBACK_TEMPLATES", "chat_template", "fallback_template", "render_chat",
+           "render_template", "tokenize_chat"]
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+
+# general.architecture prefix -> the llama.cpp built-in template for a model that brings none;
+# the first match wins, "chatml" is the default (the most widely trained turn format)
+FALLBACK_TEMPLATES: tuple[tuple[str, str], ...] = (("gemma", "gemma"), ("llama", "llama3"))
+_FALLBACK_DEFAULT = "chatml"
+_warned_lock = threading.Lock()
+_warned: set[str] = set()  # model paths already warned about: one warning per model file
+
+
+def fallback_template(model: Model) -> str:
+    """The built-in template name for a model without a chat template, from its architecture."""
+    arch = str(model.meta("general.architecture") or "")
+    for prefix, name in FALLBACK_TEMPLATES:
+        if arch.startswith(prefix):
+            return name
+    return _FALLBACK_DEFAULT
+
+
+def _fallback_for(model: Model) -> str:
+    """fallback_template(model), with a warning the first time a model file falls back."""
+    name = fallback_template(model)
+    key = str(model.path)
+    with _warned_lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        warnings.warn(
+            f"{model.path.name} has no chat template ({CHAT_TEMPLATE_KEY}): using the built-in {name!r} template "
+            f"for its architecture; pass chat_template= (a built-in name or a Jinja template) to choose another",
+            UserWarning, stacklevel=3)
+    return name
 
 
 def chat_template(model: Model) -> str | None:
@@ -107,21 +145,18 @@ def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_gene
                 template: str | None = None, **kwargs: Any) -> str:
     """The prompt text of ``messages`` for ``model``.
 
-    ``template`` None uses the model's own template; a llama.cpp built-in name
-    ("chatml", "llama2", "gemma", ...) uses llama_chat_apply_template; any
-    other string is a Jinja template. NoChatTemplateError when the model has
-    none and no template is named. ``kwargs`` reach the template (e.g.
+    ``template`` None uses the model's own template, or for a model without one
+    the built-in template of its architecture (:func:`fallback_template`, with a
+    warning once per model file); a llama.cpp built-in name ("chatml",
+    "llama2", "gemma", ...) uses llama_chat_apply_template; any other string is
+    a Jinja template. ``kwargs`` reach the template (e.g.
     ``enable_thinking``).
     """
     from pyspec.generation.chat_builtin import apply_builtin_template, builtin_templates
 
     msgs = _check_messages(messages)
     if template is None:
-        template = chat_template(model)
-        if template is None:
-            raise NoChatTemplateError(
-                f"this model ({model.path.name}) has no chat template ({CHAT_TEMPLATE_KEY}); give a prompt "
-                f"instead of messages, or name a template (one of: {', '.join(builtin_templates())})")
+        template = chat_template(model) or _fallback_for(model)
     if template in builtin_templates():
         return apply_builtin_template(template, msgs, add_generation_prompt)
     vocab = model.vocab
