@@ -1,4 +1,9 @@
-"""Speculative generation for a fixed set of prompts: a thin use of the serving engine.
+"""Speculative generation for a fixed set of prompts: a thin use of the serving engine (deprecated).
+
+``generate`` and :class:`SpeculativeGenerator` are deprecated for applications:
+use :class:`pyspec.LLM` (a model path and a speculative type) or
+:class:`~pyspec.generation.engine.Engine`, whose results are
+:class:`~pyspec.generation.requests.Completion`. They keep working.
 
 :class:`SpeculativeGenerator` submits one request per prompt to an
 :class:`~pyspec.generation.engine.Engine` on the same contexts (sequence i in
@@ -8,8 +13,8 @@ per step for all sequences, prompts in n_batch chunks with the process hook on
 every target batch, drafts verified with sample_and_accept_n, checkpoints for
 recurrent and hybrid targets, as the llama.cpp server does.
 
-The loop runs either implementation (``engine="python"`` for the port,
-``engine="cpp"`` for the C++ reference), so the two can be compared; the
+The loop runs either implementation (``backend="python"`` for the port,
+``backend="cpp"`` for the C++ reference; ``engine=`` is the deprecated name), so the two can be compared; the
 ``on_event`` trace reports every call into the implementation. The draft
 length of each step is the engine's cost-aware choice
 (:mod:`pyspec.generation.draft_length`); ``adaptive_draft=False`` keeps
@@ -28,11 +33,24 @@ from pyspec.errors import ClosedError
 from pyspec.generation.draft_length import DraftLengthController
 from pyspec.generation.engine import Engine, EventCallback, greedy_sampling
 from pyspec.generation.requests import Request, RequestHandle
-from pyspec.generation.statistics import GenerationStats, SequenceResult
+from pyspec.generation.statistics import GenerationStats, SequenceResult, warn_deprecated
 
 __all__ = ["EventCallback", "PieceCallback", "SpeculativeGenerator", "generate", "greedy_sampling"]
 
 PieceCallback = Callable[[int, str], Any]
+
+_MOVED = "use pyspec.LLM (a model path and a speculative type) or pyspec.Engine, whose results are pyspec.Completion"
+
+
+def _backend(backend: str | None, engine: str | None, level: int) -> str:
+    """The python/cpp choice from ``backend=``, or from the old keyword ``engine=`` (with a warning)."""
+    if engine is not None:
+        if backend is not None and backend != engine:
+            raise TypeError(f"backend={backend!r} and engine={engine!r} disagree: give backend= alone")
+        # frames: warn_deprecated <- _backend <- the function taking engine= <- its caller
+        warn_deprecated("the engine= keyword is deprecated: use backend= ('python' or 'cpp')", level + 1)
+        return engine
+    return "python" if backend is None else backend
 
 
 class SpeculativeGenerator:
@@ -55,18 +73,21 @@ class SpeculativeGenerator:
         sampling: CommonParamsSampling | None = None,
         *,
         n_seq: int | None = None,
-        engine: str = "python",
+        backend: str | None = None,
+        engine: str | None = None,
         on_event: EventCallback | None = None,
         adaptive_draft: bool = True,
         draft_controller: DraftLengthController | None = None,
     ) -> None:
+        warn_deprecated(f"SpeculativeGenerator is deprecated: {_MOVED}", 2)
+        backend = _backend(backend, engine, 2)
         n = ctx_tgt.n_seq_max if n_seq is None else n_seq
         if not 1 <= n <= ctx_tgt.n_seq_max:
             raise ValueError(f"n_seq must be 1..{ctx_tgt.n_seq_max} (the target's n_seq_max), got {n}")
         self.n_seq = n
         self.sampling = sampling if sampling is not None else greedy_sampling()
         self.spec_params = spec
-        self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=engine, on_event=on_event,
+        self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=backend, on_event=on_event,
                              adaptive_draft=adaptive_draft, draft_controller=draft_controller)
         self.draft_ctl = self.engine.draft_ctl
         self.ctx_tgt = ctx_tgt
@@ -200,12 +221,15 @@ def generate(
     spec: CommonParamsSpeculative | None = None,
     sampling: CommonParamsSampling | None = None,
     stop: Sequence[str] = (),
-    engine: str = "python",
+    backend: str | None = None,
     on_piece: Callable[[str], Any] | None = None,
     adaptive_draft: bool = True,
+    engine: str | None = None,
 ) -> tuple[SequenceResult, GenerationStats]:
-    """Generate for one prompt; returns its result and the run's statistics."""
+    """Generate for one prompt; returns its result and the run's statistics (deprecated: see the module)."""
+    warn_deprecated(f"generate is deprecated: {_MOVED}", 2)
+    backend = _backend(backend, engine, 2)
     cb = (lambda _seq, text: on_piece(text)) if on_piece is not None else None
-    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, engine=engine, adaptive_draft=adaptive_draft) as gen:
+    with SpeculativeGenerator(ctx_tgt, spec, sampling, n_seq=1, backend=backend, adaptive_draft=adaptive_draft) as gen:
         (res,) = gen.generate([prompt], n_predict, stop=stop, on_piece=cb)
         return res, gen.stats

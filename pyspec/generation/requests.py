@@ -104,6 +104,16 @@ class RequestStats:
     def acceptance(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.acceptance
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second after the first one (llama-server's predicted_per_second)."""
+        return 1e3 * self.n_gen / self.t_gen_ms if self.t_gen_ms > 0 else 0.0
+
     def timings(self) -> dict[str, Any]:
         """llama-server's ``timings`` object (tools/server/server-task.cpp, result_timings)."""
         n_proc = self.n_prompt - self.n_cached

@@ -1,7 +1,14 @@
-"""What a generation produced and what it cost: one type for every loop (Python driver, C++ loop)."""
+"""What a generation produced and what it cost, for the fixed-prompt loops (Python driver, C++ loop).
+
+SequenceResult and GenerationStats are deprecated for callers: pyspec.LLM and
+Engine return a :class:`~pyspec.generation.requests.Completion`, whose
+``stats`` (RequestStats) carry the same counters per request.
+"""
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -10,6 +17,21 @@ __all__ = ["COUNTER_NAMES", "GenerationStats", "ImplStats", "SequenceResult"]
 # the counters of struct common_speculative_impl (speculative.cpp), compared by the parity harness
 COUNTER_NAMES = ("n_call_begin", "n_call_draft", "n_call_accept", "n_gen_drafts", "n_acc_drafts",
                  "n_gen_tokens", "n_acc_tokens")
+
+
+def warn_deprecated(message: str, level: int) -> None:
+    """A DeprecationWarning for the frame ``level`` above this one, when that caller is outside pyspec.
+
+    The library's own users of the old names (the CLI, the parity harness, the C++ loop's binding)
+    stay quiet: the warning is for applications, which can move to pyspec.LLM / Engine.
+    """
+    caller = sys._getframe(level)
+    if str(caller.f_globals.get("__name__", "")).startswith("pyspec."):
+        return
+    warnings.warn(message, DeprecationWarning, stacklevel=level + 1)
+
+
+_RESULT_MOVED = "use pyspec.LLM or pyspec.Engine, whose results are pyspec.Completion (statistics in .stats)"
 
 
 @dataclass
@@ -23,6 +45,10 @@ class SequenceResult:
     stop_reason: str = ""  # "eog", "n_predict", "stop", "context"
     n_drafted: int = 0
     n_accepted: int = 0
+
+    def __post_init__(self) -> None:
+        # frames: warn_deprecated <- __post_init__ <- the dataclass __init__ <- the caller
+        warn_deprecated(f"SequenceResult is deprecated: {_RESULT_MOVED}", 3)
 
 
 @dataclass
@@ -70,6 +96,9 @@ class GenerationStats:
     # (drafted, accepted) of every verified draft, in order: what a draft-length policy had to work with
     drafts: list[tuple[int, int]] = field(default_factory=list)
     impls: list[ImplStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        warn_deprecated(f"GenerationStats is deprecated: {_RESULT_MOVED}", 3)
 
     @property
     def acceptance(self) -> float:
