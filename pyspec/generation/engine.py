@@ -40,8 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +61,12 @@ from pyspec.common.speculative import DraftRequest, common_speculative_n_max, co
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.core.slot_file import read_slot_file, write_slot_file
-from pyspec.core.workers import release_cpu_workers
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
 from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
-from pyspec.generation.queue import Command
+from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix
 
@@ -87,7 +85,7 @@ def greedy_sampling() -> CommonParamsSampling:
     return CommonParamsSampling(top_k=1, samplers=[CommonSamplerType.TOP_K])
 
 
-class Engine:
+class Engine(EngineQueue):
     """Serves requests on ``n_parallel`` slots of a target context (and the draft context in ``spec``).
 
     ``spec`` is a CommonParamsSpeculative (its ``draft.ctx_dft`` set for
@@ -342,29 +340,6 @@ class Engine:
 
     # --- running ------------------------------------------------------------------------
 
-    def start(self) -> Engine:
-        """Run the loop in a thread of its own, which holds the contexts until close()."""
-        if self._closed:
-            raise ClosedError("engine is closed")
-        if self._thread is not None:
-            return self
-        self._driven = True
-        # the loop thread claims the contexts itself (a claim serves the thread that holds it);
-        # start() waits for that, so a context claimed elsewhere raises here
-        claimed: Future = Future()
-        # from here on the loop thread decodes: the CPU workers of this thread's decodes (the memory
-        # probe and the calibration above, or the caller's own) would halve the loop's decode speed
-        release_cpu_workers()
-        thread = threading.Thread(target=self._loop, args=(claimed,), name="pyspec-engine", daemon=True)
-        thread.start()
-        try:
-            claimed.result()
-        except BaseException:
-            thread.join()
-            raise
-        self._thread = thread
-        return self
-
     def _claim(self) -> contextlib.ExitStack:
         # one generation per context at a time: another generator or engine would interleave its memory edits
         stack = contextlib.ExitStack()
@@ -376,18 +351,6 @@ class Engine:
             raise
         return stack
 
-    def _check_driven(self) -> None:
-        """Raise for a handle about to wait on an engine nothing steps: that wait would never end."""
-        if not self._driven and not self._closed:
-            raise PyspecError(
-                "the engine is not running, so this request would wait forever: call engine.start() first "
-                "(e.g. `with Engine(...).start() as engine:`), or step it in this thread with "
-                "engine.run_until_idle() / engine.step()")
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def busy(self) -> bool:
         """Whether any request is waiting or running."""
         with self._lock:
@@ -396,65 +359,6 @@ class Engine:
     def _has_work(self) -> bool:
         # under self._lock
         return bool(self._waiting) or bool(self._commands) or any(s.job is not None for s in self.slots)
-
-    def _loop(self, claimed: Future) -> None:
-        try:
-            self._claims = self._claim()
-        except BaseException as e:
-            claimed.set_exception(e)
-            return
-        claimed.set_result(None)
-        while True:
-            with self._lock:
-                while not self._stopping and not self._has_work():
-                    self._wake.wait()
-                if self._stopping:
-                    return
-            try:
-                self._step()
-            except Exception:
-                logger.exception("engine step failed; its requests were ended with the error")
-
-    @contextlib.contextmanager
-    def claim(self) -> Iterator[None]:
-        """Hold the contexts for several steps in the caller's thread (not while start()ed).
-
-        Another generator or engine on the same contexts is refused with
-        ConcurrentUseError meanwhile; step() inside claims nothing more.
-        """
-        if self._thread is not None:
-            raise PyspecError("the engine runs in its own thread (start()); claim() is for engines not started")
-        if self._closed:
-            raise ClosedError("engine is closed")
-        if self._held:
-            yield
-            return
-        with self._claim():
-            self._driven = True
-            self._held = True
-            try:
-                yield
-            finally:
-                self._held = False
-
-    def step(self) -> bool:
-        """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
-        if self._held and self._thread is None and not self._closed:  # what claim() checks when held
-            return self._step()
-        with self.claim():
-            return self._step()
-
-    def run_until_idle(self) -> None:
-        """Step in the caller's thread until no request is waiting or running."""
-        with self.claim():
-            while self._step():
-                pass
-
-    def steps(self) -> Iterator[None]:
-        """Step in the caller's thread while there is work, yielding after each step (contexts held meanwhile)."""
-        with self.claim():
-            while self._step():
-                yield None
 
     def close(self) -> None:
         """Stop the loop thread, end every request (stop_reason "cancelled"), free the backend and owned handles."""
@@ -497,30 +401,6 @@ class Engine:
         self.close()
 
     # --- commands on the loop thread ------------------------------------------------
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` between steps: at once when not started, else on the loop thread (waiting for it)."""
-        if self._closed:
-            raise ClosedError("engine is closed")
-        if self._thread is None:
-            with self._claim():
-                return fn()
-        fut: Future = Future()
-        with self._lock:
-            self._commands.append(Command(fn, fut))
-            self._wake.notify_all()
-        return fut.result()
-
-    def _run_commands(self) -> None:
-        while True:
-            with self._lock:
-                if not self._commands:
-                    return
-                cmd = self._commands.popleft()
-            try:
-                cmd.future.set_result(cmd.fn())
-            except BaseException as e:
-                cmd.future.set_exception(e)
 
     def slot_info(self) -> list[dict[str, Any]]:
         """Each slot's id, whether it is busy, and how many tokens its memory holds (a snapshot)."""
