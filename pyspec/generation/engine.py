@@ -31,6 +31,14 @@ state in a file.
 Without :meth:`Engine.start` the engine runs in the caller's thread, one
 :meth:`Engine.step` at a time (SpeculativeGenerator does this); with it, a
 loop thread owns the contexts until :meth:`Engine.close`.
+
+Split along llama.cpp server's seams: generation/queue.py (EngineQueue: the
+queue, the loop thread, the caller's stepping, commands; server-queue.cpp),
+generation/slots.py (a request's and a slot's state, prefix matching),
+generation/output.py (text pieces, stop strings, logprobs: process_token),
+core/slot_file.py (the slot file's format); the step and the verification stay
+here (server-context.cpp's update_slots). csrc/pyspec_loop.cpp mirrors this
+loop with fixed draft lengths (pyspec.generation.cpp_loop).
 """
 
 from __future__ import annotations
@@ -400,7 +408,7 @@ class Engine(EngineQueue):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- commands on the loop thread ------------------------------------------------
+    # --- slot files and slot info (the server's slot save / restore / erase) ------------
 
     def slot_info(self) -> list[dict[str, Any]]:
         """Each slot's id, whether it is busy, and how many tokens its memory holds (a snapshot)."""
