@@ -247,6 +247,8 @@ def run_bench(
     curve = CostCurve(window=999)
 
     # warm-up: page the weights in, so the first timed run is not the slowest
+    if progress is not None:
+        progress("warming up (one short plain run)...")
     run_once(models, [T.NONE], "python", prompts[0], min(8, n_predict), spec_kw, ctx_kw)
 
     def plan(types: list[T]) -> list[str]:
@@ -263,6 +265,8 @@ def run_bench(
         for ip, prompt in enumerate(prompts):
             for types in sets:
                 for engine in plan(types):
+                    if progress is not None:  # a run can take many seconds: say what is being measured
+                        progress(f"measuring {_type_key(types)} on {engine} ({done + 1}/{total})...")
                     res, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw, curve)
                     runs.append(Run(_type_key(types), engine, ip, rep, list(res.tokens), st.n_gen_tokens,
                                     st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted,

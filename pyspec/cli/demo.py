@@ -11,6 +11,7 @@ on this machine, which is what decides whether speculation pays.
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,16 @@ def demo(
     repeat: int = 3,
     out: Callable[[str], Any] = print,
     verbose: bool = False,
+    progress: Callable[[str], Any] | None = None,
 ) -> int:
-    """Continue a code prompt with plain decoding, an n-gram type and draft-simple; print the text and the speed-ups."""
+    """Continue a code prompt with plain decoding, an n-gram type and draft-simple; print the text and the speed-ups.
+
+    ``progress`` gets a line before each measured run (default: stderr), so the tens of seconds of
+    measuring are not silent; the results go to ``out``.
+    """
+    if progress is None:
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
     n_predict = n_predict or 160
     configs = [  # (label, types, engine)
         ("plain decoding", [T.NONE], "python"),
@@ -47,16 +56,20 @@ def demo(
     spec_kw = {"n_max": 8, "ngram_n": 3, "ngram_m": 8}
     ctx_kw = {"n_ctx": 1024, "n_threads": n_threads}
     curve = CostCurve(window=999)
+    progress("loading the model...")
     with common_log(verbose), load_models([T.DRAFT_SIMPLE], model=model, batch_invariant=True) as models:
         out(f"model: {models.target.desc} ({models.target.path.name}), batch-invariant mode, "
             f"{n_threads or 'all'} thread(s)")
         out(f"prompt ({len(DEMO_PROMPT.splitlines())} lines of Python), {n_predict} tokens, greedy, "
             f"median of {repeat} interleaved runs\n")
+        progress("warming up...")
         run_once(models, [T.NONE], "python", DEMO_PROMPT, 8, spec_kw, ctx_kw)  # warm-up
         tps: dict[int, list[float]] = {k: [] for k in range(len(configs))}
         last: dict[int, Any] = {}
-        for _ in range(repeat):
-            for k, (_label, types, engine) in enumerate(configs):
+        total = repeat * len(configs)
+        for rep in range(repeat):
+            for k, (label, types, engine) in enumerate(configs):
+                progress(f"measuring {label} ({rep * len(configs) + k + 1}/{total})...")
                 res, st = run_once(models, types, engine, DEMO_PROMPT, n_predict, spec_kw, ctx_kw, curve)
                 tps[k].append(st.gen_tps)
                 last[k] = (res, st)
