@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -68,7 +69,9 @@ def test_ctrl_c_during_a_streaming_request_stops_the_server_with_one_line() -> N
     p = _serve(port)
     try:
         assert p.stderr is not None
-        banner = p.stderr.readline()
+        banner = ""
+        while "on http://" not in banner and p.poll() is None:  # a warning may come first on a loaded machine
+            banner = p.stderr.readline()
         assert f"on http://127.0.0.1:{port}" in banner
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = json.dumps({"prompt": "hello", "max_tokens": 100000, "stream": True})
@@ -112,3 +115,45 @@ def test_run_warns_once_when_the_default_threads_oversubscribe(monkeypatch: pyte
         assert main(["run", "--tiny", "-n", "2", "--quiet"]) == 0
     said = [r.getMessage() for r in caplog.records if "CPU threads but only" in r.getMessage()]
     assert len(said) == 1 and "--threads 1" in said[0] and "2 CPU threads" in said[0]
+
+
+def test_run_warns_that_a_small_n_ctx_is_padded_to_256(caplog: pytest.LogCaptureFixture) -> None:
+    from pyspec.cli.commands import main
+
+    with caplog.at_level(logging.WARNING, logger="pyspec"):
+        assert main(["run", "--tiny", "--n-ctx", "64", "-n", "2", "--quiet", "--threads", "1"]) == 0
+    said = [r.getMessage() for r in caplog.records if "--n-ctx" in r.getMessage()]
+    assert len(said) == 1 and "--n-ctx 64 becomes 256 tokens per sequence" in said[0] and "multiple of 256" in said[0]
+
+
+def test_the_padded_n_ctx_the_warning_names_is_what_llama_cpp_gives() -> None:
+    from pyspec.cli.commands import _n_ctx_seq_used
+    from pyspec.generation.engine import Engine
+
+    with Engine.load(tiny=True, n_ctx=100, n_parallel=3, n_threads=1) as engine:
+        assert engine.n_ctx_seq == _n_ctx_seq_used(100, 3) == 256
+
+
+# --------------------------------------------------------------------------- demo and bench progress
+
+
+def test_demo_prints_progress_while_it_measures(target_path: Any) -> None:
+    from pyspec.cli.demo import demo
+
+    lines: list[str] = []
+    said: list[str] = []
+    assert demo(model=target_path, n_predict=4, n_threads=1, repeat=1, out=said.append, progress=lines.append) == 0
+    assert lines[0] == "loading the model..." and lines[1] == "warming up..."
+    measured = [ln for ln in lines if ln.startswith("measuring ")]
+    assert measured[0] == "measuring plain decoding (1/5)..." and measured[-1].endswith("(5/5)...")
+    assert not any(ln.startswith("measuring") for ln in said)  # progress apart from the results
+
+
+def test_bench_says_what_it_measures_before_each_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from pyspec.cli.commands import main
+
+    assert main(["bench", "--tiny", "--types", "ngram-simple", "--engines", "python", "--n-predict", "4",
+                 "--repeat", "1", "--n-prompts", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "warming up (one short plain run)..." in err
+    assert err.index("measuring none on python (1/2)...") < err.index("measuring ngram-simple on python (2/2)...")

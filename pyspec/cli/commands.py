@@ -126,11 +126,25 @@ def _ctx_kw(args: argparse.Namespace, n_seq: int = 1) -> dict[str, Any]:
     return {"n_ctx": args.n_ctx, "n_batch": args.n_batch, "n_seq": n_seq, "n_threads": args.threads or None}
 
 
-def _check_threads(args: argparse.Namespace) -> None:
-    """One warning, before a model loads, when --threads (default: all cores) exceeds the free cores."""
+def _check_threads(args: argparse.Namespace, n_seq: int = 1) -> None:
+    """One warning each, before a model loads, when --threads (default: all cores) exceeds the free
+    cores, or when llama.cpp will give each sequence more context than --n-ctx asks."""
     from pyspec.core.workers import check_oversubscription
 
     check_oversubscription(getattr(args, "threads", None) or None)
+    n_ctx = getattr(args, "n_ctx", None)
+    if n_ctx and n_ctx > 0 and n_seq > 0 and (used := _n_ctx_seq_used(n_ctx, n_seq)) != n_ctx:
+        logging.getLogger("pyspec").warning(
+            "pyspec: --n-ctx %d becomes %d tokens per sequence: llama.cpp pads a context (and each sequence's "
+            "share) to a multiple of 256 (llama_context's GGML_PAD(n_ctx, 256)); pass a multiple of 256 to "
+            "get what you ask for", n_ctx, used)
+
+
+def _n_ctx_seq_used(n_ctx: int, n_seq: int) -> int:
+    # llama_context::llama_context (llama-context.cpp): the whole context, then each sequence's stream
+    # (the target context keeps one per sequence), rounded up to 256; open_contexts asks n_ctx * n_seq
+    total = -(-n_ctx * n_seq // 256) * 256
+    return -(-(total // n_seq) // 256) * 256
 
 
 def _read_text(path: str) -> str:
@@ -220,7 +234,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.n_predict <= 0:
         raise CliError("--n-predict must be positive")
     n_seq = max(args.n_seq, len(prompts))
-    _check_threads(args)
     prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
     types = parse_types(args.types)
     if args.temp <= 0:
@@ -230,6 +243,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     with common_log(args.verbose), \
             load_models(types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
+        _check_threads(args, n_seq)  # once the files are found: a missing model is the one line to see
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
             with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine,
@@ -279,7 +293,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise CliError(f"pyspec serve needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
     bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
-    _check_threads(args)
 
     kw = _ctx_kw(args, args.parallel)
     sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -290,6 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
                              slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
                              batch_invariant=args.batch_invariant, **_spec_kw(args))
+        _check_threads(args, args.parallel)  # once the files are found: a missing model is the one line to see
         name = args.alias or (Path(args.model).stem if args.model else
                               ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
         defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
