@@ -27,11 +27,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def serialized(method: F) -> F:
-    """Run a Handle method inside ``self._in_use()``: one thread at a time on the C object."""
+    """Run a Handle method inside ``self.in_use()``: one thread at a time on the C object."""
 
     @functools.wraps(method)
     def wrapper(self: Handle, *args: Any, **kwargs: Any) -> Any:
-        with self._in_use():
+        with self.in_use():
             return method(self, *args, **kwargs)
 
     return cast(F, wrapper)
@@ -69,7 +69,7 @@ class Handle(NotCopyable):
         self._users = 0
         self._deps: list[Handle] = []
         self._lock = threading.Lock()
-        # held by the one thread inside a C call on this object (see _in_use); re-entrant for that thread
+        # held by the one thread inside a C call on this object (see in_use); re-entrant for that thread
         self._calls = threading.RLock()
 
     def _own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
@@ -100,10 +100,16 @@ class Handle(NotCopyable):
         if self._closed:
             raise ClosedError(f"{self._kind} is closed")
 
+    def in_use(self) -> contextlib.AbstractContextManager[Any]:
+        """The public guard: hold this object for one C call, ``with h.in_use() as ptr: ...``.
+
+        A second thread is refused (ConcurrentUseError), not interleaved (C objects such as sampler
+        chains keep state no two threads may change at once); a closed object raises ClosedError.
+        Subclasses with a richer guard (Context) override it and keep this contract."""
+        return self._calls_guard()
+
     @contextlib.contextmanager
-    def _in_use(self) -> Iterator[Any]:
-        """Hold this object for one C call: a second thread is refused, not interleaved (C objects
-        such as sampler chains keep state no two threads may change at once)."""
+    def _calls_guard(self) -> Iterator[Any]:
         if not self._calls.acquire(blocking=False):
             raise ConcurrentUseError(f"this {self._kind} is in use by another thread")
         try:

@@ -135,7 +135,7 @@ class SamplerChain(Handle):
             raise ValueError(f"could not create the {what} sampler (see the pyspec.llama log)")
         try:
             self._check_mutable()
-            with self._in_use() as ptr:
+            with self.in_use() as ptr:
                 llama.llama_sampler_chain_add(ptr, smpl)
         except BaseException:
             llama.llama_sampler_free(smpl)
@@ -328,7 +328,7 @@ class SamplerChain(Handle):
         n = len(self)
         if not 0 <= i < n:
             raise IndexError(f"sampler index {i} out of range 0..{n - 1}")
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             llama.llama_sampler_free(llama.llama_sampler_chain_remove(ptr, i))
         self._grammars = [g - (g > i) for g in self._grammars if g != i]
 
@@ -351,7 +351,7 @@ class SamplerChain(Handle):
         if self._n_vocab and self._n_vocab != ctx.n_vocab:
             raise ValueError(
                 f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, the context {ctx.n_vocab}")
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             return self._sample(ptr, ctx, idx)
 
     def _sample(self, ptr: Any, ctx: Context, idx: int) -> int:
@@ -402,7 +402,7 @@ class SamplerChain(Handle):
     def accept(self, token: int) -> None:
         """Mirrors llama_sampler_accept; a token the chain's grammar does not allow raises ValueError."""
         t = self._check_token(token)
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             self._accept(ptr, t)
 
     def _accept(self, ptr: Any, t: int) -> None:
@@ -443,7 +443,7 @@ class SamplerChain(Handle):
         cur_p.size = cand.size
         cur_p.selected = -1
         cur_p.sorted = False
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             llama.llama_sampler_apply(ptr, cur_p)
         raise_sampler_errors()
         n = int(cur_p.size)
@@ -451,13 +451,13 @@ class SamplerChain(Handle):
         return cand[:n].copy(), (sel if 0 <= sel < n else -1)
 
     def reset(self) -> None:
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             llama.llama_sampler_reset(ptr)
         raise_sampler_errors()
 
     def clone(self) -> SamplerChain:
         """Mirrors llama_sampler_clone: an independent chain (never attached, so attachable)."""
-        with self._in_use() as ptr:
+        with self.in_use() as ptr:
             twin = llama.llama_sampler_clone(ptr)
         out = SamplerChain(_ptr=twin)
         try:
