@@ -363,8 +363,7 @@ def common_sampler_get(gsmpl: CommonSampler | None):
 
 def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_first: bool = False) -> int:
     """Mirrors common_sampler_sample (sampling.cpp)."""
-    cptr = ctx._enter_compute()  # ctx.held(): no other thread may decode on ctx while its outputs are read
-    try:
+    with ctx.held() as cptr:  # no other thread may decode on ctx while its outputs are read
         if gsmpl.plain_top_k == 1 and gsmpl.chain is not None:
             # greedy sampling: the chain's result without the candidate array, in one C call (not in the C++)
             check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
@@ -372,8 +371,6 @@ def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_
             if id != LLAMA_TOKEN_NULL:
                 return id
         return _sample(gsmpl, ctx, cptr, idx, grammar_first)
-    finally:
-        ctx._leave()
 
 
 def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: bool) -> int:

@@ -141,11 +141,8 @@ def set_lora_adapters(ctx: Context, adapters: LoraScales) -> None:
             held.append(a)
         arr = ffi.new("struct llama_adapter_lora *[]", [a.ptr for a in new]) if new else ffi.NULL
         scales = ffi.new("float[]", list(new.values())) if new else ffi.NULL
-        ptr = ctx._enter()
-        try:
+        with ctx.in_use() as ptr:
             llama.llama_set_adapters_lora(ptr, arr, len(new), scales)
-        finally:
-            ctx._leave()
     except BaseException:
         for a in held:
             ctx._unhold(a)
@@ -201,12 +198,9 @@ def set_control_vector(ctx: Context, directions: Mapping[int, Any] | None,
         if not (0 <= lo <= hi < n_layer):
             raise ValueError(f"layer range {lo}..{hi} is not within 0..{n_layer - 1}")
         data, n = ffi.from_buffer("float[]", arr), arr.size
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         with capture_errors() as errors:
             rc = llama.llama_set_adapter_cvec(ptr, data, n, n_embd, lo, hi)
-    finally:
-        ctx._leave()
     if rc != 0:
         raise AdapterError(f"llama_set_adapter_cvec failed: {errors.reason() or 'see the pyspec.llama log'}")
 

@@ -392,7 +392,8 @@ class Context(Handle):
         return self._ptr
 
     def _enter(self) -> Any:
-        """Take this context for one call into llama.cpp; returns the C pointer. Pair with _leave().
+        """Take this context for one call into llama.cpp; returns the C pointer. Callers use the
+        public guards (in_use(), held()), which pair it with _leave().
 
         A context reading another one (EAGLE3 reads its target's layer inputs, an MTP context
         shares its target's memory) takes that one's guard too.
@@ -428,10 +429,20 @@ class Context(Handle):
             self.other._busy.release()
         self._busy.release()
 
+    def in_use(self) -> _InUse:
+        """The public guard for one call into llama.cpp: ``with ctx.in_use() as ptr: ...`` (also
+        holds the guard of the context this one reads, ctx_other); Handle.in_use's contract."""
+        return _InUse(self)
+
     def held(self) -> _Held:
-        """Hold this context's guard around C code that uses it (the port's sampler, the C++ reference):
-        ``with ctx.held() as ptr: ...``."""
+        """in_use() around C code that may compute on this context (the port's sampler, the C++
+        reference): ``with ctx.held() as ptr: ...``."""
         return _Held(self)
+
+    def held_alone(self) -> _HeldAlone:
+        """held() without ctx_other's guard, for a caller that holds every context C++ code uses
+        (the C++ reference's held_all)."""
+        return _HeldAlone(self)
 
     def _adopt_after_fork(self) -> None:
         # first use in a forked child (the guard is held): threads the child does not have are gone
@@ -509,8 +520,7 @@ class Context(Handle):
         return self._decode(batch, refuse_bad_token=False)
 
     def _decode(self, batch: AnyBatch, refuse_bad_token: bool) -> int:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             n_out = self._check_batch(batch, self._embeddings)
             if refuse_bad_token and self._scan.has_bad_token:
                 raise ValueError(f"token {self._scan.bad_token} is outside the vocabulary (0..{self.n_vocab - 1})")
@@ -526,8 +536,6 @@ class Context(Handle):
             if rc == 0 and self._retired:
                 self._release_retired()
             return rc
-        finally:
-            self._leave()
 
     def _after_compute(self, n: int, n_out: int, rc: int) -> None:
         """What the output buffers hold now: the rows _check_batch left in the spare buffer."""
@@ -550,8 +558,7 @@ class Context(Handle):
             raise decode_error(rc, "llama_encode")
 
     def encode_rc(self, batch: AnyBatch) -> int:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if not isinstance(batch, (Batch, BatchView, EmbdBatch)):
                 raise TypeError(f"expected a pyspec Batch, BatchView or EmbdBatch, got {type(batch).__name__}")
             if batch.n_tokens <= 0:
@@ -571,8 +578,6 @@ class Context(Handle):
             self.t_decode_ns += time.perf_counter_ns() - t0
             self._after_compute(batch.n_tokens, n_out, rc)
             return rc
-        finally:
-            self._leave()
 
     # --- outputs (copies: llama.cpp frees or moves its buffer later) -----------
 
@@ -611,15 +616,12 @@ class Context(Handle):
 
         With a backend sampler on that sequence the row holds the sampled candidates' logits only.
         """
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             self._row(i, "logits")
             n = self.n_vocab
             if self._samplers and llama.llama_get_sampled_logits_ith(ptr, i) != ffi.NULL:
                 n = min(n, int(llama.llama_get_sampled_logits_count_ith(ptr, i)))
             return self._copy(llama.llama_get_logits_ith(ptr, i), (n,), f"logits for index {i}", out)
-        finally:
-            self._leave()
 
     def _check_rows(self, n: int, what: str, n_max: int) -> None:
         if not 0 <= n <= n_max:
@@ -627,79 +629,57 @@ class Context(Handle):
 
     def get_logits(self, n_outputs: int, out: np.ndarray | None = None) -> np.ndarray:
         """Mirrors llama_get_logits: a copy of the first n_outputs rows, shape (n_outputs, n_vocab)."""
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             self._check_rows(n_outputs, "logits", self._n_outputs)
             return self._copy(llama.llama_get_logits(ptr), (n_outputs, self.n_vocab), "logits", out)
-        finally:
-            self._leave()
 
     def get_embeddings_ith(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if not self._embd_ready:
                 raise IndexError("embeddings not available: set_embeddings(True) before the decode")
             self._row(i, "embeddings")
             p = llama.llama_get_embeddings_ith(ptr, i)
             return self._copy(p, (self.n_embd_out,), f"embeddings for index {i}", out)
-        finally:
-            self._leave()
 
     def get_embeddings(self, n_outputs: int, out: np.ndarray | None = None) -> np.ndarray:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if not self._embd_ready:
                 raise IndexError("embeddings not available: set_embeddings(True) before the decode")
             self._check_rows(n_outputs, "embeddings", self._n_outputs)
             return self._copy(llama.llama_get_embeddings(ptr), (n_outputs, self.n_embd_out), "embeddings", out)
-        finally:
-            self._leave()
 
     def get_embeddings_seq(self, seq_id: int, out: np.ndarray | None = None) -> np.ndarray:
         """Mirrors llama_get_embeddings_seq: the pooled embedding (or, for rank pooling, the scores) of seq_id."""
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             seq = self.memory.check_seq(seq_id)
             pooling = int(llama.llama_pooling_type(ptr))
             n = int(llama.llama_model_n_cls_out(self.model.ptr)) if pooling == _POOLING["rank"] else self.n_embd_out
             p = llama.llama_get_embeddings_seq(ptr, seq) if self._embd_ready else ffi.NULL
             return self._copy(p, (n,), f"pooled embeddings of seq {seq}", out)
-        finally:
-            self._leave()
 
     def set_embeddings(self, value: bool) -> None:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             llama.llama_set_embeddings(ptr, bool(value))
             self._embeddings = bool(value)
-        finally:
-            self._leave()
 
     # --- staging API of llama-ext.h (through the pyspec_ext shim) ---------
 
     def set_embeddings_nextn(self, value: bool, masked: bool) -> None:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             ext.pyspec_set_embeddings_nextn(ptr, bool(value), bool(masked))
             self._nextn_on = bool(value)
             self._nextn_masked = bool(masked)
-        finally:
-            self._leave()
 
     def get_embeddings_nextn(self, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if not self._nextn_ready:
                 raise IndexError("nextn embeddings not available: set_embeddings_nextn(True, ...) before the decode")
             # unmasked: one row per batch token; masked: one per output
             self._check_rows(n_rows, "nextn embeddings", self._n_outputs if self._nextn_masked else self._n_tokens)
             return self._copy(ext.pyspec_get_embeddings_nextn(ptr), (n_rows, self.n_embd_out), "nextn embeddings", out)
-        finally:
-            self._leave()
 
     def get_embeddings_nextn_ith(self, i: int, out: np.ndarray | None = None) -> np.ndarray:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if not self._nextn_ready:
                 raise IndexError("nextn embeddings not available: set_embeddings_nextn(True, ...) before the decode")
             if self._nextn_masked:
@@ -708,8 +688,6 @@ class Context(Handle):
                 raise IndexError(f"nextn embeddings: index {i} out of range 0..{self._n_tokens - 1}")
             p = ext.pyspec_get_embeddings_nextn_ith(ptr, i)
             return self._copy(p, (self.n_embd_out,), f"nextn embeddings for index {i}", out)
-        finally:
-            self._leave()
 
     def check_layer_inp(self, layer: int) -> None:
         """Raise ValueError unless this context can export the input of ``layer`` (llama.cpp aborts otherwise)."""
@@ -727,18 +705,14 @@ class Context(Handle):
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
         if value:
             self.check_layer_inp(layer)
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             ext.pyspec_set_embeddings_layer_inp(ptr, layer, bool(value))
             (self._layer_inp_on.add if value else self._layer_inp_on.discard)(layer)
-        finally:
-            self._leave()
 
     def get_embeddings_layer_inp(self, layer: int, n_tokens: int, out: np.ndarray | None = None) -> np.ndarray:
         if not 0 <= layer < self.model.n_layer:
             raise ValueError(f"layer {layer} out of range 0..{self.model.n_layer - 1}")
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             if layer not in self._layer_inp_ready:
                 # llama.cpp asserts (aborts) when the layer's buffer was not filled by a decode
                 raise IndexError(
@@ -746,8 +720,6 @@ class Context(Handle):
             self._check_rows(n_tokens, f"layer {layer} input", self._n_tokens)
             p = ext.pyspec_get_embeddings_layer_inp(ptr, layer)
             return self._copy(p, (n_tokens, self.n_embd), f"layer {layer} input", out)
-        finally:
-            self._leave()
 
     def get_ctx_other_ptr(self) -> Any:
         return ext.pyspec_get_ctx_other(self.ptr)
@@ -768,56 +740,49 @@ class Context(Handle):
             if not isinstance(chain, SamplerChain):
                 raise TypeError(f"chain must be a SamplerChain or None, got {type(chain).__name__}")
             chain._reserve()
+        entered = False  # a refused guard gives the reservation back; past it, the body does
         try:
-            ptr = self._enter()
+            with self.in_use() as ptr:
+                entered = True
+                if chain is not None:
+                    chain._retain()
+                try:
+                    ok = bool(llama.llama_set_sampler(ptr, seq, chain.ptr if chain is not None else ffi.NULL))
+                except BaseException:
+                    if chain is not None:
+                        chain._release()
+                        chain._unreserve()
+                    raise
+                # llama.cpp now holds the new chain for seq (ok) or none at all
+                old = self._samplers.pop(seq, None)
+                if old is not None:
+                    self._retired.append(old)
+                if chain is not None:
+                    if ok:
+                        chain._attached(self)
+                        self._samplers[seq] = chain
+                    else:
+                        chain._release()  # not offloadable: llama.cpp did not take it
+                        chain._unreserve()
+                return ok
         except BaseException:
-            if chain is not None:
+            if not entered and chain is not None:
                 chain._unreserve()
             raise
-        try:
-            if chain is not None:
-                chain._retain()
-            try:
-                ok = bool(llama.llama_set_sampler(ptr, seq, chain.ptr if chain is not None else ffi.NULL))
-            except BaseException:
-                if chain is not None:
-                    chain._release()
-                    chain._unreserve()
-                raise
-            # llama.cpp now holds the new chain for seq (ok) or none at all
-            old = self._samplers.pop(seq, None)
-            if old is not None:
-                self._retired.append(old)
-            if chain is not None:
-                if ok:
-                    chain._attached(self)
-                    self._samplers[seq] = chain
-                else:
-                    chain._release()  # not offloadable: llama.cpp did not take it
-                    chain._unreserve()
-            return ok
-        finally:
-            self._leave()
 
     def get_sampled_token_ith(self, i: int) -> int:
         i = _batch_index(i, "sampled token")
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             return int(llama.llama_get_sampled_token_ith(ptr, i))
-        finally:
-            self._leave()
 
     def _sampled(self, i: int, count_fn: Any, data_fn: Any, what: str, dtype: Any) -> np.ndarray:
         i = _batch_index(i, what)
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             n = min(int(count_fn(ptr, i)), self.n_vocab)
             p = data_fn(ptr, i)
             if n == 0 or p == ffi.NULL:
                 return np.zeros(0, dtype)
             return self._copy(p, (n,), what, None, dtype)
-        finally:
-            self._leave()
 
     def get_sampled_probs_ith(self, i: int) -> np.ndarray:
         return self._sampled(i, llama.llama_get_sampled_probs_count_ith, llama.llama_get_sampled_probs_ith,
@@ -848,14 +813,11 @@ class Context(Handle):
         flags = self._check_state_flags(flags)
         if self._rpc is not None:
             self._rpc.ensure_usable("reading a sequence's state")
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             size = llama.llama_state_seq_get_size_ext(ptr, seq, flags)
             buf = ffi.new("uint8_t[]", size)
             n = llama.llama_state_seq_get_data_ext(ptr, buf, size, seq, flags)
             return ffi.buffer(buf, n)[:]
-        finally:
-            self._leave()
 
     def state_seq_set(self, seq_id: int, data: bytes, flags: int = 0) -> None:
         """Mirrors llama_state_seq_set_data_ext; the data is checked against this context first.
@@ -872,12 +834,9 @@ class Context(Handle):
             raise ValueError("empty state")
         if self._rpc is not None:
             self._rpc.ensure_usable("restoring a sequence's state")
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             check_seq_state(self, data, flags)
             n = llama.llama_state_seq_set_data_ext(ptr, ffi.from_buffer(data), len(data), seq, flags)
-        finally:
-            self._leave()
         if n == 0:
             raise ContextError(f"llama_state_seq_set_data rejected the state for seq {seq}")
 
@@ -891,34 +850,25 @@ class Context(Handle):
         if fork.in_single_thread_child():
             n_threads = nb = 1
         self._check_pool_threads(n_threads, nb)
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             llama.llama_set_n_threads(ptr, n_threads, nb)
             self._threads = max(n_threads, nb)
-        finally:
-            self._leave()
 
     @property
     def n_rs_seq(self) -> int:
         return int(llama.llama_n_rs_seq(self.ptr))
 
     def synchronize(self) -> None:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             llama.llama_synchronize(ptr)
-        finally:
-            self._leave()
 
     @property
     def n_threads(self) -> int:
         return int(llama.llama_n_threads(self.ptr))
 
     def perf(self) -> dict[str, float]:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             d = llama.llama_perf_context(ptr)
-        finally:
-            self._leave()
         return {
             "t_start_ms": d.t_start_ms,
             "t_load_ms": d.t_load_ms,
@@ -930,11 +880,8 @@ class Context(Handle):
         }
 
     def perf_reset(self) -> None:
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             llama.llama_perf_context_reset(ptr)
-        finally:
-            self._leave()
 
     # --- claiming for a generation -------------------------------------------
 
@@ -1071,8 +1018,7 @@ class Context(Handle):
             if not isinstance(pool, ThreadPool):
                 raise TypeError(f"{pool!r} is not a pyspec ThreadPool")
             _ = pool.ptr  # raises ClosedError first
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             # take the new pools first (one check-and-set each), so that a refusal keeps the old ones
             prev = [pool.user() for pool in pools]
             taken: list[ThreadPool] = []
@@ -1091,8 +1037,6 @@ class Context(Handle):
             llama.llama_set_n_threads(ptr, threadpool.n_threads, pools[-1].n_threads)
             self._threads = max(threadpool.n_threads, pools[-1].n_threads)
             self._threadpools = pools
-        finally:
-            self._leave()
 
     def _check_pool_threads(self, n_threads: int, n_threads_batch: int) -> None:
         pools = getattr(self, "_threadpools", [])
@@ -1106,11 +1050,8 @@ class Context(Handle):
         """Mirrors llama_detach_threadpool: back to llama.cpp's own threads."""
         if not getattr(self, "_threadpools", []):
             return
-        ptr = self._enter()
-        try:
+        with self.in_use() as ptr:
             self._release_pools(ptr)
-        finally:
-            self._leave()
 
     def _release_pools(self, ptr: Any, keep: Sequence[ThreadPool] = ()) -> None:
         """Detach the attached pools (the guard held); those in ``keep`` stay this context's."""
@@ -1146,3 +1087,31 @@ class _Held:
 
     def __exit__(self, *exc: object) -> None:
         self._ctx._leave()
+
+
+class _InUse(_Held):
+    """Context.in_use()'s context manager (no compute note: the call does not run the graph's threads)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Any:
+        return self._ctx._enter()
+
+
+class _HeldAlone(_Held):
+    """Context.held_alone()'s context manager: this context's own guard, with the compute note."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Any:
+        ctx = self._ctx
+        ptr = ctx._acquire()
+        try:
+            fork.note_compute(ctx._threads)
+        except BaseException:
+            ctx._busy.release()
+            raise
+        return ptr
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx._busy.release()

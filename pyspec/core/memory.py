@@ -59,11 +59,8 @@ class Memory:
 
     def _call(self, fn: Any, *args: Any) -> Any:
         ctx = self._ctx
-        cptr = ctx._enter()
-        try:
+        with ctx.in_use() as cptr:
             return fn(llama.llama_get_memory(cptr), *args)
-        finally:
-            ctx._leave()
 
     def clear(self, data: bool = True) -> None:
         rpc = self._ctx.model.rpc
@@ -115,12 +112,9 @@ class Memory:
         """(seq_pos_min, seq_pos_max) of seq_id in one call: the generation loop asks for both every step."""
         seq = self.check_seq(seq_id)
         ctx = self._ctx
-        cptr = ctx._enter()
-        try:
+        with ctx.in_use() as cptr:
             mem = llama.llama_get_memory(cptr)
             return int(llama.llama_memory_seq_pos_min(mem, seq)), int(llama.llama_memory_seq_pos_max(mem, seq))
-        finally:
-            ctx._leave()
 
     def can_shift(self) -> bool:
         return bool(self._call(llama.llama_memory_can_shift))

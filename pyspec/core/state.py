@@ -364,13 +364,10 @@ def _check_counts(payload: bytes, offsets: Sequence[int], where: str) -> None:
 
 def state_get(ctx: Context) -> bytes:
     """Mirrors llama_state_get_size / llama_state_get_data: a copy of the whole context state."""
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         size = llama.llama_state_get_size(ptr)
         buf = ffi.new("uint8_t[]", size)
         n = llama.llama_state_get_data(ptr, buf, size)
-    finally:
-        ctx._leave()
     return ffi.buffer(buf, n)[:]
 
 
@@ -379,8 +376,7 @@ def state_set(ctx: Context, data: bytes, what: str = "the state") -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise ValueError("state must be non-empty bytes from state_get")
     data = bytes(data)
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         try:
             check_state(ctx, data)  # what llama.cpp's reader does not check (see check_state)
         except ValueError as e:
@@ -393,8 +389,6 @@ def state_set(ctx: Context, data: bytes, what: str = "the state") -> None:
             # a read that failed part way may leave cells behind (llama.cpp clears only
             # on some failures): leave the memory empty, as a failed restore means
             llama.llama_memory_clear(llama.llama_get_memory(ptr), True)
-    finally:
-        ctx._leave()
     if n == 0:
         raise StateFileError(f"llama.cpp rejected {what}: {errors.reason() or 'see the pyspec.llama log'}")
 
@@ -403,12 +397,9 @@ def save_file(ctx: Context, path: str | os.PathLike[str], tokens: Sequence[int] 
     """Mirrors llama_state_save_file: the whole context state and ``tokens`` to a file."""
     name = _save_target(path)
     toks = _tokens(tokens, ctx.n_vocab)
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         with capture_errors() as errors:
             ok = llama.llama_state_save_file(ptr, name, ffi.from_buffer("llama_token[]", toks), toks.size)
-    finally:
-        ctx._leave()
     if not ok:
         raise StateFileError(f"cannot save the state to {os.fsdecode(name)}: {errors.reason() or 'see the log'}")
 
@@ -439,12 +430,9 @@ def seq_save_file(ctx: Context, path: str | os.PathLike[str], seq_id: int,
     seq = ctx.memory.check_seq(seq_id)
     name = _save_target(path)
     toks = _tokens(tokens, ctx.n_vocab)
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         with capture_errors() as errors:
             n = llama.llama_state_seq_save_file(ptr, name, seq, ffi.from_buffer("llama_token[]", toks), toks.size)
-    finally:
-        ctx._leave()
     if n == 0:
         raise StateFileError(f"cannot save seq {seq} to {os.fsdecode(name)}: {errors.reason() or 'see the log'}")
     return int(n)
@@ -462,8 +450,7 @@ def seq_load_file(ctx: Context, path: str | os.PathLike[str], seq_id: int) -> li
     # llama_state_seq_get_data's buffers start with llama.cpp's magic and the source seq_id,
     # which the files leave out: take the magic from a state llama.cpp writes itself
     data = _seq_buffer_prefix(ctx) + struct.pack("<i", seq) + payload
-    ptr = ctx._enter()
-    try:
+    with ctx.in_use() as ptr:
         try:
             check_seq_state(ctx, data, 0)
         except ValueError as e:
@@ -474,8 +461,6 @@ def seq_load_file(ctx: Context, path: str | os.PathLike[str], seq_id: int) -> li
         if n == 0:
             # as above: no half-restored sequence stays behind
             llama.llama_memory_seq_rm(llama.llama_get_memory(ptr), seq, -1, -1)
-    finally:
-        ctx._leave()
     if n == 0:
         raise StateFileError(f"cannot load a sequence state from {path} into seq {seq}: "
                              f"{errors.reason() or 'see the log'}")

@@ -61,7 +61,6 @@ def held(ctx: Any) -> Iterator[Any]:
 def held_all(handles: Sequence[Any]) -> Iterator[None]:
     """Hold the guards of the pyspec Contexts among ``handles`` and of the contexts they read
     (ctx_other): C++ code runs on all of them meanwhile."""
-    from pyspec.core import fork
     from pyspec.core.context import Context
 
     contexts: list[Context] = []
@@ -70,10 +69,8 @@ def held_all(handles: Sequence[Any]) -> Iterator[None]:
             contexts.append(h)
             h = h.other
     with contextlib.ExitStack() as stack:
-        for c in contexts:
-            c._acquire()
-            stack.callback(c._busy.release)
-            fork.note_compute(c._threads)
+        for c in contexts:  # each context's own guard: its ctx_other is in the list itself
+            stack.enter_context(c.held_alone())
         yield
 
 
