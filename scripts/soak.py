@@ -49,7 +49,7 @@ from pyspec.common import speculative as sp
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.reference.parity import continued_prompt
+from pyspec.parity.harness import continued_prompt
 from pyspec.testing import models as tm
 
 PROMPTS = [

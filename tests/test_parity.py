@@ -32,7 +32,7 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.backends import PortBackend
 from pyspec.generation.contexts import model_paths
 from pyspec.generation.driver import greedy_sampling
-from pyspec.reference.parity import (
+from pyspec.parity.harness import (
     ParityError,
     ParityScenario,
     _first_diff,

@@ -25,7 +25,7 @@ from pyspec.core.batch import Batch
 from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import ref
 from pyspec.generation.contexts import ContextSet, default_model_path, model_paths
-from pyspec.reference.parity import ParityScenario, assert_parity, build_contexts
+from pyspec.parity.harness import ParityScenario, assert_parity, build_contexts
 from pyspec.reference.speculative import (
     RefSpeculative,
     spec_all_types_str,

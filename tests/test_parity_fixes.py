@@ -22,7 +22,7 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
 from pyspec.generation.contexts import model_paths
-from pyspec.reference.parity import ParityScenario, _run_side, assert_parity
+from pyspec.parity.harness import ParityScenario, _run_side, assert_parity
 from pyspec.reference.speculative import RefSpeculative
 from pyspec.testing import models as tm
 

@@ -25,7 +25,7 @@ import json, sys
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.ffi import ffi, ref
 from pyspec.generation.contexts import model_paths
-from pyspec.reference.parity import ParityScenario, run_parity
+from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
 
 print(json.dumps({"patches": ffi.string(ref.pyspec_ref_patches()).decode()}), flush=True)

@@ -22,7 +22,7 @@ from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import model_paths
 from pyspec.generation.driver import greedy_sampling
-from pyspec.reference.parity import ParityScenario, run_parity
+from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
 
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]

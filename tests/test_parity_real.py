@@ -15,7 +15,7 @@ import pytest
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import greedy_sampling
-from pyspec.reference.parity import ParityScenario, assert_parity
+from pyspec.parity.harness import ParityScenario, assert_parity
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",

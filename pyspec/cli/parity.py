@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspec.reference.parity import ParityScenario
+    from pyspec.parity.harness import ParityScenario
 
 __all__ = ["DEFAULT_PROMPTS", "main", "scenarios"]
 
@@ -60,7 +60,7 @@ def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
     from pyspec.common.params import CommonSpeculativeType as T
     from pyspec.generation.contexts import draft_kind, model_paths, parse_types
     from pyspec.generation.driver import greedy_sampling
-    from pyspec.reference.parity import ParityScenario
+    from pyspec.parity.harness import ParityScenario
 
     groups: list[list[T]]
     if args.types == "all":
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.n_seq < 1:
         raise SystemExit("--n-seq must be >= 1")
-    from pyspec.reference.parity import run_parity
+    from pyspec.parity.harness import run_parity
 
     failed = 0
     for sc in scenarios(args):
