@@ -76,7 +76,7 @@ from pyspec.generation.draft_length import DraftLengthController, shared_cost_cu
 from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix
+from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix, pick_slot, window_kept
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -496,24 +496,6 @@ class Engine(EngineQueue):
             if s.job is not None and s.job.handle.cancelled:
                 self._finish(s, "cancelled")
 
-    def _pick_slot(self, job: Job, free: list[Slot]) -> Slot | None:
-        if job.request.slot_id >= 0:
-            pinned = self.slots[job.request.slot_id]
-            return pinned if pinned in free else None
-        if not free:
-            return None
-        if self.slot_similarity > 0 and job.request.cache_prompt:
-            best, best_sim = None, 0.0
-            for s in free:
-                if not s.tokens:
-                    continue
-                sim = common_prefix(s.tokens, job.prompt) / len(job.prompt)
-                if sim > best_sim and sim > self.slot_similarity:
-                    best, best_sim = s, sim
-            if best is not None:
-                return best
-        return min(free, key=lambda s: s.t_last_used)
-
     def _admit(self) -> None:
         with self._lock:
             if not self._waiting:
@@ -527,7 +509,7 @@ class Engine(EngineQueue):
                 if job.handle.cancelled:
                     dropped.append(job)
                     continue
-                s = self._pick_slot(job, free)
+                s = pick_slot(self.slots, job, free, self.slot_similarity)
                 if s is None:
                     keep.append(job)
                     continue
@@ -562,7 +544,7 @@ class Engine(EngineQueue):
                 ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
         # sliding-window attention keeps only the last n_swa positions: what comes after n_keep
         # needs the window before it (the server's pos_min_thold check)
-        ok = ok and all(self._window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
+        ok = ok and all(window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
         if not ok:
             # recurrent / hybrid / SWA memory: resume from the latest prompt checkpoint at or before n_keep
             fits = [c for c in s.checkpoints if 0 < c.n_tokens <= n_keep]
@@ -580,14 +562,6 @@ class Engine(EngineQueue):
         del s.tokens[n_keep:]
         s.checkpoints = [c for c in s.checkpoints if c.n_tokens <= n_keep]
         return n_keep
-
-    @staticmethod
-    def _window_kept(ctx: Context, seq_id: int, n_keep: int) -> bool:
-        n_swa = 0 if ctx.params.swa_full else int(llama.llama_model_n_swa(ctx.model.ptr))
-        if n_swa <= 0:
-            return True
-        pos_min = ctx.memory.seq_pos_min(seq_id)
-        return pos_min == 0 or 0 < pos_min < n_keep - n_swa
 
     def _start(self, s: Slot, job: Job) -> None:
         """The server's SLOT_STATE_STARTED: reuse the cached prefix, drop the rest, set up the sampler."""

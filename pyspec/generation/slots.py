@@ -12,9 +12,11 @@ import numpy as np
 
 from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
+from pyspec.core.context import Context
+from pyspec.ffi import llama
 from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
 
-__all__ = ["CKPT_MAX", "CKPT_TAIL", "Job", "Slot", "common_prefix"]
+__all__ = ["CKPT_MAX", "CKPT_TAIL", "Job", "Slot", "common_prefix", "pick_slot", "window_kept"]
 
 # prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
 # step of their own so that the state before them can be kept (the server's checkpoint offset 4)
@@ -82,3 +84,33 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     y = np.asarray(b[:n], dtype=np.int64)
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if diff.size else n
+
+
+def pick_slot(slots: Sequence[Slot], job: Job, free: list[Slot], slot_similarity: float) -> Slot | None:
+    """The free slot for ``job`` (the server's get_available_slot): its pinned slot, else the one whose memory
+    shares the longest prefix with its prompt (more than ``slot_similarity`` of it), else the least recently used."""
+    if job.request.slot_id >= 0:
+        pinned = slots[job.request.slot_id]
+        return pinned if pinned in free else None
+    if not free:
+        return None
+    if slot_similarity > 0 and job.request.cache_prompt:
+        best, best_sim = None, 0.0
+        for s in free:
+            if not s.tokens:
+                continue
+            sim = common_prefix(s.tokens, job.prompt) / len(job.prompt)
+            if sim > best_sim and sim > slot_similarity:
+                best, best_sim = s, sim
+        if best is not None:
+            return best
+    return min(free, key=lambda s: s.t_last_used)
+
+
+def window_kept(ctx: Context, seq_id: int, n_keep: int) -> bool:
+    """Whether sliding-window attention still holds what comes after the first ``n_keep`` positions needs."""
+    n_swa = 0 if ctx.params.swa_full else int(llama.llama_model_n_swa(ctx.model.ptr))
+    if n_swa <= 0:
+        return True
+    pos_min = ctx.memory.seq_pos_min(seq_id)
+    return pos_min == 0 or 0 < pos_min < n_keep - n_swa
