@@ -253,7 +253,7 @@ def _speculative_types(types: Any) -> list[CommonSpeculativeType]:
     if isinstance(types, str):
         types = [n.strip() for n in types.split(",") if n.strip()]
     if not any(isinstance(t, str) for t in types):
-        return types  # type: ignore[no-any-return]
+        return types
     # the one name table lives with the dispatcher it mirrors; imported here because it imports us
     from pyspec.common.speculative import common_speculative_type_from_name_map as names
 
