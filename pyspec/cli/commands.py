@@ -292,7 +292,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CliError(f"pyspec serve needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
-    bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
+    try:
+        bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
+    except OSError as e:
+        raise CliError(e.strerror or str(e)) from None  # the sentence without "[Errno 98]"
 
     kw = _ctx_kw(args, args.parallel)
     sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
