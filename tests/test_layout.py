@@ -20,39 +20,142 @@ from pyspec.common.params import CommonSamplerType, CommonSpeculativeType
 from pyspec.testing import models
 
 PKG = Path(pyspec.__file__).parent
-# layer -> the pyspec subpackages it must not import (data flows down)
-FORBIDDEN = {
-    "core": ("pyspec.common", "pyspec.generation", "pyspec.reference", "pyspec.cli", "pyspec.server"),
-    "common": ("pyspec.generation", "pyspec.reference", "pyspec.cli", "pyspec.server"),
-    "generation": ("pyspec.cli", "pyspec.server"),
+# The layer of each part of the package, bottom up; a module may import only its own layer and the
+# layers below it (data flows down). "pyspec" is the package root with its re-exports and the front
+# door (pyspec/__init__.py, pyspec/llm.py): an entry point like the CLI and the server.
+LAYERS: dict[str, int] = {
+    "version": 0, "errors": 0, "decl": 0, "ffi": 0,
+    "core": 1,
+    "common": 2,          # the port
+    "reference": 3,       # the C++ bindings only
+    "generation": 4,
+    "parity": 5,
+    "cli": 6, "server": 6, "llm": 6, "pyspec": 6, "__main__": 6,
 }
+# test support: it may import anything, and nothing in the library imports it except the command
+# line, whose --tiny and `pyspec models` hand the tiny models to the layers below as plain paths
+TESTING = "testing"
+TESTING_USERS = ("cli",)
+
+
+def _part(module: str) -> str:
+    """The part of the package a dotted pyspec module name belongs to ("core", "ffi", "pyspec", ...)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "pyspec"
+    return parts[1] if parts[1] in LAYERS or parts[1] == TESTING else "pyspec"  # `from pyspec import Model`
+
+
+def _library_modules() -> list[tuple[str, Path]]:
+    """(part, path) for every source file of the package."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        out.append((rel.parts[0] if len(rel.parts) > 1 else rel.stem if rel.stem != "__init__" else "pyspec", path))
+    return out
+
+
+def _pyspec_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every pyspec module a source file imports, top level and inside functions;
+    ``from pyspec.x import y`` counts as pyspec.x (and pyspec.x.y where that is a submodule)."""
+    here = ".".join(("pyspec", *path.relative_to(PKG).with_suffix("").parts))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                base = here.split(".")[: -node.level] if not path.name == "__init__.py" else \
+                    here.split(".")[: len(here.split(".")) - node.level + 1]
+                module = ".".join([*base, *([module] if module else [])])
+            found += [(node.lineno, f"{module}.{a.name}" if module == "pyspec" else module) for a in node.names]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            found.append((node.lineno, str(node.args[0].value)))  # importlib.import_module("pyspec.x")
+    return [(line, m) for line, m in found if m == "pyspec" or m.startswith("pyspec.")]
+
+
+def _layer_violations() -> list[str]:
+    bad = []
+    for part, path in _library_modules():
+        if part == TESTING:
+            continue
+        for line, module in _pyspec_imports(path):
+            target = _part(module)
+            if target == TESTING and part not in TESTING_USERS:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} (test support)")
+            elif target != TESTING and LAYERS[target] > LAYERS[part]:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} ({part} < {target})")
+    return bad
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    parts = {part for part, _ in _library_modules()}
+    assert parts - set(LAYERS) == {TESTING}, f"no layer for {sorted(parts - set(LAYERS) - {TESTING})}"
+
+
+def test_a_layer_imports_nothing_above_it_and_the_library_not_the_test_support() -> None:
+    bad = _layer_violations()
+    print("\n".join(bad))
+    assert not bad, "\n".join(bad)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, methods, module and class attributes,
+    and attributes it assigns on ``self``/``cls``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias) and node.asname:
+            names.add(node.asname)
+    return {n for n in names if _is_private(n)}
+
+
+def _private_reads() -> list[str]:
+    """Every read of a private name that only another part of the package defines: ``x._name`` (not
+    ``self._name``/``cls._name``), ``from pyspec.b.mod import _name``. A name the reading part also
+    defines is its own (the same attribute name in two classes), so it is not flagged."""
+    trees = {path: ast.parse(path.read_text()) for _, path in _library_modules()}
+    defined: dict[str, set[str]] = {}
+    for part, path in _library_modules():
+        defined.setdefault(part, set()).update(_defined_private_names(trees[path]))
+    bad = []
+    for part, path in _library_modules():
+        for node in ast.walk(trees[path]):
+            reads: list[tuple[int, str, str | None]] = []
+            if (isinstance(node, ast.Attribute) and _is_private(node.attr)
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reads.append((node.lineno, node.attr, None))
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pyspec"):
+                reads += [(node.lineno, a.name, _part(node.module)) for a in node.names if _is_private(a.name)]
+            for line, name, owner in reads:
+                if name in defined[part]:
+                    continue
+                owners = [owner] if owner else sorted(p for p, names in defined.items() if name in names)
+                bad += [f"{path.relative_to(PKG.parent)}:{line} reads {o}.{name}" for o in owners if o != part]
+    return bad
+
+
+def test_no_private_name_is_read_across_packages() -> None:
+    bad = _private_reads()
+    print("\n".join(bad))
+    assert not bad, "\n".join(bad)
 
 
 def _python(code: str, *, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})}, cwd=cwd)
-
-
-def _imports(path: Path) -> set[str]:
-    """Every module name a source file imports (top level and inside functions)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return names
-
-
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_a_layer_imports_nothing_above_it(layer: str) -> None:
-    bad = []
-    for path in sorted((PKG / layer).glob("*.py")):
-        for name in _imports(path):
-            if name.startswith(FORBIDDEN[layer]):
-                bad.append(f"{path.relative_to(PKG)} imports {name}")
-    assert not bad, "\n".join(bad)
 
 
 def _public_modules() -> list[str]:
