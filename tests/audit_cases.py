@@ -81,9 +81,9 @@ def gguf_empty_key() -> Any:
 
 def gguf_tokens_not_strings() -> Any:
     # a well-formed GGUF whose token list holds int32 (a list of the same length)
-    gguf = tm._gguf()
+    gguf = tm.gguf_module()
     kv = []
-    for key, value, vtype, sub_type in tm._vocab_kv():
+    for key, value, vtype, sub_type in tm.llama_vocab_kv():
         if key == "tokenizer.ggml.tokens":
             value, sub_type = list(range(len(value))), gguf.GGUFValueType.INT32
         kv.append((key, value, vtype, sub_type))
@@ -144,7 +144,7 @@ def _model_with_a_long_piece() -> Model:
     # buffers and "grows" them with resize(negative length), which throws through the C API
     if "long_piece" not in M:
         kv = []
-        for key, value, vtype, sub_type in tm._vocab_kv():
+        for key, value, vtype, sub_type in tm.llama_vocab_kv():
             if key == "tokenizer.ggml.tokens":
                 value = list(value)
                 value[1000] = "\u2581" + "x" * 600

@@ -46,7 +46,7 @@ write_tiny_llama = tm.write_llama
 def vocab_with_swapped_tokens(a: int = 1000, b: int = 1001) -> list:
     """The test vocabulary with the texts of tokens a and b swapped: same size and type, other content."""
     out = []
-    for key, value, vtype, sub_type in tm._vocab_kv():
+    for key, value, vtype, sub_type in tm.llama_vocab_kv():
         if key == "tokenizer.ggml.tokens":
             value = list(value)
             value[a], value[b] = value[b], value[a]
@@ -56,7 +56,7 @@ def vocab_with_swapped_tokens(a: int = 1000, b: int = 1001) -> list:
 
 def write_eagle3_with_layers(path: Path, layers: tuple[int, ...]) -> Path:
     """The tiny EAGLE3 head, but reading len(layers) target layers."""
-    gguf = tm._gguf()
+    gguf = tm.gguf_module()
     n_vocab = tm._n_vocab()
     rng = np.random.default_rng(5)
 
@@ -77,7 +77,7 @@ def write_eagle3_with_layers(path: Path, layers: tuple[int, ...]) -> Path:
         w.add_rope_dimension_count(tm.HEAD_DIM)
         w.add_array("eagle3.target_layers", list(layers))
         w.add_uint32("eagle3.target_hidden_size", tm.N_EMBD)
-        for key, value, vtype, sub_type in tm._vocab_kv():
+        for key, value, vtype, sub_type in tm.llama_vocab_kv():
             w.add_key_value(key, value, vtype, sub_type)
         e = tm.N_EMBD
         for name, data in (

@@ -59,7 +59,7 @@ def models(cache: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def readers(models: dict[str, Path]) -> dict[str, Any]:
-    gguf = testmodels._gguf()
+    gguf = testmodels.gguf_module()
     return {name: gguf.GGUFReader(path) for name, path in models.items()}
 
 
@@ -140,7 +140,7 @@ def test_architecture(readers: dict[str, Any], name: str) -> None:
 
 
 def test_all_models_share_the_vocabulary_of_the_source(readers: dict[str, Any]) -> None:
-    source = testmodels._gguf().GGUFReader(testmodels.vocab_source())
+    source = testmodels.gguf_module().GGUFReader(testmodels.vocab_source())
     tokens = kv(source, "tokenizer.ggml.tokens")
     assert len(tokens) == 32000
     for name, reader in readers.items():
@@ -193,7 +193,7 @@ def test_cyclic_models_have_the_target_shapes(readers: dict[str, Any]) -> None:
 
 def test_cyclic_successor_is_a_set_of_short_cycles() -> None:
     succ, cycles = testmodels.cyclic_successor()
-    gguf_types = dict((k, v) for k, v, _, _ in testmodels._vocab_kv())["tokenizer.ggml.token_type"]
+    gguf_types = dict((k, v) for k, v, _, _ in testmodels.llama_vocab_kv())["tokenizer.ggml.token_type"]
     assert succ.shape == (len(gguf_types),)
     members = [t for cyc in cycles for t in cyc]
     assert len(members) == len(set(members)) == testmodels.CYCLIC_N_STATES

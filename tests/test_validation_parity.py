@@ -225,7 +225,7 @@ def test_infill_on_a_piece_longer_than_its_buffer_is_refused_alike(tmp_path):
     from pyspec.testing import models as tm
 
     kv = [(k, [*v[:1000], "\u2581" + "x" * 600, *v[1001:]] if k == "tokenizer.ggml.tokens" else v, t, st)
-          for k, v, t, st in tm._vocab_kv()]
+          for k, v, t, st in tm.llama_vocab_kv()]
     s = sampling(top_k=40, samplers=[CommonSamplerType.TOP_K, CommonSamplerType.INFILL])
     with Model(tm.write_llama(tmp_path / "long-piece.gguf", vocab_kv=kv)) as m:
         py_type, py_msg, _ = outcome(lambda: check_sampling_params(s, m.vocab.n_tokens, m.n_ctx_train, m.vocab.ptr))

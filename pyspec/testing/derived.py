@@ -36,7 +36,7 @@ class TinyLora:
 
 
 def _target_shapes() -> dict[str, tuple[int, ...]]:
-    return {name: data.shape for name, data in tm._llama_tensors()}
+    return {name: data.shape for name, data in tm.llama_tensors()}
 
 
 def make_lora(
@@ -51,7 +51,7 @@ def make_lora(
     extra_tensors: Sequence[tuple[str, np.ndarray]] = (),
 ) -> TinyLora:
     """A LoRA adapter GGUF for the tiny target (``tm.make_target``) on the weights ``targets``."""
-    gguf = tm._gguf()
+    gguf = tm.gguf_module()
     shapes = _target_shapes()
     rng = np.random.default_rng(seed)
     lora = TinyLora(Path(path), alpha, rank)
@@ -81,7 +81,7 @@ def make_lora(
 
 def make_control_vector(path: Path, directions: dict[int, np.ndarray]) -> Path:
     """A control-vector GGUF (``direction.<layer>`` F32 vectors, as llama.cpp's tools write them)."""
-    gguf = tm._gguf()
+    gguf = tm.gguf_module()
     writer = gguf.GGUFWriter(Path(path), "controlvector")
     writer.add_string("controlvector.model_hint", "llama")
     writer.add_uint32("controlvector.layer_count", len(directions))
@@ -95,13 +95,13 @@ def make_control_vector(path: Path, directions: dict[int, np.ndarray]) -> Path:
 
 
 def _write_target_copy(path: Path, name: str, extra_kv: dict[str, Any] | None = None, **writer_kw: Any) -> Any:
-    gguf = tm._gguf()
+    gguf = tm.gguf_module()
     writer = gguf.GGUFWriter(path, "llama", **writer_kw)
     tm._add_common_kv(writer, name, tm.TARGET_LAYERS)
     writer.add_rope_dimension_count(tm.HEAD_DIM)
     for key, value in (extra_kv or {}).items():
         writer.add_string(key, value)
-    for tname, data in tm._llama_tensors():
+    for tname, data in tm.llama_tensors():
         writer.add_tensor(tname, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

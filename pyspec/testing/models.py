@@ -48,7 +48,10 @@ __all__ = [
     "GENERATOR_VERSION",
     "cache_dir",
     "cyclic_successor",
+    "gguf_module",
     "llama_cpp_dir",
+    "llama_tensors",
+    "llama_vocab_kv",
     "make_all",
     "make_chat_target",
     "make_cyclic_draft",
@@ -190,7 +193,7 @@ def _packaged_vocab() -> Path:
     return _DATA_DIR / VOCAB_FILE
 
 
-def _gguf() -> Any:
+def gguf_module() -> Any:
     """The PyPI ``gguf`` writer (the ``testing`` extra), whose 0.19 files the pinned llama.cpp loads."""
     try:
         import gguf
@@ -212,13 +215,13 @@ _GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 
 
 @functools.lru_cache(maxsize=1)
-def _vocab_kv() -> tuple[tuple[str, Any, Any, Any], ...]:
+def llama_vocab_kv() -> tuple[tuple[str, Any, Any, Any], ...]:
     """(key, value, type, sub_type) of every ``tokenizer.*`` entry of the vocab file.
 
     A small header parser instead of gguf-py's GGUFReader: the reader builds a
     numpy view per array element and takes seconds on a 32000-token vocabulary.
     """
-    gguf = _gguf()
+    gguf = gguf_module()
     buf = vocab_source().read_bytes()
     magic, _version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     if magic != b"GGUF":
@@ -264,7 +267,7 @@ def _vocab_kv() -> tuple[tuple[str, Any, Any, Any], ...]:
 
 
 def _n_vocab() -> int:
-    for key, value, _, _ in _vocab_kv():
+    for key, value, _, _ in llama_vocab_kv():
         if key == "tokenizer.ggml.tokens":
             return len(value)
     raise ValueError(f"{vocab_source()} has no tokenizer.ggml.tokens")
@@ -316,7 +319,7 @@ def _llama_layer(w: _Weights, il: int, scale: float) -> Iterator[tuple[str, np.n
 
 
 @functools.lru_cache(maxsize=1)
-def _llama_tensors() -> tuple[tuple[str, np.ndarray], ...]:
+def llama_tensors() -> tuple[tuple[str, np.ndarray], ...]:
     """All tensors of the target, in file order; the draft takes a prefix of its layers."""
     n_vocab = _n_vocab()
     w = _Weights(SEED)
@@ -342,7 +345,7 @@ def _model_path(kind: str) -> Path:
 
 def _write_atomic(path: Path, fill: Callable[[Any], None], arch: str) -> None:
     """Write a GGUF through a temp file in the same folder, then rename it into place."""
-    gguf = _gguf()
+    gguf = gguf_module()
     fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -361,7 +364,7 @@ def _write_atomic(path: Path, fill: Callable[[Any], None], arch: str) -> None:
 
 def _add_common_kv(writer: Any, name: str, n_layer: int, n_head_kv: int = N_HEAD_KV) -> None:
     """general.* and the hyper-parameters every architecture here reads, plus the vocabulary."""
-    gguf = _gguf()
+    gguf = gguf_module()
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_context_length(N_CTX_TRAIN)
@@ -373,7 +376,7 @@ def _add_common_kv(writer: Any, name: str, n_layer: int, n_head_kv: int = N_HEAD
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_rope_freq_base(ROPE_BASE)
     writer.add_vocab_size(_n_vocab())
-    for key, value, vtype, sub_type in _vocab_kv():
+    for key, value, vtype, sub_type in llama_vocab_kv():
         writer.add_key_value(key, value, vtype, sub_type)
 
 
@@ -395,7 +398,7 @@ def make_target() -> Path:
     def fill(writer: Any) -> None:
         _add_common_kv(writer, "pyspec-tiny-target", TARGET_LAYERS)
         writer.add_rope_dimension_count(HEAD_DIM)
-        _add_tensors(writer, _llama_tensors())
+        _add_tensors(writer, llama_tensors())
 
     return _make("target", "llama", fill)
 
@@ -410,7 +413,7 @@ def make_draft() -> Path:
             writer,
             (
                 (name, data)
-                for name, data in _llama_tensors()
+                for name, data in llama_tensors()
                 if not name.startswith("blk.") or int(name.split(".")[1]) < DRAFT_LAYERS
             ),
         )
@@ -488,7 +491,7 @@ def make_eagle3() -> Path:
     the draft context ``n_ubatch >= n_batch`` (and ``kv_unified=True`` for
     several sequences) or the drafts are garbage.
     """
-    return _make("eagle3", "eagle3", _eagle3_fill("pyspec-tiny-eagle3", SEED + 3, _llama_tensors()))
+    return _make("eagle3", "eagle3", _eagle3_fill("pyspec-tiny-eagle3", SEED + 3, llama_tensors()))
 
 
 # ---------------------------------------------------------------------------
@@ -500,7 +503,7 @@ def make_eagle3() -> Path:
 def _cyclic_plan() -> tuple[np.ndarray, np.ndarray, tuple[tuple[int, ...], ...]]:
     """(succ over the whole vocabulary, the cycle tokens, the cycles)."""
     n_vocab = _n_vocab()
-    token_type = dict((k, v) for k, v, _, _ in _vocab_kv())["tokenizer.ggml.token_type"]
+    token_type = dict((k, v) for k, v, _, _ in llama_vocab_kv())["tokenizer.ggml.token_type"]
     normal = np.flatnonzero(np.asarray(token_type) == 1)  # no control, byte or unknown tokens
     rng = np.random.default_rng(CYCLIC_SEED)
     states = rng.choice(normal, CYCLIC_N_STATES, replace=False)
@@ -539,7 +542,7 @@ def _cyclic_tensors() -> tuple[tuple[str, np.ndarray], ...]:
     head = np.float32(CYCLIC_OTHER_ROW_SCALE / np.sqrt(N_EMBD)) * w.rng.standard_normal(
         (n_vocab, N_EMBD), dtype=np.float32)
     head[states] = keys[states] * np.float32(CYCLIC_LOGIT_SCALE / np.sqrt(N_EMBD))
-    special = np.asarray(dict((k, v) for k, v, _, _ in _vocab_kv())["tokenizer.ggml.token_type"]) != 1
+    special = np.asarray(dict((k, v) for k, v, _, _ in llama_vocab_kv())["tokenizer.ggml.token_type"]) != 1
     head[special] = 0.0  # control / byte tokens (eos among them) score 0, far below the top-k
     out: list[tuple[str, np.ndarray]] = [
         ("token_embd.weight", embd.astype(np.float16)),
@@ -737,8 +740,8 @@ def make_all() -> dict[str, Path]:
 
 def write_llama(path: Path, arch: str = "llama", vocab_kv: Any = None, n_layer: int = 2) -> Path:
     """The tiny draft's tensors under another architecture name and/or vocabulary (hostile-file tests)."""
-    gguf = _gguf()
-    kv = _vocab_kv() if vocab_kv is None else vocab_kv
+    gguf = gguf_module()
+    kv = llama_vocab_kv() if vocab_kv is None else vocab_kv
 
     def fill(w: Any) -> None:
         w.add_name("pyspec-hostile")
@@ -754,7 +757,7 @@ def write_llama(path: Path, arch: str = "llama", vocab_kv: Any = None, n_layer: 
         w.add_rope_dimension_count(HEAD_DIM)
         for key, value, vtype, sub_type in kv:
             w.add_key_value(key, value, vtype, sub_type)
-        for name, data in _llama_tensors():
+        for name, data in llama_tensors():
             if not name.startswith("blk.") or int(name.split(".")[1]) < n_layer:
                 w.add_tensor(name, data)
 
