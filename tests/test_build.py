@@ -19,6 +19,8 @@ import pytest
 import pyspec
 from pyspec import ffi
 
+pytestmark = pytest.mark.slow  # builds and installs in subprocesses: not in `pytest -m "not slow"`
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = "ggml-vocab-llama-spm.gguf"
 

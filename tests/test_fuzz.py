@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # fuzz runs in subprocesses: not in `pytest -m "not slow"`
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -24,6 +24,8 @@ from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.testing import models as tm
 from pyspec.testing.quantize import q8_0_copy
 
+pytestmark = pytest.mark.slow  # the real model (Gemma 3 270M): not in `pytest -m "not slow"`
+
 ALL_TYPES = [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP, T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V,
              T.NGRAM_MOD, T.NGRAM_CACHE]
 TINY_PROMPTS = [

@@ -17,6 +17,8 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import greedy_sampling
 from pyspec.parity.harness import ParityScenario, assert_parity
 
+pytestmark = pytest.mark.slow  # the real model (Gemma 3 270M): not in `pytest -m "not slow"`
+
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\ndef fib2(n):\n",
