@@ -311,6 +311,7 @@ def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does
         (r.tokens, g.stats.n_drafted, g.stats.n_accepted, g.stats.n_steps)
 
 
+@pytest.mark.slow  # Gemma 3 270M
 def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
     # draft-simple with Gemma drafting for itself: every draft token costs a target decode, and a verify
     # batch of 1 + n rows costs more than one row on a CPU, so the measured costs rule drafts out (from

@@ -168,6 +168,7 @@ def refusals(params: CommonParamsSpeculative, n_seq: int = 1) -> tuple[str, str]
     return str(cpp.value), str(port.value)
 
 
+@pytest.mark.slow  # loads Gemma 3 270M
 def test_a_draft_model_whose_vocabulary_differs_is_refused_alike():
     _, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
     assert draft is not None
