@@ -56,7 +56,7 @@ def check_output_row(ctx: Any, idx: int) -> None:
     llama_get_logits_ith).
     """
     try:
-        ctx._row(idx, "sample")
+        ctx.output_row(idx, "sample")
     except IndexError:
         raise SpeculativeError(f"no output (logits) for batch index {idx}") from None
 

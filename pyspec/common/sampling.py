@@ -51,7 +51,7 @@ class CommonSampler(NotCopyable):
     ) -> None:
         self.model = model
         if model is not None:
-            model._retain()
+            model.retain()
         self.params = params
         self.grmr = grmr
         self.rbudget = ffi.NULL  # the reasoning budget is not part of speculative decoding
@@ -157,7 +157,7 @@ class CommonSampler(NotCopyable):
             self.chain = None
             model, self.model = self.model, None
             if model is not None:
-                model._release()
+                model.release()
 
     def __enter__(self) -> CommonSampler:
         return self

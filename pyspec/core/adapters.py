@@ -73,7 +73,7 @@ class LoraAdapter(Handle):
             reason = errors.reason("failed to apply lora adapter:") or "see the pyspec.llama log"
             raise AdapterError(f"cannot load the LoRA adapter {str(self.path)!r}: {reason}")
         # the model frees its adapters: keep it until this adapter is freed
-        self._own(ptr, llama.llama_adapter_lora_free, (model,))
+        self.own(ptr, llama.llama_adapter_lora_free, (model,))
         self.model = model
 
     def meta(self, key: str) -> str | None:

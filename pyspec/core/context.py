@@ -226,7 +226,7 @@ class Context(Handle):
             for chain in samplers.values():
                 chain._reserve()  # no other thread attaches it meanwhile
                 reserved.append(chain)
-                chain._retain()  # alive and unchanged from here on
+                chain.retain()  # alive and unchanged from here on
                 taken.append(chain)
             if self.other is not None:  # llama.cpp reads the other context's memory while it builds this one
                 with self.other.held():
@@ -243,10 +243,10 @@ class Context(Handle):
                     "the fused gated-delta-net op that recurrent-state snapshots need, so llama.cpp would run it "
                     "on another device, which corrupts memory at this revision; use n_rs_seq=0 (speculative "
                     "rollback then goes through checkpoints) or keep the recurrent layers on the CPU")
-            self._own(ptr, free, tuple(deps))
+            self.own(ptr, free, tuple(deps))
         except BaseException:
             for chain in taken:
-                chain._release()
+                chain.release()
             for chain in reserved:
                 chain._unreserve()
             raise
@@ -266,6 +266,11 @@ class Context(Handle):
         self.n_ubatch = int(llama.llama_n_ubatch(ptr))
         self.n_ctx = int(llama.llama_n_ctx(ptr))
         self.n_ctx_seq = int(llama.llama_n_ctx_seq(ptr))  # positions each sequence may use
+        if cparams.n_ctx and self.n_ctx != int(cparams.n_ctx):
+            # llama_context pads n_ctx (and each sequence's share) to a multiple of 256 (GGML_PAD, llama-context.cpp)
+            logger.warning("n_ctx=%d became %d (%d per sequence): llama.cpp pads a context to a multiple of 256; "
+                           "pass a multiple of 256 to get what you ask for",
+                           int(cparams.n_ctx), self.n_ctx, self.n_ctx_seq)
         self.n_embd = model.n_embd
         self.n_embd_out = model.n_embd_out
         # the most outputs one decode may ask for (llama.cpp asserts beyond it)
@@ -581,7 +586,7 @@ class Context(Handle):
 
     # --- outputs (copies: llama.cpp frees or moves its buffer later) -----------
 
-    def _row(self, i: int, what: str) -> int:
+    def output_row(self, i: int, what: str) -> int:
         """The output row of batch index i (negative counts from the last output), or IndexError."""
         i = int(i)
         n = self._n_outputs
@@ -617,7 +622,7 @@ class Context(Handle):
         With a backend sampler on that sequence the row holds the sampled candidates' logits only.
         """
         with self.in_use() as ptr:
-            self._row(i, "logits")
+            self.output_row(i, "logits")
             n = self.n_vocab
             if self._samplers and llama.llama_get_sampled_logits_ith(ptr, i) != ffi.NULL:
                 n = min(n, int(llama.llama_get_sampled_logits_count_ith(ptr, i)))
@@ -637,7 +642,7 @@ class Context(Handle):
         with self.in_use() as ptr:
             if not self._embd_ready:
                 raise IndexError("embeddings not available: set_embeddings(True) before the decode")
-            self._row(i, "embeddings")
+            self.output_row(i, "embeddings")
             p = llama.llama_get_embeddings_ith(ptr, i)
             return self._copy(p, (self.n_embd_out,), f"embeddings for index {i}", out)
 
@@ -683,7 +688,7 @@ class Context(Handle):
             if not self._nextn_ready:
                 raise IndexError("nextn embeddings not available: set_embeddings_nextn(True, ...) before the decode")
             if self._nextn_masked:
-                self._row(i, "nextn embeddings")
+                self.output_row(i, "nextn embeddings")
             elif not 0 <= int(i) < self._n_tokens:
                 raise IndexError(f"nextn embeddings: index {i} out of range 0..{self._n_tokens - 1}")
             p = ext.pyspec_get_embeddings_nextn_ith(ptr, i)
@@ -745,12 +750,12 @@ class Context(Handle):
             with self.in_use() as ptr:
                 entered = True
                 if chain is not None:
-                    chain._retain()
+                    chain.retain()
                 try:
                     ok = bool(llama.llama_set_sampler(ptr, seq, chain.ptr if chain is not None else ffi.NULL))
                 except BaseException:
                     if chain is not None:
-                        chain._release()
+                        chain.release()
                         chain._unreserve()
                     raise
                 # llama.cpp now holds the new chain for seq (ok) or none at all
@@ -762,7 +767,7 @@ class Context(Handle):
                         chain._attached(self)
                         self._samplers[seq] = chain
                     else:
-                        chain._release()  # not offloadable: llama.cpp did not take it
+                        chain.release()  # not offloadable: llama.cpp did not take it
                         chain._unreserve()
                 return ok
         except BaseException:

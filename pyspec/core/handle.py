@@ -58,7 +58,7 @@ class NotCopyable:
 
 
 class Handle(NotCopyable):
-    """Owner of one C pointer; subclasses call ``_own(ptr, free)``."""
+    """Owner of one C pointer; subclasses call ``own(ptr, free)``."""
 
     _kind = "object"
 
@@ -72,16 +72,16 @@ class Handle(NotCopyable):
         # held by the one thread inside a C call on this object (see in_use); re-entrant for that thread
         self._calls = threading.RLock()
 
-    def _own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
+    def own(self, ptr: Any, free: Callable[[Any], None], deps: tuple[Handle, ...] = ()) -> None:
         taken: list[Handle] = []
         try:
             for dep in deps:
-                dep._retain()
+                dep.retain()
                 taken.append(dep)
         except BaseException:
             free(ptr)
             for dep in taken:
-                dep._release()
+                dep.release()
             raise
         self._ptr = ptr
         self._free = free
@@ -121,13 +121,15 @@ class Handle(NotCopyable):
     def closed(self) -> bool:
         return self._closed
 
-    def _retain(self) -> None:
+    def retain(self) -> None:
+        """Keep this handle's C object alive for a dependent (a sampler over a model); pair with release()."""
         with self._lock:
             if self._closed:
                 raise ClosedError(f"{self._kind} is closed")
             self._users += 1
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """A dependent lets go; the C free happens here once the handle is closed and unused."""
         with self._lock:
             self._users -= 1
             free_now = self._closed and self._users == 0
@@ -137,7 +139,7 @@ class Handle(NotCopyable):
     def _hold(self, dep: Handle) -> None:
         """Keep ``dep`` alive while this object may use it (a C pointer to it was handed over
         after creation: an attached LoRA adapter, a threadpool); released by _unhold or the free."""
-        dep._retain()
+        dep.retain()
         self._deps.append(dep)
 
     def _unhold(self, dep: Handle) -> None:
@@ -145,7 +147,7 @@ class Handle(NotCopyable):
         for i, d in enumerate(self._deps):
             if d is dep:
                 del self._deps[i]
-                dep._release()
+                dep.release()
                 return
         raise ValueError(f"{dep._kind} is not held by this {self._kind}")
 
@@ -156,7 +158,7 @@ class Handle(NotCopyable):
             free(ptr)
         deps, self._deps = self._deps, []
         for dep in deps:
-            dep._release()
+            dep.release()
 
     def close(self) -> None:
         """Free the C object (deferred while dependents still use it). Idempotent; refused mid-call."""

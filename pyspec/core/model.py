@@ -238,7 +238,7 @@ class Model(Handle):
         if ptr == ffi.NULL:
             reason = errors.reason("error loading model:") or "llama.cpp rejected the file (see the pyspec.llama log)"
             raise ModelLoadError(str(self.path), reason)
-        self._own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
+        self.own(ptr, self.rpc.free(llama.llama_model_free) if self.rpc is not None else llama.llama_model_free)
         self.vocab_only = bool(vocab_only)
         self.vocab = Vocab(self)
         if batch_invariant and self.meta("general.file_type") in _FLOAT_FILE_TYPES \

@@ -106,7 +106,7 @@ class SamplerChain(Handle):
             params = llama.llama_sampler_chain_default_params()
             params.no_perf = bool(no_perf)
             _ptr = llama.llama_sampler_chain_init(params)
-        self._own(_ptr, llama.llama_sampler_free)
+        self.own(_ptr, llama.llama_sampler_free)
         self._n_vocab = 0  # the vocabulary size of the samplers that know one (0: none yet)
         self._vocab: Any = None
         self._grammars: list[int] = []  # chain indices of grammar samplers
@@ -299,7 +299,7 @@ class SamplerChain(Handle):
 
     def _detached(self) -> None:
         """The context let go of this chain."""
-        self._release()
+        self.release()
 
     def add_custom(self, sampler: Any) -> SamplerChain:
         """Add a sampler written in Python (see :class:`CustomSampler`); the chain owns it from now on.
@@ -356,7 +356,7 @@ class SamplerChain(Handle):
 
     def _sample(self, ptr: Any, ctx: Context, idx: int) -> int:
         with ctx.held() as cptr:
-            ctx._row(idx, "sample")
+            ctx.output_row(idx, "sample")
             tok = int(llama.llama_get_sampled_token_ith(cptr, idx))
             if tok != -1:  # a backend sampler of ctx selected it already
                 return tok

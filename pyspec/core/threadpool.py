@@ -90,7 +90,7 @@ class ThreadPool(Handle):
         ptr = _cpu_function("ggml_threadpool_new")(params)
         if ptr == ffi.NULL:
             raise RuntimeError("ggml_threadpool_new failed")
-        self._own(ptr, _cpu_function("ggml_threadpool_free"))
+        self.own(ptr, _cpu_function("ggml_threadpool_free"))
         self.n_threads = n_threads
         self._user: weakref.ref[Any] | None = None
         self._user_lock = threading.Lock()

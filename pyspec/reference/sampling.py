@@ -97,7 +97,7 @@ class RefSampler(Handle):
         ptr = ref.pyspec_ref_sampler_init(cdata_ptr(model, "struct llama_model *"), p, err, ERR_LEN)
         if ptr == ffi.NULL:
             raise RefError(ffi.string(err).decode(errors="replace") or "common_sampler_init failed")
-        self._own(ptr, ref.pyspec_ref_sampler_free, handles(model))
+        self.own(ptr, ref.pyspec_ref_sampler_free, handles(model))
         self.n_vocab = int(ref.pyspec_ref_sampler_n_vocab(ptr))
         # common_sampler_init turns backend sampling off when a grammar is set
         self.backend_sampling = bool(ref.pyspec_ref_sampler_backend_sampling(ptr))
@@ -115,7 +115,7 @@ class RefSampler(Handle):
             raise RefError("common_sampler_clone failed")
         out = RefSampler.__new__(RefSampler)
         Handle.__init__(out)
-        out._own(ptr, ref.pyspec_ref_sampler_free, tuple(self._deps))
+        out.own(ptr, ref.pyspec_ref_sampler_free, tuple(self._deps))
         out.backend_sampling = self.backend_sampling
         out.n_vocab = self.n_vocab
         return out

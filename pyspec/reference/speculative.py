@@ -151,7 +151,7 @@ class RefSpeculative(Handle):
             if not msg:  # the C++ returned nullptr: status 0, see init()
                 raise RefError("no implementations specified for speculative decoding", 0)
             raise RefError(msg)
-        self._own(ptr, ref.pyspec_ref_spec_free, handles(d.ctx_tgt, d.ctx_dft))
+        self.own(ptr, ref.pyspec_ref_spec_free, handles(d.ctx_tgt, d.ctx_dft))
         self.n_seq = int(n_seq)
         self.n_max = max(1, int(ref.pyspec_ref_spec_n_max(ptr)))
 
