@@ -20,8 +20,8 @@ from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, 
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.errors import PyspecError
 from pyspec.ffi import ffi, ref
-from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.cpp_loop import cpp_generate
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.reference.sampling import sampling_params_struct
 from pyspec.reference.speculative import spec_params_struct
 

@@ -6,7 +6,7 @@ Every run gets fresh contexts and greedy sampling. The engines:
   draft length (:mod:`pyspec.generation.draft_length`), as pyspec runs by default;
 - ``fixed``: the same driver with llama.cpp's fixed draft lengths;
 - ``cpp``: the driver over the C++ reference implementation (fixed draft lengths);
-- ``loop``: the whole loop in C++ (:func:`pyspec.reference.loop.cpp_generate`,
+- ``loop``: the whole loop in C++ (:func:`pyspec.generation.cpp_loop.cpp_generate`,
   fixed draft lengths), the baseline of the Python layer's cost.
 
 Configurations are interleaved (repeats outermost, then prompts, types, engines),
@@ -212,7 +212,7 @@ def run_once(
             (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
             return res, st
         with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1,
-                                  engine="cpp" if engine == "cpp" else "python",
+                                  backend="cpp" if engine == "cpp" else "python",
                                   adaptive_draft=engine == "python") as gen:
             (res,) = gen.generate([prompt], n_predict)
             if curve is not None and gen.draft_ctl is not None:

@@ -246,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _check_threads(args, n_seq)  # once the files are found: a missing model is the one line to see
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
-            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, engine=args.engine,
+            with SpeculativeGenerator(cs.ctx_tgt, spec, sampling, n_seq=n_seq, backend=args.engine,
                                       adaptive_draft=not args.fixed_draft) as gen:
                 stream = n_seq == 1 and not args.quiet
                 progress = _Progress(enabled=not stream)

@@ -88,7 +88,7 @@ def _jinja() -> Any:
     try:
         import jinja2.sandbox
     except ImportError:
-        raise ImportError("chat templates need jinja2: pip install 'pyspec[server]' (or jinja2)") from None
+        raise ImportError("chat templates need jinja2: pip install 'llama-pyspec[server]' (or jinja2)") from None
     return jinja2
 
 
