@@ -198,7 +198,7 @@ def gguf_module() -> Any:
     try:
         import gguf
     except ImportError:
-        raise ImportError("the test models need the PyPI package 'gguf': pip install 'pyspec[testing]'") from None
+        raise ImportError("the test models need the PyPI package 'gguf': pip install 'llama-pyspec[testing]'") from None
     return gguf
 
 
