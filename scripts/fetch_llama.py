@@ -89,9 +89,9 @@ class _Links(HTMLParser):
                 self.hrefs.append(href)
 
 
-def find_archive_url(index: str) -> str:
-    """The URL of ARCHIVE on the project's page of a PEP 503 index."""
-    page = f"{index}/{_NAME.lower()}/"
+def find_archive_url(index: str, name: str = _NAME, archive: str = ARCHIVE) -> str:
+    """The URL of ``archive`` (the pinned one by default) on the project's page of a PEP 503 index."""
+    page = f"{index}/{name.lower()}/"
     with urllib.request.urlopen(page, timeout=TIMEOUT_S) as resp:
         text = resp.read().decode("utf-8", "replace")
         base = resp.geturl()
@@ -99,9 +99,9 @@ def find_archive_url(index: str) -> str:
     links.feed(text)
     for href in links.hrefs:
         url = urllib.parse.urljoin(base, href)
-        if urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] == ARCHIVE:
+        if urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1] == archive:
             return url.split("#", 1)[0]
-    raise FetchError(f"{page} lists no {ARCHIVE}")
+    raise FetchError(f"{page} lists no {archive}")
 
 
 def download(url: str, target: Path) -> None:
@@ -163,18 +163,18 @@ def check_hash(path: Path, origin: str) -> None:
         raise FetchError(f"sha256 mismatch for {ARCHIVE} from {origin}: expected {SHA256}, got {got}")
 
 
-def extract(archive: Path, into: Path) -> None:
-    """Extract INNER (only) from archive into the folder into."""
+def extract(archive: Path, into: Path, inner: str = INNER) -> None:
+    """Extract the folder ``inner`` (the pinned tree by default), only it, from archive into the folder into."""
     with tarfile.open(archive, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(INNER)]
+        members = [m for m in tar.getmembers() if m.name.startswith(inner)]
         if not members:
-            raise FetchError(f"{ARCHIVE} holds no {INNER}")
+            raise FetchError(f"{archive.name} holds no {inner}")
         for m in members:
-            m.name = m.name[len(INNER):]
+            m.name = m.name[len(inner):]
             if not m.name:
                 continue
             if m.name.startswith("/") or ".." in Path(m.name).parts:
-                raise FetchError(f"unsafe path in {ARCHIVE}: {m.name}")
+                raise FetchError(f"unsafe path in {archive.name}: {m.name}")
             if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4: refuse links leaving the tree
                 tar.extract(m, into, filter="data")
             else:

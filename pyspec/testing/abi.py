@@ -151,10 +151,11 @@ def parse_declarations(texts: Mapping[str, str] | None = None) -> Declarations:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def header_declarations() -> Declarations:
-    """The canonical declarations of the vendored headers that pyspec/decl mirrors (cached)."""
-    root = llama_cpp_dir()
+@functools.lru_cache(maxsize=2)
+def header_declarations(root: Path | None = None) -> Declarations:
+    """The canonical declarations of the headers that pyspec/decl mirrors, in the vendored tree or
+    ``root`` (a candidate tree at a bump; cached)."""
+    root = root or llama_cpp_dir()
     includes = [root / "include", root / "ggml" / "include"]
     headers = {name: root / header for name, header in decl.UPSTREAM.items()}
     defines = {name: sorted(decl.define_values(decl.read(name))) for name in decl.UPSTREAM}
@@ -170,9 +171,9 @@ def header_declarations() -> Declarations:
     return out
 
 
-def deprecated_functions(header: str = "llama.h") -> dict[str, str]:
+def deprecated_functions(header: str = "llama.h", root: Path | None = None) -> dict[str, str]:
     """{function: deprecation hint} of the DEPRECATED(...) declarations of a mirrored header."""
-    text = (llama_cpp_dir() / decl.UPSTREAM[header]).read_text()
+    text = ((root or llama_cpp_dir()) / decl.UPSTREAM[header]).read_text()
     text = re.sub(r"//[^\n]*", "", text)
     text = re.sub(r"^\s*#.*$", "", text, flags=re.M)  # the macros' own definitions
     out = {}
@@ -364,15 +365,16 @@ def _type_str(node: Any, enum_values: dict[str, int]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def compare(texts: Mapping[str, str] | None = None) -> AbiReport:
-    """Compare the declaration files (``texts`` overrides some, for tests) with the headers."""
+def compare(texts: Mapping[str, str] | None = None, root: Path | None = None) -> AbiReport:
+    """Compare the declaration files (``texts`` overrides some, for tests) with the headers
+    (of the vendored tree, or of ``root``)."""
     mine = parse_declarations(texts)
-    theirs = header_declarations()
+    theirs = header_declarations(root)
     problems: list[str] = []
     counts: dict[str, Any] = {}
     for name in decl.upstream_files():
-        problems += _compare_file(name, mine, theirs)
-        deprecated = deprecated_functions(name)
+        problems += _compare_file(name, mine, theirs, root)
+        deprecated = deprecated_functions(name, root)
         header_funcs = set(theirs.functions[name])
         live = header_funcs - set(deprecated)
         counts[name] = {
@@ -389,10 +391,10 @@ def compare(texts: Mapping[str, str] | None = None) -> AbiReport:
     return AbiReport(problems, counts)
 
 
-def _compare_file(name: str, mine: Declarations, theirs: Declarations) -> list[str]:
+def _compare_file(name: str, mine: Declarations, theirs: Declarations, root: Path | None) -> list[str]:
     problems: list[str] = []
     where = f"decl/{name}"
-    deprecated = deprecated_functions(name)
+    deprecated = deprecated_functions(name, root)
 
     for fn, sig in mine.functions[name].items():
         if fn not in theirs.functions[name]:
