@@ -10,6 +10,6 @@ __version__ = "0.2.0"
 
 # llama.cpp (ggml-org) at this revision is exactly the tree that this source
 # distribution on PyPI carries as vendor/llama.cpp; the archive's sha256 pins it.
-LLAMA_CPP_REVISION = "e3a74b299"
-LLAMA_CPP_SDIST = "llama-cpp-python==0.3.30"
-LLAMA_CPP_SDIST_SHA256 = "798c9b42652d2e0bff5fe81e7e762089f425a99e67f66ffe5ae156957876e0d1"
+LLAMA_CPP_REVISION = "0c1e57098"
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+LLAMA_CPP_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
