@@ -107,6 +107,7 @@ struct ggml_backend_dev_caps {
     bool buffer_from_host_ptr;
 
     bool events;
+    bool mmap_support;
 };
 
 struct ggml_backend_dev_props {

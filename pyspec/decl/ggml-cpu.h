@@ -85,6 +85,7 @@ int ggml_cpu_has_matmul_int8(void);
 int ggml_cpu_has_sve        (void);
 int ggml_cpu_get_sve_cnt    (void);
 int ggml_cpu_has_sme        (void);
+int ggml_cpu_has_sme2       (void);
 
 int ggml_cpu_has_riscv_v    (void);
 int ggml_cpu_get_rvv_vlen   (void);

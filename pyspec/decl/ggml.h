@@ -64,7 +64,8 @@ enum ggml_type {
     GGML_TYPE_MXFP4   = 39,
     GGML_TYPE_NVFP4   = 40,
     GGML_TYPE_Q1_0    = 41,
-    GGML_TYPE_COUNT   = 42,
+    GGML_TYPE_Q2_0    = 42,
+    GGML_TYPE_COUNT   = 43,
 };
 
 enum ggml_op {
@@ -159,6 +160,10 @@ enum ggml_op {
     GGML_OP_RWKV_WKV7,
     GGML_OP_SOLVE_TRI,
     GGML_OP_GATED_DELTA_NET,
+    GGML_OP_LIGHTNING_INDEXER,
+    GGML_OP_DSV4_HC_COMB,
+    GGML_OP_DSV4_HC_PRE,
+    GGML_OP_DSV4_HC_POST,
 
     GGML_OP_UNARY,
 

@@ -14,10 +14,10 @@
 #define LLAMA_FILE_MAGIC_GGSQ 0x67677371u
 
 #define LLAMA_SESSION_MAGIC   0x6767736eu
-#define LLAMA_SESSION_VERSION 9
+#define LLAMA_SESSION_VERSION 10
 
 #define LLAMA_STATE_SEQ_MAGIC   0x67677371u
-#define LLAMA_STATE_SEQ_VERSION 2
+#define LLAMA_STATE_SEQ_VERSION 3
 
 struct llama_vocab;
 struct llama_model;
@@ -38,6 +38,7 @@ enum llama_vocab_type {
     LLAMA_VOCAB_TYPE_UGM    = 4,
     LLAMA_VOCAB_TYPE_RWKV   = 5,
     LLAMA_VOCAB_TYPE_PLAMO2 = 6,
+    LLAMA_VOCAB_TYPE_TEST   = 7,
 };
 
 enum llama_rope_type {
@@ -111,9 +112,12 @@ enum llama_ftype {
     LLAMA_FTYPE_MOSTLY_MXFP4_MOE     = 38,
     LLAMA_FTYPE_MOSTLY_NVFP4         = 39,
     LLAMA_FTYPE_MOSTLY_Q1_0          = 40,
+    LLAMA_FTYPE_MOSTLY_Q2_0          = 41,
 
     LLAMA_FTYPE_GUESSED = 1024,
 };
+
+const char * llama_ftype_name(enum llama_ftype ftype);
 
 enum llama_rope_scaling_type {
     LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1,
@@ -152,6 +156,24 @@ enum llama_split_mode {
     LLAMA_SPLIT_MODE_LAYER  = 1,
     LLAMA_SPLIT_MODE_ROW    = 2,
     LLAMA_SPLIT_MODE_TENSOR = 3,
+};
+
+enum llama_load_mode {
+    LLAMA_LOAD_MODE_AUTO       = -1,
+    LLAMA_LOAD_MODE_NONE       =  0,
+    LLAMA_LOAD_MODE_MMAP       =  1,
+    LLAMA_LOAD_MODE_MLOCK      =  2,
+    LLAMA_LOAD_MODE_MMAP_MLOCK =  3,
+    LLAMA_LOAD_MODE_DIRECT_IO  =  4,
+};
+
+const char * llama_load_mode_name(enum llama_load_mode load_mode);
+enum llama_load_mode llama_load_mode_from_str(const char * str);
+
+enum llama_lazy_mode {
+    LLAMA_LAZY_MODE_OFF  = 0,
+    LLAMA_LAZY_MODE_AUTO = 1,
+    LLAMA_LAZY_MODE_ON   = 2,
 };
 
 enum llama_context_type {
@@ -208,6 +230,11 @@ enum llama_model_meta_key {
     LLAMA_MODEL_META_KEY_SAMPLING_MIROSTAT_ETA,
 };
 
+enum llama_process_type {
+    LLAMA_PROCESS_TYPE_ENCODE,
+    LLAMA_PROCESS_TYPE_DECODE,
+};
+
 struct llama_model_kv_override {
     enum llama_model_kv_override_type tag;
 
@@ -234,6 +261,9 @@ struct llama_model_params {
 
     int32_t n_gpu_layers;
     enum llama_split_mode split_mode;
+    enum llama_load_mode  load_mode;
+
+    enum llama_lazy_mode lazy_mode;
 
     int32_t main_gpu;
 
@@ -246,13 +276,11 @@ struct llama_model_params {
     const struct llama_model_kv_override * kv_overrides;
 
     bool vocab_only;
-    bool use_mmap;
-    bool use_direct_io;
-    bool use_mlock;
     bool check_tensors;
     bool use_extra_bufts;
     bool no_host;
     bool no_alloc;
+    bool load_mtp;
 };
 
 struct llama_sampler_seq_config {
@@ -267,6 +295,7 @@ struct llama_context_params {
     uint32_t n_seq_max;
     uint32_t n_rs_seq;
     uint32_t n_outputs_max;
+    uint32_t n_outputs_max_per_seq;
     int32_t  n_threads;
     int32_t  n_threads_batch;
 
@@ -334,6 +363,7 @@ typedef struct llama_model_quantize_params {
     const struct llama_model_kv_override * kv_overrides;
     const struct llama_model_tensor_override * tt_overrides;
     const int32_t * prune_layers;
+    size_t max_buf_size;
 } llama_model_quantize_params;
 
 typedef struct llama_logit_bias {
@@ -351,6 +381,8 @@ typedef struct llama_chat_message {
 } llama_chat_message;
 
 struct llama_adapter_lora;
+
+const char * llama_version(void);
 
 /* defaults, backend, model and context life */
 
@@ -435,6 +467,7 @@ int32_t llama_model_n_embd     (const struct llama_model * model);
 int32_t llama_model_n_embd_inp (const struct llama_model * model);
 int32_t llama_model_n_embd_out (const struct llama_model * model);
 int32_t llama_model_n_layer    (const struct llama_model * model);
+int32_t llama_model_n_layer_nextn(const struct llama_model * model);
 int32_t llama_model_n_head     (const struct llama_model * model);
 int32_t llama_model_n_head_kv  (const struct llama_model * model);
 int32_t llama_model_n_swa      (const struct llama_model * model);
@@ -460,6 +493,8 @@ int32_t llama_model_meta_key_by_index(const struct llama_model * model, int32_t 
 int32_t llama_model_meta_val_str_by_index(const struct llama_model * model, int32_t i, char * buf, size_t buf_size);
 
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+
+enum llama_ftype llama_model_ftype(const struct llama_model * model);
 
 uint64_t llama_model_size(const struct llama_model * model);
 
@@ -489,6 +524,10 @@ uint32_t llama_model_quantize(
 struct llama_adapter_lora * llama_adapter_lora_init(
         struct llama_model * model,
         const char * path_lora);
+
+struct llama_adapter_lora * llama_adapter_lora_init_from_file_ptr(
+        struct llama_model * model,
+        FILE * file);
 
 int32_t llama_adapter_meta_val_str(const struct llama_adapter_lora * adapter, const char * key, char * buf, size_t buf_size);
 
@@ -672,6 +711,60 @@ int32_t llama_decode(
         struct llama_context * ctx,
           struct llama_batch   batch);
 
+/* extended batch API */
+
+struct llama_batch_ext;
+
+struct llama_embd {
+    const float * data;
+    size_t n_rows;
+    size_t n_embd;
+};
+
+struct llama_batch_ext * llama_batch_ext_init (struct llama_context * ctx);
+void                     llama_batch_ext_free (struct llama_batch_ext * batch);
+void                     llama_batch_ext_clear(struct llama_batch_ext * batch);
+
+int32_t llama_batch_ext_add      (struct llama_batch_ext * batch, llama_seq_id seq_id);
+
+int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
+int32_t llama_batch_ext_add_embd (struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+
+bool llama_batch_ext_add_seq(
+        struct llama_batch_ext * batch,
+                       int32_t   idx,
+                  llama_seq_id   seq_id);
+
+bool llama_batch_ext_set_embd_token(
+        struct llama_batch_ext * batch,
+                       int32_t   idx,
+             struct llama_embd   embd);
+
+bool llama_batch_ext_set_embd_state(
+        struct llama_batch_ext * batch,
+                       int32_t   idx,
+             struct llama_embd   embd);
+
+bool llama_batch_ext_set_output_embd(
+        struct llama_batch_ext * batch,
+                       int32_t  idx,
+                          bool  value);
+
+bool llama_batch_ext_set_output_logits(
+        struct llama_batch_ext * batch,
+                       int32_t  idx,
+                          bool  value);
+
+bool llama_batch_ext_set_pos(
+        struct llama_batch_ext * batch,
+                       int32_t   idx,
+               const llama_pos * pos);
+
+int32_t llama_process(
+        struct llama_context * ctx,
+     enum llama_process_type   type,
+      struct llama_batch_ext * batch);
+
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
 
 int32_t llama_n_threads(struct llama_context * ctx);
@@ -681,6 +774,8 @@ int32_t llama_n_threads_batch(struct llama_context * ctx);
 void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
 
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
+
+bool llama_get_causal_attn(const struct llama_context * ctx);
 
 void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
 
@@ -732,6 +827,8 @@ llama_token llama_vocab_mask(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_sep(const struct llama_vocab * vocab);
+
+const llama_token * llama_vocab_get_suppress_tokens(const struct llama_vocab * vocab, int32_t * n_suppress_tokens);
 
 llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
@@ -799,7 +896,10 @@ struct llama_sampler_i {
     struct llama_sampler * (*clone) (const struct llama_sampler * smpl);
     void                   (*free)  (      struct llama_sampler * smpl);
 
-    bool (*backend_init)(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft);
+    bool (*backend_init)(
+            struct llama_sampler       * smpl,
+            ggml_backend_buffer_type_t   buft,
+            uint32_t                     n_outputs_max_per_seq);
 
     void (*backend_accept)(
             struct llama_sampler * smpl,
@@ -814,6 +914,10 @@ struct llama_sampler_i {
             struct llama_sampler_data * data);
 
     void (*backend_set_input)(struct llama_sampler * smpl);
+
+    void (*backend_reset)(struct llama_sampler * smpl);
+
+    void (*copy_state)(const struct llama_sampler * src, struct llama_sampler * dst);
 };
 
 struct llama_sampler {
@@ -830,6 +934,7 @@ void                   llama_sampler_accept(      struct llama_sampler * smpl, l
 void                   llama_sampler_apply (      struct llama_sampler * smpl, llama_token_data_array * cur_p);
 void                   llama_sampler_reset (      struct llama_sampler * smpl);
 struct llama_sampler * llama_sampler_clone (const struct llama_sampler * smpl);
+void                   llama_sampler_copy  (const struct llama_sampler * src, struct llama_sampler * dst);
 
 void                   llama_sampler_free  (      struct llama_sampler * smpl);
 
@@ -839,7 +944,7 @@ void                   llama_sampler_chain_add(      struct llama_sampler * chai
 
 struct llama_sampler * llama_sampler_chain_get(      struct llama_sampler * chain, int32_t i);
 
-int                    llama_sampler_chain_n  (const struct llama_sampler * chain);
+int32_t                llama_sampler_chain_n  (const struct llama_sampler * chain);
 
 struct llama_sampler * llama_sampler_chain_remove(   struct llama_sampler * chain, int32_t i);
 
@@ -890,6 +995,7 @@ struct llama_sampler * llama_sampler_init_grammar_lazy_patterns(
                         size_t num_trigger_tokens);
 
 struct llama_sampler * llama_sampler_init_penalties(
+                         int32_t   n_vocab,
                          int32_t   penalty_last_n,
                            float   penalty_repeat,
                            float   penalty_freq,
@@ -897,7 +1003,6 @@ struct llama_sampler * llama_sampler_init_penalties(
 
 struct llama_sampler * llama_sampler_init_dry(
         const struct llama_vocab *  vocab,
-                         int32_t    n_ctx_train,
                            float    dry_multiplier,
                            float    dry_base,
                          int32_t    dry_allowed_length,
