@@ -337,8 +337,8 @@ def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_engine_load_takes_the_draft_length_and_numerics_switches(adaptive):
     # what `pyspec serve --fixed-draft --batch-invariant` passes
-    with Engine.load(types="ngram-simple", tiny=True, n_ctx=256, adaptive_draft=adaptive,
-                     batch_invariant=not adaptive) as eng:
+    with Engine.load(tm.tiny_model_paths("ngram-simple")[0], types="ngram-simple", n_ctx=256,
+                     adaptive_draft=adaptive, batch_invariant=not adaptive) as eng:
         assert eng.draft_ctl is not None
         assert eng.draft_ctl.fixed is not adaptive
         assert eng.draft_ctl.curve.ready is adaptive  # measured at start-up only where it is used
