@@ -36,10 +36,6 @@ LAYERS: dict[str, int] = {
 # line, whose --tiny and `pyspec models` hand the tiny models to the layers below as plain paths
 TESTING = "testing"
 TESTING_USERS = ("cli",)
-# The one import of the test support below the CLI that is still open (issue 23, item 1): the
-# builder's tiny=True, which Engine.load and LLM pass down, makes the tiny models on demand.
-# Any other import of pyspec.testing from the library fails the test.
-TESTING_KNOWN = {"pyspec/generation/contexts.py"}
 
 
 def _part(module: str) -> str:
@@ -87,8 +83,7 @@ def _layer_violations() -> list[str]:
             continue
         for line, module in _pyspec_imports(path):
             target = _part(module)
-            known = str(path.relative_to(PKG.parent)) in TESTING_KNOWN
-            if target == TESTING and part not in TESTING_USERS and not known:
+            if target == TESTING and part not in TESTING_USERS:
                 bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} (test support)")
             elif target != TESTING and LAYERS[target] > LAYERS[part]:
                 bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} ({part} < {target})")
