@@ -52,11 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyspec.common.common import (
-    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
-    CommonContextSeqRmType,
-    common_context_seq_rm,
-)
+from pyspec.common.common import CommonContextSeqRmType
 from pyspec.common.params import (
     CommonParamsSampling,
     CommonParamsSpeculative,
@@ -72,7 +68,7 @@ from pyspec.generation.draft_length import DraftLengthController, shared_cost_cu
 from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.generation.slot_memory import CKPT_TAIL, SlotMemory
+from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, common_prefix, pick_slot
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
@@ -562,12 +558,10 @@ class Engine(EngineQueue):
         return True
 
     def _update(self, batch: Batch) -> None:
-        ctx_tgt, ctx_dft, eng, ctl = self.ctx_tgt, self.ctx_dft, self.backend, self.draft_ctl
+        ctx_tgt, eng, ctl = self.ctx_tgt, self.backend, self.draft_ctl
         t_step = time.perf_counter()
         t_draft = t_skip = 0.0
         generating = [s for s in self.slots if s.generating]
-        use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
-        use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
 
         # draft for the slots that have room for one
         drafting: list[Slot] = []
@@ -582,10 +576,7 @@ class Engine(EngineQueue):
                 n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0:
                     continue  # no room
-                if self.slot_memory.spec_ckpt_pos:
-                    s.spec_ckpt.update_pos(len(s.tokens), *ctx_tgt.memory.seq_pos_range(s.id))
-                if use_ckpt_dft_full:
-                    s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                self.slot_memory.spec_checkpoint_begin(s)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, s.tokens))  # read, not kept
                 s.spec_cap = n_draft_max
                 drafting.append(s)
@@ -617,22 +608,9 @@ class Engine(EngineQueue):
 
         # checkpoints where the memory cannot drop the rejected part
         for s in drafting:
-            draft, ckpt = s.spec_draft, s.spec_ckpt
             assert s.job is not None
-            s.job.stats.n_drafted += len(draft)
-            if ctx_dft is not None:
-                if use_ckpt_dft_full:
-                    ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
-            if draft:
-                use_ckpt_tgt = use_ckpt_tgt_full or (
-                    self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
-                use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
-                                and ctx_dft is not None and len(draft) > ctx_dft.n_rs_seq)
-                if use_ckpt_tgt:
-                    ckpt.update_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                if use_ckpt_dft:
-                    ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            s.job.stats.n_drafted += len(s.spec_draft)
+            self.slot_memory.spec_checkpoint(s)
 
         # the generating slots' [sampled, draft...] (the server's update_batch)
         batch.clear()
@@ -729,9 +707,7 @@ class Engine(EngineQueue):
         prompt, n_prompt = job.prompt, len(job.prompt)
         # recurrent / hybrid targets: decode the prompt's last tokens in a step of their own and keep
         # the state before them, so a later request sharing this prefix can resume from it
-        ckpt_at = -1
-        if job.request.cache_prompt and self.slot_memory.needs_prompt_checkpoints:
-            ckpt_at = n_prompt - min(CKPT_TAIL, n_batch)
+        ckpt_at = self.slot_memory.prompt_checkpoint_at(job, n_batch)
         n0 = len(s.tokens)
         if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
             self.slot_memory.prompt_checkpoint(s)
@@ -746,7 +722,7 @@ class Engine(EngineQueue):
                 s.i_batch = batch.n_tokens - 1
 
     def _verify(self, s: Slot) -> None:
-        ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
+        ctx_tgt, eng = self.ctx_tgt, self.backend
         job = s.job
         assert job is not None
         n_draft = len(s.spec_draft)
@@ -766,13 +742,7 @@ class Engine(EngineQueue):
             # partial acceptance the memory cannot express: restore the checkpoint and
             # re-verify the accepted tokens as the next step's draft
             s.spec_draft = accepted
-            ckpt = s.spec_ckpt
-            ckpt.load_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            common_context_seq_rm(ctx_tgt, s.id, ckpt.pos_max + 1, -1)
-            if ctx_dft is not None:
-                ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
-            del s.tokens[ckpt.n_tokens :]
+            self.slot_memory.spec_restore(s)
             eng.restore_sampler(s.id, saved)
             self.n_checkpoint_restores += 1
             s.spec_cap = 0  # the reused draft is no new evidence of acceptance
@@ -793,9 +763,7 @@ class Engine(EngineQueue):
         del s.tokens[len(s.tokens) - n_draft :]
         s.tokens.extend(accepted[:-1])
         s.spec_draft = []
-        common_context_seq_rm(ctx_tgt, s.id, len(s.tokens), -1)
-        if ctx_dft is not None:
-            common_context_seq_rm(ctx_dft, s.id, len(s.tokens), -1)
+        self.slot_memory.drop_rejected(s)
         self._emit(s, accepted, idxs[: len(accepted)])
 
     # --- tokens out (the server's process_token) --------------------------------------

@@ -22,7 +22,7 @@ from pyspec.common.common import (
 from pyspec.core.context import Context
 from pyspec.core.slot_file import read_slot_file, write_slot_file
 from pyspec.ffi import llama
-from pyspec.generation.slots import Slot
+from pyspec.generation.slots import Job, Slot
 
 __all__ = ["CKPT_MAX", "CKPT_TAIL", "SlotMemory", "window_kept"]
 
@@ -109,6 +109,13 @@ class SlotMemory:
 
     # --- prompt checkpoints (the server's create_checkpoint) ------------------------------
 
+    def prompt_checkpoint_at(self, job: Job, n_batch: int) -> int:
+        """How many of the job's prompt tokens the memory holds when a prompt checkpoint is taken (-1: none)."""
+        ckpt_at = -1
+        if job.request.cache_prompt and self.needs_prompt_checkpoints:
+            ckpt_at = len(job.prompt) - min(CKPT_TAIL, n_batch)
+        return ckpt_at
+
     def prompt_checkpoint(self, s: Slot) -> None:
         mem = self.ctx_tgt.memory
         ckpt = CommonPromptCheckpoint()
@@ -117,6 +124,54 @@ class SlotMemory:
         ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         s.checkpoints.append(ckpt)
         del s.checkpoints[:-CKPT_MAX]
+
+    # --- speculative checkpoints (update_slots' "make checkpoints if needed" and its restore) ----
+
+    def spec_checkpoint_begin(self, s: Slot) -> None:
+        """Before the slot drafts: where its memory stands, and the state of a draft context that cannot roll back."""
+        if self.spec_ckpt_pos:
+            s.spec_ckpt.update_pos(len(s.tokens), *self.ctx_tgt.memory.seq_pos_range(s.id))
+        if self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL:
+            s.spec_ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+    def spec_checkpoint(self, s: Slot) -> None:
+        """After the slot drafted: the draft context back where the draft began, and checkpoints of the
+        memories that cannot drop the rejected part of ``s.spec_draft``."""
+        ctx_tgt, ctx_dft = self.ctx_tgt, self.ctx_dft
+        use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
+        use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
+        draft, ckpt = s.spec_draft, s.spec_ckpt
+        if ctx_dft is not None:
+            if use_ckpt_dft_full:
+                ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
+        if draft:
+            use_ckpt_tgt = use_ckpt_tgt_full or (
+                self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
+            use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
+                            and ctx_dft is not None and len(draft) > ctx_dft.n_rs_seq)
+            if use_ckpt_tgt:
+                ckpt.update_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            if use_ckpt_dft:
+                ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+    def spec_restore(self, s: Slot) -> None:
+        """Undo a verified draft through the speculative checkpoint: the target's (and draft's) state and the
+        slot's tokens as they were before the draft."""
+        ctx_tgt, ctx_dft = self.ctx_tgt, self.ctx_dft
+        ckpt = s.spec_ckpt
+        ckpt.load_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        common_context_seq_rm(ctx_tgt, s.id, ckpt.pos_max + 1, -1)
+        if ctx_dft is not None:
+            ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
+        del s.tokens[ckpt.n_tokens :]
+
+    def drop_rejected(self, s: Slot) -> None:
+        """Remove from both memories what follows the slot's tokens (the rejected part of a verified draft)."""
+        common_context_seq_rm(self.ctx_tgt, s.id, len(s.tokens), -1)
+        if self.ctx_dft is not None:
+            common_context_seq_rm(self.ctx_dft, s.id, len(s.tokens), -1)
 
     # --- slot files (the server's slot save / restore) -----------------------------------
 
