@@ -34,10 +34,12 @@ loop thread owns the contexts until :meth:`Engine.close`.
 
 Split along llama.cpp server's seams: generation/queue.py (EngineQueue: the
 queue, the loop thread, the caller's stepping, commands; server-queue.cpp),
-generation/slots.py (a request's and a slot's state, prefix matching),
+generation/slots.py (a request's and a slot's state, slot choice, prefix matching),
+generation/slot_memory.py (SlotMemory: what each slot's sequence holds in memory:
+prefix reuse, prompt and speculative checkpoints, clearing, slot files),
 generation/output.py (text pieces, stop strings, logprobs: process_token),
 core/slot_file.py (the slot file's format); the step and the verification stay
-here (server-context.cpp's update_slots). csrc/pyspec_loop.cpp mirrors this
+here (server-context.cpp's update_slots), asking SlotMemory for every memory edit. csrc/pyspec_loop.cpp mirrors this
 loop with fixed draft lengths (pyspec.generation.cpp_loop).
 """
 
@@ -709,8 +711,7 @@ class Engine(EngineQueue):
         # the state before them, so a later request sharing this prefix can resume from it
         ckpt_at = self.slot_memory.prompt_checkpoint_at(job, n_batch)
         n0 = len(s.tokens)
-        if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
-            self.slot_memory.prompt_checkpoint(s)
+        self.slot_memory.take_prompt_checkpoint(s, ckpt_at)
         while len(s.tokens) < n_prompt and batch.n_tokens < n_batch:
             if len(s.tokens) == ckpt_at and len(s.tokens) > n0:
                 break
@@ -729,14 +730,12 @@ class Engine(EngineQueue):
         idxs = s.spec_i_batch
         # the server clones the sampler before every verification; only a checkpoint restore
         # uses the copy, which a target that can drop part of a sequence never needs
-        may_restore = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
-            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_draft > ctx_tgt.n_rs_seq)
+        may_restore = self.slot_memory.tgt_needs_checkpoint(n_draft)
         saved = eng.save_sampler(s.id) if may_restore else None
         accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
         n_rollback = n_draft + 1 - len(accepted)
-        use_ckpt_tgt = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
-            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_rollback > ctx_tgt.n_rs_seq)
+        use_ckpt_tgt = self.slot_memory.tgt_needs_checkpoint(n_rollback)
 
         if n_rollback > 0 and use_ckpt_tgt:
             # partial acceptance the memory cannot express: restore the checkpoint and

@@ -68,7 +68,23 @@ class SlotMemory:
 
     # --- prefix reuse (the server's n_past / keep_first) ---------------------------------
 
+    def tgt_needs_checkpoint(self, n_tokens: int) -> bool:
+        """Whether dropping the last ``n_tokens`` of a sequence from the target's memory needs a checkpoint
+        (a full-state memory always; recurrent state once more than it keeps, llama_n_rs_seq)."""
+        return self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
+            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_tokens > self.ctx_tgt.n_rs_seq)
+
+    def load_checkpoint(self, s: Slot, ckpt: CommonPromptCheckpoint) -> None:
+        """Put the target's (and the draft's) memory of the slot back to ``ckpt``: its state, and nothing after
+        its last position. The slot's tokens are the caller's to cut."""
+        ckpt.load_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        common_context_seq_rm(self.ctx_tgt, s.id, ckpt.pos_max + 1, -1)
+        if self.ctx_dft is not None:
+            ckpt.load_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            common_context_seq_rm(self.ctx_dft, s.id, ckpt.pos_max + 1, -1)
+
     def clear(self, s: Slot) -> None:
+        """Forget everything the slot holds: both memories, its tokens, its prompt checkpoints."""
         common_context_seq_rm(self.ctx_tgt, s.id, -1, -1)
         if self.ctx_dft is not None:
             common_context_seq_rm(self.ctx_dft, s.id, -1, -1)
@@ -96,11 +112,7 @@ class SlotMemory:
                 self.clear(s)
                 return 0
             ckpt = fits[-1]
-            ckpt.load_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            common_context_seq_rm(self.ctx_tgt, s.id, ckpt.pos_max + 1, -1)
-            if self.ctx_dft is not None:
-                ckpt.load_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(self.ctx_dft, s.id, ckpt.pos_max + 1, -1)
+            self.load_checkpoint(s, ckpt)
             n_keep = ckpt.n_tokens
             self.n_prompt_checkpoint_hits += 1
         del s.tokens[n_keep:]
@@ -116,7 +128,11 @@ class SlotMemory:
             ckpt_at = len(job.prompt) - min(CKPT_TAIL, n_batch)
         return ckpt_at
 
-    def prompt_checkpoint(self, s: Slot) -> None:
+    def take_prompt_checkpoint(self, s: Slot, at: int) -> None:
+        """Keep the slot's state when its memory holds exactly ``at`` prompt tokens and no checkpoint of them
+        exists yet (the oldest goes once a slot has CKPT_MAX)."""
+        if len(s.tokens) != at or at <= 0 or any(c.n_tokens == at for c in s.checkpoints):
+            return
         mem = self.ctx_tgt.memory
         ckpt = CommonPromptCheckpoint()
         ckpt.update_pos(len(s.tokens), *mem.seq_pos_range(s.id))
@@ -138,16 +154,13 @@ class SlotMemory:
         """After the slot drafted: the draft context back where the draft began, and checkpoints of the
         memories that cannot drop the rejected part of ``s.spec_draft``."""
         ctx_tgt, ctx_dft = self.ctx_tgt, self.ctx_dft
-        use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
-        use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
         draft, ckpt = s.spec_draft, s.spec_ckpt
         if ctx_dft is not None:
-            if use_ckpt_dft_full:
+            if self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL:
                 ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
             common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
         if draft:
-            use_ckpt_tgt = use_ckpt_tgt_full or (
-                self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
+            use_ckpt_tgt = self.tgt_needs_checkpoint(len(draft))
             use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
                             and ctx_dft is not None and len(draft) > ctx_dft.n_rs_seq)
             if use_ckpt_tgt:
@@ -158,14 +171,8 @@ class SlotMemory:
     def spec_restore(self, s: Slot) -> None:
         """Undo a verified draft through the speculative checkpoint: the target's (and draft's) state and the
         slot's tokens as they were before the draft."""
-        ctx_tgt, ctx_dft = self.ctx_tgt, self.ctx_dft
-        ckpt = s.spec_ckpt
-        ckpt.load_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        common_context_seq_rm(ctx_tgt, s.id, ckpt.pos_max + 1, -1)
-        if ctx_dft is not None:
-            ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
-        del s.tokens[ckpt.n_tokens :]
+        self.load_checkpoint(s, s.spec_ckpt)
+        del s.tokens[s.spec_ckpt.n_tokens :]
 
     def drop_rejected(self, s: Slot) -> None:
         """Remove from both memories what follows the slot's tokens (the rejected part of a verified draft)."""
@@ -176,6 +183,7 @@ class SlotMemory:
     # --- slot files (the server's slot save / restore) -----------------------------------
 
     def save(self, s: Slot, path: Path) -> int:
+        """Write the slot's tokens and both memories' state of it to ``path``; returns the token count."""
         tgt = self.ctx_tgt.state_seq_get(s.id)
         dft = self.ctx_dft.state_seq_get(s.id) if self.ctx_dft is not None else b""
         write_slot_file(path, {"model": self.ctx_tgt.model.desc, "n_vocab": self.ctx_tgt.model.vocab.n_tokens,
@@ -183,6 +191,8 @@ class SlotMemory:
         return len(s.tokens)
 
     def restore(self, s: Slot, path: Path) -> int:
+        """Load a file written by :meth:`save` into the slot (checked against these contexts first); on a
+        failure the slot is left empty. Returns the token count."""
         model = self.ctx_tgt.model
         head, body = read_slot_file(path)
         try:
