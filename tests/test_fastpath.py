@@ -1,26 +1,44 @@
-"""The sampler's shortcuts (top-1 and top-k sampling without the vocabulary-sized candidate array)
-against the C++ common_sampler and llama.cpp's own samplers, row for row."""
+"""The fast paths (pyspec.fastpath): the sampler's shortcuts (top-1 and top-k sampling without the
+vocabulary-sized candidate array) against the C++ common_sampler, llama.cpp's own samplers and the
+pure port, row for row; the port itself takes none of them."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
 from test_sampling import PROMPT, Side
 
+from pyspec import Context
 from pyspec.common import sampling as smp
-from pyspec.common.params import CommonParamsSampling
+from pyspec.common import speculative as sp
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.common.params import CommonSamplerType as S
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.common.speculative import DraftRequest
+from pyspec.fastpath import sampler as fp
 from pyspec.ffi import ext, ffi, llama
+from pyspec.generation.backends import PortBackend
 
 GREEDY = CommonParamsSampling(top_k=1, samplers=[S.TOP_K])
+
+
+def fast_side(model, params: CommonParamsSampling, **kw: Any) -> Side:
+    """A Side whose port sampler is the engine's (pyspec.fastpath)."""
+    return Side(model, params, cpp=False, init=fp.fast_sampler_init, **kw)
+
+
+def shortcut_k(s: smp.CommonSampler) -> int:
+    """The k of the shortcut a sampler takes: 0 for none (the port's own sampler takes none)."""
+    return s.plain_top_k if isinstance(s, fp.FastSampler) else 0
 
 
 def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
     """Greedy sampling skips the vocabulary-sized candidate array; on every row of a real batch it
     gives the C++ sampler's token and leaves the candidates as the C++ chain does."""
-    py, cpp = Side(target_model, GREEDY, cpp=False), Side(target_model, GREEDY, cpp=True)
+    py, cpp = fast_side(target_model, GREEDY), Side(target_model, GREEDY, cpp=True)
     assert py.s.top1
     for side in (py, cpp):
         side.feed(PROMPT, all_logits=True)
@@ -44,9 +62,9 @@ def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
     CommonParamsSampling(top_k=1, samplers=[S.TOP_K], mirostat=2),
 ], ids=["top-k-2", "more-samplers", "logit-bias", "grammar", "backend", "mirostat"])
 def test_greedy_shortcut_only_for_the_plain_top1_chain(target_model, params):
-    s = smp.common_sampler_init(target_model, dataclasses.replace(params))
+    s = fp.fast_sampler_init(target_model, dataclasses.replace(params))
     try:
-        assert not s.top1
+        assert shortcut_k(s) == (2 if params.top_k == 2 else 0)
     finally:
         s.close()
 
@@ -54,7 +72,7 @@ def test_greedy_shortcut_only_for_the_plain_top1_chain(target_model, params):
 def test_greedy_shortcut_ends_when_the_chain_is_edited(target_model):
     """Whoever holds the chain (common_sampler_get) may change it: sampling then runs the chain."""
     seeded = dataclasses.replace(GREEDY, seed=21)
-    py, cpp = Side(target_model, seeded, cpp=False), Side(target_model, seeded, cpp=True)
+    py, cpp = fast_side(target_model, seeded), Side(target_model, seeded, cpp=True)
     assert py.s.top1
     for side in (py, cpp):
         chain = side.s.chain if side.cpp else smp.common_sampler_get(side.s)
@@ -96,9 +114,9 @@ def test_top1_of_row_keeps_what_the_top_k_sampler_keeps(name):
     finally:
         llama.llama_sampler_free(chain)
     if np.isnan(row).any():
-        assert smp.top1_of_row(row) == -1  # the full path decides: argmax and the sort part ways on NaN
+        assert fp.top1_of_row(row) == -1  # the full path decides: argmax and the sort part ways on NaN
     else:
-        assert smp.top1_of_row(row) == kept
+        assert fp.top1_of_row(row) == kept
         assert name != "wide-tie" or kept == 77
 
 
@@ -114,11 +132,11 @@ def test_top1_scan_equals_argmax_across_blocks(n):
         row[spots] = 50.0
         rows.append(row)
     for row in rows:
-        assert smp.top1_of_row(row) == int(np.argmax(row))
+        assert fp.top1_of_row(row) == int(np.argmax(row))
     row = rows[0].copy()
     row[-1] = np.nan
-    assert smp.top1_of_row(row) == -1
-    assert smp.top1_of_row(np.zeros(0, np.float32)) == -1
+    assert fp.top1_of_row(row) == -1
+    assert fp.top1_of_row(np.zeros(0, np.float32)) == -1
 
 
 DRAFT_LIKE = CommonParamsSampling(seed=31, top_k=10, samplers=[S.TOP_K])  # speculative.cpp's draft sampler
@@ -128,7 +146,7 @@ DRAFT_LIKE = CommonParamsSampling(seed=31, top_k=10, samplers=[S.TOP_K])  # spec
 def test_top_k_shortcut_gives_the_chains_draw_and_candidates(target_model, params):
     """[top-k k, dist] sorts the row's k highest alone: on every row of a real batch, the token, the
     candidates (id, logit, p), the selection and the order equal the C++ sampler's."""
-    py, cpp = Side(target_model, params, cpp=False), Side(target_model, params, cpp=True)
+    py, cpp = fast_side(target_model, params), Side(target_model, params, cpp=True)
     assert py.s.plain_top_k == params.top_k and not py.s.top1
     for side in (py, cpp):
         side.feed(PROMPT, all_logits=True)
@@ -199,7 +217,7 @@ def test_top_k_scan_refuses_what_it_cannot_hold():
 def test_greedy_shortcut_ends_for_a_chain_rebuilt_at_the_same_addresses(target_model):
     """Freed samplers' memory comes back for the next ones: the shortcut ends when the chain is handed
     out, not when its pointers change; and a clone of such a sampler keeps running its chain."""
-    s = smp.common_sampler_init(target_model, dataclasses.replace(GREEDY, seed=8))
+    s = fp.fast_sampler_init(target_model, dataclasses.replace(GREEDY, seed=8))
     try:
         chain = smp.common_sampler_get(s)
         for i in (1, 0):
@@ -207,7 +225,128 @@ def test_greedy_shortcut_ends_for_a_chain_rebuilt_at_the_same_addresses(target_m
         llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_k(40))
         llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(8))
         clone = smp.common_sampler_clone(s)
+        assert isinstance(s, fp.FastSampler) and isinstance(clone, fp.FastSampler)
         assert not s.top1 and not clone.top1
         clone.close()
     finally:
         s.close()
+
+
+# --- the fast sampler against the pure port, on the same rows -------------------------------------
+
+PLAIN = {
+    "greedy": GREEDY,
+    "top-k-10": DRAFT_LIKE,
+    "top-k-2": dataclasses.replace(DRAFT_LIKE, top_k=2, seed=5),
+    "top-k-max": CommonParamsSampling(seed=17, top_k=ext.PYSPEC_TOPK_MAX, samplers=[S.TOP_K]),
+}
+
+
+def _pair(model, params: CommonParamsSampling) -> tuple[smp.CommonSampler, smp.CommonSampler]:
+    """The port's own sampler and the engine's fast one for the same parameters."""
+    return (smp.common_sampler_init(model, dataclasses.replace(params)),
+            fp.fast_sampler_init(model, dataclasses.replace(params)))
+
+
+def _state(s: smp.CommonSampler) -> tuple:
+    """What a caller can see after a draw: the candidates as the chain left them, the selection, the order."""
+    cand = smp.candidates_array(smp.common_sampler_get_candidates(s, False))
+    return cand["id"].tolist(), cand["logit"].tolist(), cand["p"].tolist(), s.cur_p.selected, bool(s.cur_p.sorted)
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_fast_sampler_equals_the_port_on_every_row_of_a_real_batch(target_model, name):
+    """The shortcut's token, candidates, selection and order equal the port's full path, row for row,
+    and the two samplers draw identically from there on (the same dist state)."""
+    params = PLAIN[name]
+    side = Side(target_model, params, cpp=False)
+    port, fast = _pair(target_model, params)
+    try:
+        assert shortcut_k(fast) == params.top_k and shortcut_k(port) == 0
+        side.feed(PROMPT, all_logits=True)
+        for idx in [*range(len(PROMPT)), *range(len(PROMPT))]:  # twice: the dist draws go on alike
+            assert smp.common_sampler_sample(fast, side.ctx, idx) == smp.common_sampler_sample(port, side.ctx, idx)
+            assert _state(fast) == _state(port)
+            assert fast.cur.size == params.top_k and port.cur.size == target_model.vocab.n_tokens
+    finally:
+        port.close()
+        fast.close()
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_fast_sampler_generates_what_the_port_generates(target_model, name):
+    params = PLAIN[name]
+    assert fast_side(target_model, params).generate(12) == Side(target_model, params, cpp=False).generate(12)
+
+
+@pytest.mark.parametrize("name", ["greedy", "top-k-10"])
+def test_a_nan_row_falls_back_to_the_ports_full_path(target_model, name):
+    """A NaN logit, where argmax and the sort part ways: the shortcut declines and the port decides;
+    the rows around it still take the shortcut."""
+    params = PLAIN[name]
+    side = Side(target_model, params, cpp=False)
+    port, fast = _pair(target_model, params)
+    try:
+        side.feed(PROMPT, all_logits=True)
+        nan_idx = 3
+        row = llama.llama_get_logits_ith(side.ctx.ptr, nan_idx)  # the context's own row, written in place
+        row[int(np.argmax(side.ctx.get_logits_ith(nan_idx)))] = float("nan")
+        n_vocab = target_model.vocab.n_tokens
+        for idx in range(len(PROMPT)):
+            assert smp.common_sampler_sample(fast, side.ctx, idx) == smp.common_sampler_sample(port, side.ctx, idx)
+            assert _state(fast) == _state(port)
+            assert fast.cur.size == (n_vocab if idx == nan_idx else params.top_k)  # the full candidate array
+    finally:
+        port.close()
+        fast.close()
+
+
+def test_a_grammar_disables_the_shortcut_and_the_tokens_stay_the_ports(target_model):
+    params = CommonParamsSampling(top_k=1, samplers=[S.TOP_K], grammar='root ::= ("yes" | "no") " " [0-9]')
+    fast = fast_side(target_model, params)
+    assert type(fast.s) is smp.CommonSampler and shortcut_k(fast.s) == 0  # the port's own sampler
+    assert fast.generate(4) == Side(target_model, params, cpp=False).generate(4) == \
+        Side(target_model, params, cpp=True).generate(4)
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_the_port_sampler_takes_no_shortcut(target_model, name):
+    """pyspec.common.sampling is the line-for-line port: for the plain chains too, set_logits fills the
+    vocabulary-sized candidate array and the chain runs over it."""
+    params = PLAIN[name]
+    side = Side(target_model, params, cpp=False)
+    assert type(side.s) is smp.CommonSampler
+    assert not hasattr(side.s, "plain_top_k") and not hasattr(smp, "top1_of_row")
+    side.feed(PROMPT)
+    side.sample()
+    assert side.s.cur.size == target_model.vocab.n_tokens and side.s.cur_p.size == params.top_k
+
+
+def test_the_engines_draft_samplers_are_fast_and_draft_what_the_ports_draft(target_model, draft_model):
+    """The python backend hands the fast sampler to the port's draft implementations
+    (common_speculative_init's sampler_init); the port's default stays its own sampler."""
+    drafts, kinds = [], []
+    for engine in (False, True):
+        ctx = Context(target_model, n_ctx=256, n_batch=32)
+        ctxd = Context(draft_model, n_ctx=256, n_batch=32)
+        p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+        p.draft.ctx_tgt, p.draft.ctx_dft, p.draft.n_max = ctx, ctxd, 6
+        req = DraftRequest(seq_id=0, n_max=6, n_past=len(PROMPT) - 1, id_last=PROMPT[-1], prompt=PROMPT[:-1])
+        if engine:
+            backend = PortBackend(target_model, p, GREEDY, 1)
+            kinds.append({type(s) for s in backend.spec.impls[0].smpls} | {type(s) for s in backend.smpls})
+            drafts.append(backend.draft([req])[0])
+            backend.close()
+        else:
+            spec = sp.common_speculative_init(p, 1)
+            assert spec is not None
+            impl: Any = spec.impls[0]
+            kinds.append({type(s) for s in impl.smpls})
+            dp = sp.common_speculative_get_draft_params(spec, 0)
+            dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, req.n_max, req.n_past, req.id_last
+            dp.prompt, dp.result = req.prompt, []
+            sp.common_speculative_draft(spec)
+            drafts.append(dp.result)
+            spec.close()
+    assert kinds == [{smp.CommonSampler}, {fp.FastSampler}]
+    assert drafts[0] == drafts[1] and drafts[0]

@@ -27,10 +27,11 @@ LAYERS: dict[str, int] = {
     "version": 0, "errors": 0, "decl": 0, "ffi": 0,
     "core": 1,
     "common": 2,          # the port
-    "reference": 3,       # the C++ bindings only
-    "generation": 4,
-    "parity": 5,
-    "cli": 6, "server": 6, "llm": 6, "pyspec": 6, "__main__": 6,
+    "fastpath": 3,        # the C shortcuts beside the port, which the generation layer chooses
+    "reference": 4,       # the C++ bindings only
+    "generation": 5,
+    "parity": 6,
+    "cli": 7, "server": 7, "llm": 7, "pyspec": 7, "__main__": 7,
 }
 # test support: it may import anything, and nothing in the library imports it except the command
 # line, whose --tiny and `pyspec models` hand the tiny models to the layers below as plain paths

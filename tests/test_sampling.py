@@ -21,12 +21,14 @@ PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
 class Side:
     """One sampler (Python port or C++ reference) with its own context."""
 
-    def __init__(self, model, params: CommonParamsSampling, cpp: bool, backend: bool = False) -> None:
+    def __init__(self, model, params: CommonParamsSampling, cpp: bool, backend: bool = False,
+                 init: Any = smp.common_sampler_init) -> None:
         self.ctx = Context(model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1)
         p = dataclasses.replace(params)
         self.cpp = cpp
-        # either side's sampler; the methods below call the matching API
-        self.s: Any = RefSampler(model, p) if cpp else smp.common_sampler_init(model, p)
+        # either side's sampler (the port's from ``init``: the port's own or the fast path's); the
+        # methods below call the matching API
+        self.s: Any = RefSampler(model, p) if cpp else init(model, p)
         if backend:
             chain = self.s.chain if cpp else smp.common_sampler_get(cast(Any, self.s))
             assert llama.llama_set_sampler(self.ctx.ptr, 0, chain)
