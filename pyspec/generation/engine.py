@@ -37,7 +37,8 @@ queue, the loop thread, the caller's stepping, commands; server-queue.cpp),
 generation/slots.py (a request's and a slot's state, slot choice, prefix matching),
 generation/slot_memory.py (SlotMemory: what each slot's sequence holds in memory:
 prefix reuse, prompt and speculative checkpoints, clearing, slot files),
-generation/output.py (text pieces, stop strings, logprobs: process_token),
+generation/output.py (text pieces, stop strings, logprobs, the final result:
+process_token, send_final_response),
 core/slot_file.py (the slot file's format); the step and the verification stay
 here (server-context.cpp's update_slots), asking SlotMemory for every memory edit. csrc/pyspec_loop.cpp mirrors this
 loop with fixed draft lengths (pyspec.generation.cpp_loop).
@@ -67,9 +68,9 @@ from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
-from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
+from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
-from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
+from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, common_prefix, pick_slot
 
@@ -154,7 +155,7 @@ class Engine(EngineQueue):
                 "no implementations specified for speculative decoding "
                 "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
         self.vocab = ctx_tgt.model.vocab
-        self._token_info: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation), for _emit
+        self._pieces = TokenPieces(self.vocab)  # each token's piece and end-of-generation flag, for _emit
         self.n_vocab = self.vocab.n_tokens
         self.n_ctx_seq = ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
@@ -388,7 +389,7 @@ class Engine(EngineQueue):
             if job.sampler is not None:
                 job.sampler.close()
             job.stop_reason = "cancelled"
-            job.handle._finish(self._completion(job, -1))
+            job.handle._finish(completion(job, -1))
         for s in self.slots:
             if s.job is not None:
                 self._finish(s, "cancelled")
@@ -485,7 +486,7 @@ class Engine(EngineQueue):
             if job.sampler is not None:
                 job.sampler.close()
             job.stop_reason = "cancelled"
-            job.handle._finish(self._completion(job, -1))
+            job.handle._finish(completion(job, -1))
         for s, job in taken:
             self._start(s, job)
 
@@ -767,10 +768,6 @@ class Engine(EngineQueue):
 
     # --- tokens out (the server's process_token) --------------------------------------
 
-    def _logprob(self, idx: int, tok: int, n_probs: int) -> TokenLogprob:
-        """The token's log-probability and the n_probs most likely tokens: log-softmax of the target's logits."""
-        return token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
-
     def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int]) -> None:
         """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
         job = s.job
@@ -782,21 +779,18 @@ class Engine(EngineQueue):
             job.stats.t_first_token_ms = (now - job.handle.t_submit) * 1e3
         new_probs: list[TokenLogprob] = []
         n_probs = job.request.n_probs
-        token_info = self._token_info
+        pieces = self._pieces
         reason = ""
         n_new = 0
         for tok, idx in zip(toks, idxs, strict=True):
             n_new += 1
             if n_probs > 0:
-                lp = self._logprob(idx, tok, n_probs)
+                lp = token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
                 job.logprobs.append(lp)
                 new_probs.append(lp)
             if job.n_remaining > 0:
                 job.n_remaining -= 1
-            info = token_info.get(tok)
-            if info is None:  # a vocabulary does not change: each token's piece and end-of-generation flag once
-                info = token_info[tok] = (self.vocab.token_to_piece_bytes(tok, special=False), self.vocab.is_eog(tok))
-            piece, is_eog = info
+            piece, is_eog = pieces.get(tok)
             text = decode_piece(job, piece)
             if text and not is_eog and append_text(job, text):
                 reason = "stop"
@@ -819,14 +813,6 @@ class Engine(EngineQueue):
         if reason:
             self._finish(s, reason)
 
-    def _completion(self, job: Job, slot_id: int) -> Completion:
-        st = job.stats
-        st.n_gen = len(job.generated)
-        if job.t_first:
-            st.t_gen_ms = (time.perf_counter() - job.t_first) * 1e3
-        return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
-                          slot_id, job.logprobs, st)
-
     def _finish(self, s: Slot, reason: str) -> None:
         job = s.job
         assert job is not None
@@ -840,7 +826,7 @@ class Engine(EngineQueue):
         s.spec_i_batch = []
         s.i_batch = -1
         s.t_last_used = time.perf_counter()
-        job.handle._finish(self._completion(job, s.id))
+        job.handle._finish(completion(job, s.id))
 
     def _fail(self, s: Slot, error: BaseException) -> None:
         """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""
