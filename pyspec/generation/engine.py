@@ -72,7 +72,7 @@ from pyspec.generation.output import TokenPieces, append_text, completion, decod
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
-from pyspec.generation.slots import Job, Slot, common_prefix, pick_slot
+from pyspec.generation.slots import Job, Slot, pick_slot
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -496,11 +496,7 @@ class Engine(EngineQueue):
         job.t_start = time.perf_counter()
         job.stats.t_queue_ms = (job.t_start - job.handle.t_submit) * 1e3
         try:
-            n_past = common_prefix(s.tokens, job.prompt) if job.request.cache_prompt else 0
-            # at least one prompt token is decoded, for the logits of the first sampled token
-            n_past = min(n_past, len(job.prompt) - 1)
-            n_past = self.slot_memory.keep_prefix(s, n_past)
-            job.stats.n_cached = n_past
+            job.stats.n_cached = self.slot_memory.reuse_prefix(s, job)
             s.reading = True
             s.sampled = -1
             s.i_batch = -1

@@ -22,7 +22,7 @@ from pyspec.common.common import (
 from pyspec.core.context import Context
 from pyspec.core.slot_file import read_slot_file, write_slot_file
 from pyspec.ffi import llama
-from pyspec.generation.slots import Job, Slot
+from pyspec.generation.slots import Job, Slot, common_prefix
 
 __all__ = ["CKPT_MAX", "CKPT_TAIL", "SlotMemory", "window_kept"]
 
@@ -90,6 +90,14 @@ class SlotMemory:
             common_context_seq_rm(self.ctx_dft, s.id, -1, -1)
         s.tokens = []
         s.checkpoints = []
+
+    def reuse_prefix(self, s: Slot, job: Job) -> int:
+        """Keep what the slot's memory shares with the job's prompt (when it caches prompts) and drop the rest;
+        returns how many prompt tokens need no decode."""
+        n_past = common_prefix(s.tokens, job.prompt) if job.request.cache_prompt else 0
+        # at least one prompt token is decoded, for the logits of the first sampled token
+        n_past = min(n_past, len(job.prompt) - 1)
+        return self.keep_prefix(s, n_past)
 
     def keep_prefix(self, s: Slot, n_keep: int) -> int:
         """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
