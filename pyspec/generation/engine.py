@@ -249,12 +249,12 @@ class Engine(EngineQueue):
         return self.ctx_tgt.model
 
     @property
-    def ctx_tgt_seq_rm_type(self) -> CommonContextSeqRmType:
-        """How the target context can roll back (common_context_can_seq_rm)."""
+    def ctx_tgt_seq_rm_type(self) -> int:
+        """How the target context can roll back (a CommonContextSeqRmType value, common_context_can_seq_rm)."""
         return self.slot_memory.ctx_tgt_seq_rm_type
 
     @property
-    def ctx_dft_seq_rm_type(self) -> CommonContextSeqRmType:
+    def ctx_dft_seq_rm_type(self) -> int:
         """How the draft context can roll back (NO without one)."""
         return self.slot_memory.ctx_dft_seq_rm_type
 
