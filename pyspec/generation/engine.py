@@ -813,9 +813,10 @@ class Engine(EngineQueue):
         job = s.job
         assert job is not None
         job.stop_reason = reason
-        if reason == "cancelled" and job.n_sent < len(job.text):
-            job.handle._put(Delta(job.text[job.n_sent :], []))
-            job.n_sent = len(job.text)
+        if reason == "cancelled":
+            rest = release_text(job, True)  # what was held back for a stop string still streams
+            if rest:
+                job.handle._put(Delta(rest, []))
         s.job = None
         s.reading = False
         s.spec_draft = []
