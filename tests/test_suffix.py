@@ -180,6 +180,7 @@ def test_no_match_no_draft_and_empty_inputs() -> None:
     assert ix.draft([9], 5).tokens == []
     assert ix.draft([4], 0).tokens == []
     assert ix.draft([4], 10**9).tokens == [5]  # match of 1: ceil(1.0 * 1) token
+    assert ix.draft([4], 10**18, max_spec_factor=1e308).tokens == [5, 6]  # huge limits: the text's end
 
 
 def test_bad_arguments_raise_clear_errors() -> None:
@@ -392,6 +393,36 @@ def test_crash_safety_of_the_implementation() -> None:
         speculative_init(CommonParamsSpeculative(), 0, suffix=SuffixParams())
     with pytest.raises(TypeError):
         speculative_init(CommonParamsSpeculative(), 1, suffix={"n_max": 4})  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["begin", "draft", "accept", "end"]), st.integers(-1, 2),
+                          st.lists(st.integers(0, 4), max_size=60), st.integers(-2, 30)), max_size=25))
+def test_any_call_sequence_drafts_real_text_or_raises_a_clear_error(calls: list[tuple[str, int, list[int], int]]
+                                                                    ) -> None:
+    shared = GlobalSuffixIndex(max_tokens=120)
+    spec = speculative_init(CommonParamsSpeculative(), 2, suffix=SuffixParams(n_max=12), shared=shared)
+    assert spec is not None
+    with spec:
+        impl = spec.impls[0]
+        assert isinstance(impl, SuffixImpl)
+        for op, seq, toks, n in calls:
+            try:
+                if op == "begin":
+                    sp.common_speculative_begin(spec, seq, toks)
+                elif op == "end":
+                    impl.end(seq)
+                elif op == "accept":
+                    sp.common_speculative_accept(spec, seq, max(n, 0))
+                else:
+                    d = _draft(spec, seq, toks, n % 5, n_max=n)
+                    assert len(d) <= (12 if n <= 0 else min(n, 12))
+                    text = [*toks, n % 5]
+                    if d and impl.n_draft_global == 0:
+                        assert any(text[e : e + len(d)] == d for e in range(1, len(text)))
+            except SpeculativeError as e:
+                assert "seq_id" in str(e) or "no draft" in str(e)
+            assert len(shared) <= 120
 
 
 def test_no_global_index_when_its_bound_is_zero() -> None:
