@@ -164,6 +164,9 @@ class SuffixIndex:
         self.max_occurrences = check_int("max_occurrences", max_occurrences, 1, 1 << 20)
         self.levels = index_levels(self.max_depth)
         self._levelset = frozenset(self.levels)
+        self._bk = [pow(_B, k, 1 << 64) for k in self.levels]  # B^k mod 2^64
+        # _link_few's rolling hashes: (position, w0, hashes per level, last SENTINEL position); None: recompute
+        self._roll: tuple[int, int, list[int], int] | None = None
         self.max_cap = max_cap
         self.n = 0
         self.lo = 0
@@ -185,6 +188,7 @@ class SuffixIndex:
         self._rebuild()
 
     def _rebuild(self) -> None:
+        self._roll = None
         self.heads.fill(-1)
         self._link_range(self.lo, self.n)
 
@@ -229,31 +233,58 @@ class SuffixIndex:
             self._link_chunk(s, min(b, s + _CHUNK))
 
     def _link_few(self, a: int, b: int) -> None:
-        """_link_chunk for a decode step's few tokens, in Python ints (numpy's per-call costs dominate there)."""
+        """_link_chunk for a decode step's few tokens, in Python ints (numpy's per-call costs dominate there).
+
+        Rolling hashes: h_k(i) = h_k(i-1) * B + v(i) - v(i-k) * B^k, from the state the previous call
+        left at a - 1 (else one pass over the last max level's tokens). Tokens before ``w0`` (the
+        window of that pass) count as 0 on both sides, so every k-gram inside [lo, n) hashes exactly.
+        """
         kmax = self.levels[-1]
-        ws = max(self.lo, a - (kmax - 1))
+        ws = max(0, a - kmax)
         w = self.tokens[ws:b].tolist()
         pw = _powers(kmax)[1]
-        level_of = {k: li for li, k in enumerate(self.levels)}
-        heads, prev, shift = self.heads, self.prev, self._shift
-        for i in range(a, b):
-            x = i - ws
+        st = self._roll
+        if st is not None and st[0] == a - 1:
+            _, w0, hs, last_sent = st
+        else:
+            w0 = max(self.lo, a - kmax)
+            hs = [0] * len(self.levels)
+            last_sent = w0 - 1
             h = 0
-            for j in range(min(x + 1, kmax)):
-                t = w[x - j]
-                if t == SENTINEL:
-                    break
+            level_of = {k: li for li, k in enumerate(self.levels)}
+            for j in range(a - w0):
+                t = w[a - 1 - j - ws]
+                if t == SENTINEL and last_sent < a - 1 - j:
+                    last_sent = a - 1 - j
                 h = (h + ((t + 1) & _MASK) * pw[j]) & _MASK
                 li = level_of.get(j + 1)
                 if li is not None:
+                    hs[li] = h
+            for li, k in enumerate(self.levels):
+                if k > a - w0:
+                    hs[li] = h
+        bk = self._bk
+        heads, prev, shift, lo = self.heads, self.prev, self._shift, self.lo
+        for i in range(a, b):
+            t = w[i - ws]
+            vt = (t + 1) & _MASK
+            if t == SENTINEL:
+                last_sent = i
+            for li, k in enumerate(self.levels):
+                o = i - k
+                vo = ((w[o - ws] + 1) & _MASK) if o >= w0 else 0
+                h = hs[li] = (hs[li] * _B + vt - vo * bk[li]) & _MASK
+                if o + 1 >= lo and o + 1 > last_sent:
                     bb = ((h * _GOLD) & _MASK) >> shift
                     prev[li, i] = heads[li, bb]
                     heads[li, bb] = i
+        self._roll = (b - 1, w0, hs, last_sent)
 
     def _link_chunk(self, a: int, b: int) -> None:
         if b - a <= 4:
             self._link_few(a, b)
             return
+        self._roll = None
         for li, pos, bkt in self._positions(a, b):
             heads, prev = self.heads[li], self.prev[li]
             if pos.size <= 8:  # a decode step's few tokens: numpy's sort costs more
@@ -296,6 +327,7 @@ class SuffixIndex:
             self._rebuild()
             return
         # chains are LIFO: a removed position that is still its bucket's head hands the head back
+        self._roll = None
         for li, pos, bkt in self._positions(n, self.n):
             heads, prev = self.heads[li], self.prev[li]
             for p, bb in zip(reversed(pos.tolist()), reversed(bkt.tolist()), strict=True):
@@ -309,7 +341,7 @@ class SuffixIndex:
         if self.cap > 4 * _MIN_CAP:
             self._alloc(_MIN_CAP)
         else:
-            self.heads.fill(-1)
+            self._rebuild()
 
     def compact(self) -> None:
         """Move the live tokens [lo, n) to the front and relink (after evictions)."""
@@ -322,7 +354,7 @@ class SuffixIndex:
 
     def tail(self, k: int) -> list[int]:
         """The last k tokens (fewer if the text is shorter), as ints."""
-        return [int(t) for t in self.tokens[max(self.lo, self.n - k) : self.n].tolist()]
+        return list(self.tokens[max(self.lo, self.n - k) : self.n].tolist())  # Python ints
 
     # --- drafting ------------------------------------------------------------------------
 
