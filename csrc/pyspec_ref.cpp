@@ -20,33 +20,9 @@
 // a grammar.
 
 #include "common.h"
-#include "ggml.h"
-#include "llama.h"
 #include "log.h"
-#include "ngram-cache.h"
-#include "ngram-map.h"
-#include "ngram-mod.h"
-#include "sampling.h"
 
-#include "llama-ext.h"
-
-#include <sys/stat.h>
-
-#include <algorithm>
-#include <cassert>
-#include <cinttypes>
-#include <cstdarg>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <iomanip>
-#include <iterator>
-#include <map>
-#include <memory>
-#include <sstream>
-#include <stdexcept>
-#include <string>
-#include <vector>
 
 #include "pyspec_ref_internal.h"
 
@@ -85,7 +61,7 @@ static const struct {
 extern "C" {
 
 const char * pyspec_ref_last_error(void) {
-    return g_last_error.c_str();
+    return pyspec::last_error().c_str();
 }
 
 int pyspec_ref_enum_value(const char * name, int32_t * out) {
@@ -96,7 +72,7 @@ int pyspec_ref_enum_value(const char * name, int32_t * out) {
             return PYSPEC_REF_OK;
         }
     }
-    return set_error(PYSPEC_REF_E_RANGE, "no enum constant %s in the reference", name);
+    return pyspec::fail(PYSPEC_REF_E_RANGE, "no enum constant %s in the reference", name);
 }
 
 } // extern "C"

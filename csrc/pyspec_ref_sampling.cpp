@@ -2,32 +2,14 @@
 // libpyspec_ref (see pyspec_ref.cpp for the wrapper's rules).
 
 #include "common.h"
-#include "ggml.h"
 #include "llama.h"
-#include "log.h"
-#include "ngram-cache.h"
-#include "ngram-map.h"
-#include "ngram-mod.h"
 #include "sampling.h"
 
-#include "llama-ext.h"
-
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <cassert>
-#include <cinttypes>
-#include <cstdarg>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
-#include <iomanip>
-#include <iterator>
-#include <map>
+#include <exception>
 #include <memory>
-#include <sstream>
-#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pyspec_ref_internal.h"
@@ -144,14 +126,11 @@ void pyspec_ref_sampling_params_default(pyspec_ref_sampling_params * out) {
 }
 
 pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
-                                             const pyspec_ref_sampling_params * params,
-                                             char * err, size_t err_len) {
-    copy_err(err, err_len, "");
-    g_last_error.clear();
+                                             const pyspec_ref_sampling_params * params) {
+    pyspec::last_error().clear();
 
     auto fail = [&](const std::string & msg) -> pyspec_ref_sampler * {
-        g_last_error = msg;
-        copy_err(err, err_len, msg);
+        pyspec::last_error() = msg;
         return nullptr;
     };
 
@@ -287,9 +266,8 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
                 return fail("llguidance (cmake -DLLAMA_LLGUIDANCE=ON) is not enabled");
             }
             // bounded first (pyspec_grammar.cpp); common_sampler_init silently drops a grammar that does not parse
-            char gerr[512] = "";
-            if (pyspec_grammar_check(vocab, grammar.data(), grammar.size(), "root", gerr, sizeof(gerr)) != 0) {
-                return fail(std::string("grammar refused: ") + gerr);
+            if (pyspec_grammar_check(vocab, grammar.data(), grammar.size(), "root") != 0) {
+                return fail(std::string("grammar refused: ") + pyspec_ext_last_error());
             }
             llama_sampler * probe = llama_sampler_init_grammar(vocab, grammar.c_str(), "root");
             if (probe == nullptr) {
@@ -344,21 +322,19 @@ int32_t pyspec_ref_sampler_n_vocab(const pyspec_ref_sampler * smpl) {
     return smpl ? smpl->n_vocab : 0;
 }
 
-int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token, char * err, size_t err_len) {
-    copy_err(err, err_len, "");
-    if (smpl == nullptr || smpl->smpl == nullptr) {
-        copy_err(err, err_len, "sampler is NULL");
-        return -1;
-    }
-    if (token < 0 || token >= smpl->n_vocab) {
-        copy_err(err, err_len, "token " + std::to_string(token) + " out of range [0, " + std::to_string(smpl->n_vocab) + ")");
-        return -1;
-    }
+int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token) {
+    REQUIRE(smpl != nullptr && smpl->smpl != nullptr, PYSPEC_REF_E_NULL, "sampler is NULL");
+    REQUIRE(token >= 0 && token < smpl->n_vocab, PYSPEC_REF_E_RANGE,
+            "token %d out of range [0, %d)", (int) token, (int) smpl->n_vocab);
     llama_sampler * grmr = grammar_of(smpl->smpl);
     if (grmr == nullptr) {
-        return 0;
+        return PYSPEC_REF_OK;
     }
-    return pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token, err, err_len) == 0 ? 0 : -1;
+    // the check is libpyspec_ext's: its message moves into this library's last error
+    if (pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token) != 0) {
+        return pyspec::fail(PYSPEC_REF_E_EXCEPTION, "%s", pyspec_ext_last_error());
+    }
+    return PYSPEC_REF_OK;
 }
 
 #define REQUIRE_SMPL(s) \
@@ -429,9 +405,8 @@ int pyspec_ref_sampler_accept(pyspec_ref_sampler * smpl, llama_token token, bool
             "token %d out of range [0, %d)", (int) token, (int) smpl->n_vocab);
     llama_sampler * grmr = grammar_of(smpl->smpl);
     if (accept_grammar && grmr != nullptr) {
-        char err[512] = "";
-        if (pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token, err, sizeof(err)) != 0) {
-            return set_error(PYSPEC_REF_E_EXCEPTION, "%s", err);
+        if (pyspec_grammar_accept_check(grmr, llama_model_get_vocab(smpl->model), token) != 0) {
+            return pyspec::fail(PYSPEC_REF_E_EXCEPTION, "%s", pyspec_ext_last_error());
         }
     }
     return guarded_smpl(smpl, [&] {
@@ -472,26 +447,26 @@ llama_sampler * pyspec_ref_sampler_get_chain(pyspec_ref_sampler * smpl) {
 
 llama_token_data_array * pyspec_ref_sampler_get_candidates(pyspec_ref_sampler * smpl, bool do_sort) {
     if (smpl == nullptr || smpl->smpl == nullptr) {
-        set_error(PYSPEC_REF_E_NULL, "sampler is NULL");
+        pyspec::fail(PYSPEC_REF_E_NULL, "sampler is NULL");
         return nullptr;
     }
     try {
         // unsorted read first: sorting dereferences data[selected]
         llama_token_data_array * cur_p = common_sampler_get_candidates(smpl->smpl, false);
         if (cur_p == nullptr || cur_p->data == nullptr || cur_p->size == 0) {
-            set_error(PYSPEC_REF_E_STATE, "no candidates: nothing was sampled yet");
+            pyspec::fail(PYSPEC_REF_E_STATE, "no candidates: nothing was sampled yet");
             return nullptr;
         }
         if (do_sort && !cur_p->sorted) {
             if (cur_p->selected < 0 || (size_t) cur_p->selected >= cur_p->size) {
-                set_error(PYSPEC_REF_E_STATE, "candidates have no selected token; cannot sort");
+                pyspec::fail(PYSPEC_REF_E_STATE, "candidates have no selected token; cannot sort");
                 return nullptr;
             }
             cur_p = common_sampler_get_candidates(smpl->smpl, true);
         }
         return cur_p;
     } catch (const std::exception & e) {
-        set_error(PYSPEC_REF_E_EXCEPTION, "%s", e.what());
+        pyspec::fail(PYSPEC_REF_E_EXCEPTION, "%s", e.what());
         return nullptr;
     }
 }

@@ -309,14 +309,11 @@ int32_t pyspec_ref_spec_type_name_str(const int32_t * types, int32_t n_types, ch
     });
 }
 
-pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq,
-                                       char * err, size_t err_len) {
-    copy_err(err, err_len, "");
-    g_last_error.clear();
+pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq) {
+    pyspec::last_error().clear();
 
     auto fail = [&](const std::string & msg) -> pyspec_ref_spec * {
-        g_last_error = msg;
-        copy_err(err, err_len, msg);
+        pyspec::last_error() = msg;
         return nullptr;
     };
 
@@ -559,7 +556,7 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
             const size_t n_copy = std::min(result.size(), (size_t) q.out_cap);
             std::copy(result.begin(), result.begin() + n_copy, q.out);
             if (result.size() > (size_t) q.out_cap) {
-                status = set_error(PYSPEC_REF_E_CAPACITY, "seq_id %d: draft of %zu tokens, out_cap %d",
+                status = pyspec::fail(PYSPEC_REF_E_CAPACITY, "seq_id %d: draft of %zu tokens, out_cap %d",
                                    (int) q.seq_id, result.size(), (int) q.out_cap);
             }
         }
