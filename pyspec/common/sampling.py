@@ -19,6 +19,7 @@ import numpy as np
 from pyspec.common.checks import check_output_row, check_sampling_params, check_token
 from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas, ggml_time_us
 from pyspec.common.params import CommonParamsSampling, CommonSamplerType
+from pyspec.core.ext_error import last_error
 from pyspec.core.handle import NotCopyable
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import ext, ffi, llama
@@ -357,10 +358,9 @@ def common_sampler_accept(gsmpl: CommonSampler | None, token: int, is_generated:
     accept_grammar = is_generated and grammar_should_apply(gsmpl)
     if accept_grammar:
         # a token the grammar does not allow throws through llama.cpp's C API (the process ends)
-        err = ffi.new("char[]", 512)
         vptr = gsmpl.model.vocab.ptr if gsmpl.model is not None else ffi.NULL
-        if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token, err, 512) != 0:
-            raise SpeculativeError(ffi.string(err).decode(errors="replace"))
+        if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token) != 0:
+            raise SpeculativeError(last_error())
         llama.llama_sampler_accept(gsmpl.grmr, token)
     llama.llama_sampler_accept(chain, token)
     gsmpl.prev.append(token)
