@@ -48,6 +48,7 @@ from pyspec.common.speculative import (
 from pyspec.core.batch import Batch, BatchView
 from pyspec.errors import SpeculativeError
 from pyspec.suffix.index import GlobalSuffixIndex, SuffixDraft, SuffixIndex, as_tokens, check_int
+from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
     "SUFFIX_TYPE_NAME", "SuffixImpl", "SuffixParams", "impl_name", "speculative_init", "split_suffix_type",
@@ -55,8 +56,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("pyspec.suffix")
-
-SUFFIX_TYPE_NAME = "suffix"
 
 # how much of a sequence's indexed tail a draft call compares with its history before trusting
 # the rest (a rolled-back or replaced history differs there; a full check would cost O(context))
@@ -249,20 +248,6 @@ def impl_name(impl: CommonSpeculativeImpl) -> str:
     """An implementation's name for statistics: its ``name`` (the suffix type's) or its upstream type's string."""
     name = getattr(impl, "name", None)
     return name if isinstance(name, str) else common_speculative_type_to_str(impl.type)
-
-
-def split_suffix_type(names: str | Sequence[Any]) -> tuple[list[Any], bool]:
-    """``names`` as parse_types takes them, less "suffix": (the rest, whether "suffix" was named).
-
-    A string is split as parse_types splits it ("," and "+"); "none" stays in the rest, and
-    "suffix" alone leaves ``["none"]``."""
-    if isinstance(names, str):
-        names = [n.strip() for n in names.replace("+", ",").split(",") if n.strip()]
-    rest = [n for n in names if not (isinstance(n, str) and n == SUFFIX_TYPE_NAME)]
-    selected = len(rest) != len(names)
-    if selected and not rest:
-        rest = ["none"]
-    return rest, selected
 
 
 def suffix_n_max(suffix: SuffixParams | None) -> int:
