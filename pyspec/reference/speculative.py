@@ -2,7 +2,7 @@
 
 Thin wrappers over libpyspec_ref, which compiles the vendored llama.cpp
 ``common/speculative.cpp`` unchanged (its patches are listed at the top of
-csrc/pyspec_ref.cpp). The parity harness runs these beside the Python port on
+csrc/pyspec_ref_speculative.cpp). The parity harness runs these beside the Python port on
 identically made contexts and compares them call by call.
 
 Every failure of the C++ side (a ``throw``, or a GGML_ASSERT precondition that
