@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "core": 1,
     "common": 2,          # the port
     "fastpath": 3,        # the C shortcuts beside the port, which the generation layer chooses
+    "suffix": 3,          # suffix decoding: a speculative type beyond llama.cpp, beside the port
     "reference": 4,       # the C++ bindings only
     "generation": 5,
     "parity": 6,
