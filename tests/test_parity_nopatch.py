@@ -1,6 +1,6 @@
 """The port equals upstream's speculative.cpp exactly where upstream is well defined.
 
-The default reference carries the patches listed at the top of csrc/pyspec_ref.cpp
+The default reference carries the patches listed at the top of csrc/pyspec_ref_speculative.cpp
 (pyspec_ref_patches()); the build also installs the reference without any patch,
 pyspec/lib/nopatch/libpyspec_ref.so. A child process opens that one (PYSPEC_REF_LIB)
 and runs every type with one ubatch per decode (n_ubatch = n_batch), where
