@@ -40,8 +40,9 @@ prefix reuse, prompt and speculative checkpoints, clearing, slot files),
 generation/output.py (text pieces, stop strings, logprobs, the final result:
 process_token, send_final_response),
 core/slot_file.py (the slot file's format); the step and the verification stay
-here (server-context.cpp's update_slots), asking SlotMemory for every memory edit. csrc/pyspec_loop.cpp mirrors this
-loop with fixed draft lengths (pyspec.generation.cpp_loop).
+here (server-context.cpp's update_slots) and ask SlotMemory for every edit of a
+slot's memory. csrc/pyspec_loop.cpp mirrors this loop with fixed draft lengths
+(pyspec.generation.cpp_loop).
 """
 
 from __future__ import annotations
