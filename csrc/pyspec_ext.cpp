@@ -12,6 +12,8 @@
 
 #include "ggml-backend.h"
 
+#include "pyspec_errbuf.h"
+
 #ifdef PYSPEC_OPENMP
 #include <omp.h>
 #endif
@@ -28,6 +30,11 @@ extern "C" {
 
 // the declarations cffi reads, so the compiler checks them against the definitions below
 #include "../pyspec/decl/pyspec_ext.h"
+
+// the library's one last-error helper (pyspec_errbuf.h): the messages of the grammar, GGUF and RPC checks
+const char * pyspec_ext_last_error(void) {
+    return pyspec::last_error().c_str();
+}
 
 void pyspec_set_embeddings_nextn(llama_context * ctx, bool value, bool masked) {
     llama_set_embeddings_nextn(ctx, value, masked);

@@ -121,10 +121,10 @@ int64_t first_empty_key(const char * path) {
 
 }  // namespace
 
-extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) {
+extern "C" int pyspec_gguf_check(const char * path) {
     const int64_t empty = first_empty_key(path);
     if (empty >= 0) {
-        return pyspec::fail(err, err_len, "metadata key #%lld is empty", (long long) empty);
+        return pyspec::fail(-1, "metadata key #%lld is empty", (long long) empty);
     }
     gguf_init_params params = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context * g = gguf_init_from_file(path, params);
@@ -133,15 +133,15 @@ extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) 
     }
     int rc = 0;
     if (!array_of(g, "tokenizer.ggml.tokens", { GGUF_TYPE_STRING })) {
-        rc = pyspec::fail(err, err_len, "tokenizer.ggml.tokens is not an array of strings");
+        rc = pyspec::fail(-1, "tokenizer.ggml.tokens is not an array of strings");
     } else if (!array_of(g, "tokenizer.ggml.scores", { GGUF_TYPE_FLOAT32 })) {
-        rc = pyspec::fail(err, err_len, "tokenizer.ggml.scores is not an array of float32");
+        rc = pyspec::fail(-1, "tokenizer.ggml.scores is not an array of float32");
     } else if (!array_of(g, "tokenizer.ggml.token_type", { GGUF_TYPE_INT32 })) {
-        rc = pyspec::fail(err, err_len, "tokenizer.ggml.token_type is not an array of int32");
+        rc = pyspec::fail(-1, "tokenizer.ggml.token_type is not an array of int32");
     } else if (!array_of(g, "tokenizer.ggml.merges", { GGUF_TYPE_STRING })) {
-        rc = pyspec::fail(err, err_len, "tokenizer.ggml.merges is not an array of strings");
+        rc = pyspec::fail(-1, "tokenizer.ggml.merges is not an array of strings");
     } else if (!array_of(g, "tokenizer.ggml.precompiled_charsmap", { GGUF_TYPE_INT8, GGUF_TYPE_UINT8 })) {
-        rc = pyspec::fail(err, err_len, "tokenizer.ggml.precompiled_charsmap is not an array of bytes");
+        rc = pyspec::fail(-1, "tokenizer.ggml.precompiled_charsmap is not an array of bytes");
     } else {
         const int64_t id = gguf_find_key(g, "tokenizer.ggml.tokens");
         if (id >= 0) {
@@ -156,7 +156,7 @@ extern "C" int pyspec_gguf_check(const char * path, char * err, size_t err_len) 
                 }
                 auto [it, fresh] = seen.emplace(word, i);
                 if (!fresh) {
-                    rc = pyspec::fail(err, err_len, "tokenizer.ggml.tokens repeats token %zu as %zu ('%.60s')", it->second,
+                    rc = pyspec::fail(-1, "tokenizer.ggml.tokens repeats token %zu as %zu ('%.60s')", it->second,
                                    i, word.c_str());
                     break;
                 }

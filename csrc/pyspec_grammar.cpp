@@ -194,33 +194,32 @@ struct analysis {
 
 extern "C" {
 
-int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root,
-                         char * err, size_t err_len) {
+int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root) {
     if (text == nullptr || root == nullptr) {
-        return fail(err, err_len, "grammar or root is NULL");
+        return fail(-1, "grammar or root is NULL");
     }
     if (len > PYSPEC_GRAMMAR_MAX_BYTES) {
-        return fail(err, err_len, "grammar of %zu bytes exceeds the limit of %d bytes", len, (int) PYSPEC_GRAMMAR_MAX_BYTES);
+        return fail(-1, "grammar of %zu bytes exceeds the limit of %d bytes", len, (int) PYSPEC_GRAMMAR_MAX_BYTES);
     }
     if (std::memchr(text, '\0', len) != nullptr) {
-        return fail(err, err_len, "grammar contains a NUL character");
+        return fail(-1, "grammar contains a NUL character");
     }
     std::string bad;
     const long nesting = max_nesting(text, len, bad);
     if (nesting < 0) {
-        return fail(err, err_len, "repetition %s has a minimum above its maximum", bad.c_str());
+        return fail(-1, "repetition %s has a minimum above its maximum", bad.c_str());
     }
     if (nesting > PYSPEC_GRAMMAR_MAX_NESTING) {
-        return fail(err, err_len, "grammar nests ( ... ) %ld deep, more than %d", nesting, (int) PYSPEC_GRAMMAR_MAX_NESTING);
+        return fail(-1, "grammar nests ( ... ) %ld deep, more than %d", nesting, (int) PYSPEC_GRAMMAR_MAX_NESTING);
     }
     try {
         const std::string src(text, len);
         llama_grammar_parser parser(vocab);
         if (!parser.parse(src.c_str()) || parser.rules.empty()) {
-            return fail(err, err_len, "failed to parse the grammar");
+            return fail(-1, "failed to parse the grammar");
         }
         if (parser.symbol_ids.find(root) == parser.symbol_ids.end()) {
-            return fail(err, err_len, "the grammar has no rule named '%s'", root);
+            return fail(-1, "the grammar has no rule named '%s'", root);
         }
         const auto & rules = parser.rules;
         size_t n_elements = 0;
@@ -228,7 +227,7 @@ int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, si
             n_elements += rule.size();
         }
         if (n_elements > PYSPEC_GRAMMAR_MAX_ELEMENTS) {
-            return fail(err, err_len, "the grammar expands to %zu elements, more than %d", n_elements,
+            return fail(-1, "the grammar expands to %zu elements, more than %d", n_elements,
                         (int) PYSPEC_GRAMMAR_MAX_ELEMENTS);
         }
         analysis an(rules);
@@ -254,7 +253,7 @@ int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, si
                     if (k < edges[r].size()) {
                         const uint32_t c = edges[r][k++];
                         if (color[c] == 1) {
-                            return fail(err, err_len,
+                            return fail(-1,
                                         "the grammar is left-recursive (a rule reaches itself through rules that can match "
                                         "the empty string)");
                         }
@@ -315,12 +314,12 @@ int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, si
                 }
                 total = std::min(total + calls[s], 1e300);
                 if (depth[s] > PYSPEC_GRAMMAR_MAX_DEPTH) {
-                    return fail(err, err_len, "the grammar chains %.0f rules at the start of a rule, more than %d",
+                    return fail(-1, "the grammar chains %.0f rules at the start of a rule, more than %d",
                                 depth[s], (int) PYSPEC_GRAMMAR_MAX_DEPTH);
                 }
             }
             if (total > PYSPEC_GRAMMAR_MAX_STEPS) {
-                return fail(err, err_len, "checking the grammar for left recursion would take %.3g steps, more than %d",
+                return fail(-1, "checking the grammar for left recursion would take %.3g steps, more than %d",
                             total, (int) PYSPEC_GRAMMAR_MAX_STEPS);
             }
         }
@@ -408,16 +407,16 @@ int pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, si
                 }
             }
             if (cycle) {
-                return fail(err, err_len, "the grammar is left-recursive through rules that can match the empty string");
+                return fail(-1, "the grammar is left-recursive through rules that can match the empty string");
             }
             if (worst > PYSPEC_GRAMMAR_MAX_STACKS) {
-                return fail(err, err_len,
+                return fail(-1,
                             "one step of the grammar can branch into %.3g parse stacks, more than %d "
                             "(nested optional or repeated rules multiply)", worst, (int) PYSPEC_GRAMMAR_MAX_STACKS);
             }
         }
     } catch (const std::exception & e) {
-        return fail(err, err_len, "%s", e.what());
+        return fail(-1, "%s", e.what());
     }
     return 0;
 }
@@ -453,14 +452,13 @@ int64_t pyspec_grammar_n_stacks(struct llama_sampler * smpl) {
     return g == nullptr ? -1 : (int64_t) g->stacks.size();
 }
 
-int pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token,
-                                char * err, size_t err_len) {
+int pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token) {
     llama_grammar * g = grammar_of(smpl);
     if (g == nullptr || vocab == nullptr) {
         return 0;  // not a grammar sampler (or one without a grammar): nothing to check
     }
     if (token < 0 || token >= llama_vocab_n_tokens(vocab)) {
-        return fail(err, err_len, "token %d is outside the vocabulary (0..%d)", (int) token, llama_vocab_n_tokens(vocab) - 1);
+        return fail(-1, "token %d is outside the vocabulary (0..%d)", (int) token, llama_vocab_n_tokens(vocab) - 1);
     }
     if (g->awaiting_trigger) {
         return 0;  // a lazy grammar buffers tokens until its trigger
@@ -472,7 +470,7 @@ int pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_
                 return 0;
             }
         }
-        return fail(err, err_len, "the grammar does not allow end of generation here (token %d)", (int) token);
+        return fail(-1, "the grammar does not allow end of generation here (token %d)", (int) token);
     }
     // accept on the real grammar, then put its state back: exact, and costs one copy of the stacks
     llama_grammar_stacks saved = g->stacks;
@@ -481,11 +479,11 @@ int pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_
     try {
         llama_grammar_accept_impl(*g, token);
         if (g->stacks.size() > (size_t) PYSPEC_GRAMMAR_MAX_STACKS) {
-            rc = fail(err, err_len, "accepting token %d would leave %zu parse stacks in the grammar, more than %d",
+            rc = fail(-1, "accepting token %d would leave %zu parse stacks in the grammar, more than %d",
                       (int) token, g->stacks.size(), (int) PYSPEC_GRAMMAR_MAX_STACKS);
         }
     } catch (const std::exception & e) {
-        rc = fail(err, err_len, "%s", e.what());
+        rc = fail(-1, "%s", e.what());
     }
     g->stacks = std::move(saved);
     g->partial_utf8 = saved_utf8;

@@ -49,6 +49,7 @@ extern "C" {
 #include "../pyspec/decl/pyspec_ref.h"
 #include "../pyspec/decl/pyspec_loop.h"
 }
+#include "pyspec_errbuf.h"  // the message of a failure: libpyspec_ref's last error
 
 namespace {
 
@@ -438,12 +439,6 @@ struct loop {
     }
 };
 
-void copy_err(char * err, size_t err_len, const std::string & msg) {
-    if (err != nullptr && err_len > 0) {
-        snprintf(err, err_len, "%s", msg.c_str());
-    }
-}
-
 bool has_speculation(const pyspec_ref_spec_params * sp) {
     if (sp == nullptr || sp->types == nullptr) {
         return false;
@@ -533,12 +528,11 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         pyspec_ref_spec_params sp = *p.spec;
         sp.draft.ctx_tgt = L.ctx_tgt;
         sp.draft.ctx_dft = L.ctx_dft;
-        char err[1024] = "";
-        L.spec.reset(pyspec_ref_spec_init(&sp, (uint32_t) p.n_seq, err, sizeof(err)));
-        if (!L.spec && err[0] != '\0') {
-            fail(PYSPEC_REF_E_EXCEPTION, "%s", err);
+        L.spec.reset(pyspec_ref_spec_init(&sp, (uint32_t) p.n_seq));
+        if (!L.spec && !pyspec::last_error().empty()) {
+            fail(PYSPEC_REF_E_EXCEPTION, "%s", pyspec_ref_last_error());
         }
-        // no implementation selected (err == ""): no speculation, as RefSpeculative.init
+        // no implementation selected (no message): no speculation, as RefSpeculative.init
         if (L.spec) {
             L.spec_n_max = std::max(1, pyspec_ref_spec_n_max(L.spec.get()));
         }
@@ -555,10 +549,10 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         sampling = &greedy;
     }
     for (int32_t i = 0; i < p.n_seq; ++i) {
-        char err[1024] = "";
-        sampler_ptr smpl(pyspec_ref_sampler_init(llama_get_model(L.ctx_tgt), sampling, err, sizeof(err)));
+        sampler_ptr smpl(pyspec_ref_sampler_init(llama_get_model(L.ctx_tgt), sampling));
         if (!smpl) {
-            fail(PYSPEC_REF_E_EXCEPTION, "%s", err[0] ? err : "common_sampler_init failed");
+            const char * msg = pyspec_ref_last_error();
+            fail(PYSPEC_REF_E_EXCEPTION, "%s", msg[0] ? msg : "common_sampler_init failed");
         }
         L.smpls.push_back(std::move(smpl));
     }
@@ -627,22 +621,18 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
 
 } // namespace
 
-extern "C" int pyspec_loop_generate(const pyspec_loop_params * params, pyspec_loop_result * out,
-                                    char * err, size_t err_len) {
-    copy_err(err, err_len, "");
+extern "C" int pyspec_loop_generate(const pyspec_loop_params * params, pyspec_loop_result * out) {
+    pyspec::last_error().clear();
     try {
         if (params == nullptr || out == nullptr) {
             fail(PYSPEC_REF_E_NULL, "params / out is NULL");
         }
         return generate(*params, *out);
     } catch (const loop_error & e) {
-        copy_err(err, err_len, e.what());
-        return e.status;
+        return pyspec::fail(e.status, "%s", e.what());
     } catch (const std::exception & e) {
-        copy_err(err, err_len, e.what());
-        return PYSPEC_REF_E_EXCEPTION;
+        return pyspec::fail(PYSPEC_REF_E_EXCEPTION, "%s", e.what());
     } catch (...) {
-        copy_err(err, err_len, "unknown C++ exception");
-        return PYSPEC_REF_E_EXCEPTION;
+        return pyspec::fail(PYSPEC_REF_E_EXCEPTION, "unknown C++ exception");
     }
 }

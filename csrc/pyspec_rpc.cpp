@@ -59,13 +59,15 @@
 #include <thread>
 #include <vector>
 
+#include "pyspec_errbuf.h"
+
 extern "C" {
 // keep in step with pyspec/decl/pyspec_rpc.h
 enum pyspec_rpc_status {
     PYSPEC_RPC_OK          =  0,
     PYSPEC_RPC_LOST        = -1, // the connection failed (server gone, or a malformed answer)
     PYSPEC_RPC_TIMEOUT     = -2, // the call passed its deadline; its connections were closed
-    PYSPEC_RPC_ERROR       = -3, // another C++ exception (message: pyspec_rpc_last_error)
+    PYSPEC_RPC_ERROR       = -3, // another C++ exception (message: pyspec_ext_last_error)
     PYSPEC_RPC_UNAVAILABLE = -4, // this build has no RPC backend
     PYSPEC_RPC_REFUSED     = -5, // the server could not be reached, or speaks another protocol version
     PYSPEC_RPC_BAD_ARG     = -6, // an endpoint that is not host:port, or a host that does not resolve
@@ -123,7 +125,6 @@ guard_state & S() {
 }
 
 thread_local call * t_call = nullptr;
-thread_local std::string t_error;
 
 bool same_file(int fd, dev_t dev, ino_t ino) {
     struct stat st;
@@ -378,18 +379,18 @@ int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, bool opens
     call * outer = t_call;
     t_call = &cl;
     int32_t status = PYSPEC_RPC_OK;
-    t_error.clear();
+    pyspec::last_error().clear();
     try {
         f();
     } catch (const rpc_lost & e) {
         status = PYSPEC_RPC_LOST;
-        t_error = e.what();
+        pyspec::last_error() = e.what();
     } catch (const std::exception & e) {
         status = PYSPEC_RPC_ERROR;
-        t_error = e.what();
+        pyspec::last_error() = e.what();
     } catch (...) {
         status = PYSPEC_RPC_ERROR;
-        t_error = "unknown C++ exception";
+        pyspec::last_error() = "unknown C++ exception";
     }
     t_call = outer;
     return leave(cl, status);
@@ -530,10 +531,6 @@ int32_t pyspec_rpc_retire(int32_t ep) {
     std::lock_guard<std::mutex> lock(s.mu);
     refresh(s);
     return sink_lost(s, &cl, true);
-}
-
-const char * pyspec_rpc_last_error(void) {
-    return t_error.c_str();
 }
 
 // ggml_backend_rpc_add_server, found through the registry (the RPC backend may be a

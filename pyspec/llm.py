@@ -93,19 +93,18 @@ class LLM:
         backend: str = "python",
         n_parallel: int = 1,
         chat_template: str | None = None,
-        tiny: bool = False,
         **engine_kw: Any,
     ) -> None:
         if backend not in ("python", "cpp"):
             raise ValueError(f"backend must be 'python' or 'cpp', got {backend!r}")
-        if model is None and not tiny:
+        if model is None:
             model = bundled_model()
         types: str | Sequence[str] = speculative if isinstance(speculative, str) else ",".join(speculative)
         self.backend = backend
         self.chat_template = chat_template
         self.engine = Engine.load(
-            None if model is None else Path(model), types=types,
-            draft=None if draft_model is None else Path(draft_model), tiny=tiny, n_parallel=n_parallel,
+            Path(model), types=types,
+            draft=None if draft_model is None else Path(draft_model), n_parallel=n_parallel,
             n_ctx=n_ctx, n_threads=threads, backend=backend, **engine_kw)
         try:
             self.engine.start()

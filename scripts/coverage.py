@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([*cov, "run", f"--data-file={data_file}", "--source=pyspec/common", "-m", "pytest", "-q",
                         "-p", "no:logging", "-p", "no:cacheprovider", *tests], cwd=REPO, env=env, check=False)
 
-    # C++: the lines of speculative.cpp, compiled into pyspec_ref.cpp's object
-    gcda = objdir / "pyspec_ref.cpp.gcda"
+    # C++: the lines of speculative.cpp, compiled into pyspec_ref_speculative.cpp's object
+    gcda = objdir / "pyspec_ref_speculative.cpp.gcda"
     if not gcda.is_file():
         raise SystemExit(f"{gcda} is missing: did the tests load {lib}?")
     lines = next((v for k, v in gcov_lines(gcda).items() if k.endswith(SPECULATIVE_CPP)), None)

@@ -611,12 +611,11 @@ def ref_sampler_raw_c_dry_without_window() -> Any:
     p = CommonParamsSampling(dry_multiplier=1.0, dry_penalty_last_n=-7,
                              samplers=[CommonSamplerType.DRY, CommonSamplerType.TOP_K])
     s, _keep = sampling_params_struct(p)
-    err = ffi.new("char[]", 1024)
-    ptr = ref.pyspec_ref_sampler_init(ffi.cast("struct llama_model *", M["target"].ptr), s, err, 1024)
+    ptr = ref.pyspec_ref_sampler_init(ffi.cast("struct llama_model *", M["target"].ptr), s)
     if ptr != ffi.NULL:
         ref.pyspec_ref_sampler_free(ptr)
         return "accepted"
-    raise ValueError(ffi.string(err).decode())
+    raise ValueError(ffi.string(ref.pyspec_ref_last_error()).decode())
 
 
 def port_sampler_grammar_accept_disallowed() -> Any:

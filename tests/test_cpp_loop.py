@@ -238,19 +238,18 @@ def test_more_prompts_than_the_drafts_sequences_is_refused(target_ctx: Context, 
 
 
 def test_null_pointers_are_refused_by_the_c_api(target_ctx: Context) -> None:
-    err = ffi.new("char[]", 256)
-    assert lib.pyspec_loop_generate(ffi.NULL, ffi.NULL, err, 256) == lib.PYSPEC_REF_E_NULL
-    assert b"NULL" in ffi.string(err)
+    assert lib.pyspec_loop_generate(ffi.NULL, ffi.NULL) == lib.PYSPEC_REF_E_NULL
+    assert b"NULL" in ffi.string(lib.pyspec_ref_last_error())
     p = ffi.new("pyspec_loop_params *")
     r = ffi.new("pyspec_loop_result *")
-    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_NULL
-    assert ffi.string(err) == b"ctx_tgt is NULL"
+    assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_E_NULL
+    assert ffi.string(lib.pyspec_ref_last_error()) == b"ctx_tgt is NULL"
     p.ctx_tgt = ffi.cast("struct llama_context *", target_ctx.ptr)
     p.n_seq, p.n_predict = 1, 4
-    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_NULL  # no prompts, no output buffers
+    assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_E_NULL  # no prompts, no output buffers
     p.n_predict = 0
-    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_RANGE
-    assert ffi.string(err) == b"n_predict must be positive, got 0"
+    assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_E_RANGE
+    assert ffi.string(lib.pyspec_ref_last_error()) == b"n_predict must be positive, got 0"
 
 
 def test_an_output_buffer_smaller_than_n_predict_is_refused_by_the_c_api(target_ctx: Context) -> None:
@@ -261,8 +260,7 @@ def test_an_output_buffer_smaller_than_n_predict_is_refused_by_the_c_api(target_
                                          "prompt_tokens": prompt, "prompt_lens": lens, "n_predict": 8})
     r = ffi.new("pyspec_loop_result *", {"tokens": bufs[0], "tokens_cap": 4, "n_tokens": bufs[1],
                                          "n_drafted": bufs[2], "n_accepted": bufs[3], "stop_reason": bufs[4]})
-    err = ffi.new("char[]", 256)
-    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_E_CAPACITY
+    assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_E_CAPACITY
     r.tokens_cap = 8
-    assert lib.pyspec_loop_generate(p, r, err, 256) == lib.PYSPEC_REF_OK
+    assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_OK
     assert bufs[1][0] == 8 and bufs[4][0] == 2  # eight tokens, stopped at n_predict

@@ -8,6 +8,7 @@ devices are covered in test_rpc.py.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,12 @@ on_accelerator = pytest.mark.parametrize(
                                                          "scripts/vulkan_check.sh runs these on lavapipe, "
                                                          "scripts/gpu_check.sh on a CUDA GPU"))],
 )
+
+
+def tiny(types: list) -> dict[str, Path | None]:
+    """load_models' model= and draft= for the tiny models of the types."""
+    target, draft = tm.tiny_model_paths(types)
+    return {"model": target, "draft": draft}
 
 
 def _ctx(model: Model, n_ctx: int, n_batch: int) -> Context:
@@ -183,7 +190,7 @@ def test_the_driver_runs_each_type_on_the_accelerator_as_on_the_cpu(accel, types
     runs = {}
     checkpoints = False  # how the accelerator's MTP target rolls back, for the CPU run to do the same
     for where, kw in (("accel", {"devices": [accel], "n_gpu_layers": -1}), ("cpu", {"devices": []})):
-        with load_models(ts, tiny=True, use_extra_bufts=False, **kw) as ms:
+        with load_models(ts, **tiny(ts), use_extra_bufts=False, **kw) as ms:
             spec = spec_params(ts, n_max=4)
             with open_contexts(ms, spec, n_ctx=256, n_batch=64, n_threads=1, mtp_checkpoint=checkpoints) as cs:
                 checkpoints = spec.need_n_rs_seq() > 0 and cs.ctx_tgt.n_rs_seq == 0  # SnapshotSplitError's fallback
@@ -283,7 +290,7 @@ def test_recurrent_snapshots_are_refused_where_their_op_would_leave_the_device(a
             with Context(m, n_ctx=128, n_batch=32, n_rs_seq=4) as c:
                 assert c.n_rs_seq == 4
     ts = parse_types("draft-mtp")
-    with load_models(ts, tiny=True, devices=[accel], n_gpu_layers=-1, use_extra_bufts=False) as ms:
+    with load_models(ts, **tiny(ts), devices=[accel], n_gpu_layers=-1, use_extra_bufts=False) as ms:
         spec = spec_params(ts, n_max=4)
         with open_contexts(ms, spec, n_ctx=128, n_batch=32, n_threads=1) as cs:
             # the loader rolls back through checkpoints instead
@@ -293,7 +300,7 @@ def test_recurrent_snapshots_are_refused_where_their_op_would_leave_the_device(a
 def test_open_contexts_gives_its_context_keywords_to_both_contexts():
     """``context_kw`` (device_parity.py turns flash attention off for lavapipe through it)."""
     ts = parse_types("draft-simple")
-    with load_models(ts, tiny=True) as ms:
+    with load_models(ts, **tiny(ts)) as ms:
         spec = spec_params(ts, n_max=4)
         with open_contexts(ms, spec, n_ctx=128, n_batch=32, n_threads=1, context_kw={"n_outputs_max": 9}) as cs:
             assert cs.ctx_dft is not None
@@ -306,7 +313,7 @@ def test_open_contexts_gives_its_context_keywords_to_both_contexts():
 def test_load_models_places_the_draft_apart_from_the_target():
     ts = parse_types("draft-simple")
     offload = default_offload_devices()
-    with load_models(ts, tiny=True, draft_kw={"devices": []}) as ms:
+    with load_models(ts, **tiny(ts), draft_kw={"devices": []}) as ms:
         assert ms.draft is not None and ms.draft is not ms.target
         assert ms.draft.devices == [] and [d.name for d in ms.target.devices] == [d.name for d in offload]
     # draft-simple without a draft file: draft_kw loads the target file a second time, elsewhere

@@ -337,29 +337,26 @@ def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_engine_load_takes_the_draft_length_and_numerics_switches(adaptive):
     # what `pyspec serve --fixed-draft --batch-invariant` passes
-    with Engine.load(types="ngram-simple", tiny=True, n_ctx=256, adaptive_draft=adaptive,
-                     batch_invariant=not adaptive) as eng:
+    with Engine.load(tm.tiny_model_paths("ngram-simple")[0], types="ngram-simple", n_ctx=256,
+                     adaptive_draft=adaptive, batch_invariant=not adaptive) as eng:
         assert eng.draft_ctl is not None
         assert eng.draft_ctl.fixed is not adaptive
         assert eng.draft_ctl.curve.ready is adaptive  # measured at start-up only where it is used
         assert eng.ctx_tgt.batch_invariant is not adaptive
 
 
-def test_a_cheap_draft_model_catches_up_before_it_drafts(cyclic):
+def test_a_cheap_draft_model_catches_up_before_it_drafts(cyclic, type_contexts):
     # cost-aware draft-simple does not decode every target batch on the draft context; before each
     # draft it decodes what it missed, so its drafts continue the right text and are accepted
     plain, _ = generate_with(cyclic, None, 32)
     spec = spec_params([T.DRAFT_SIMPLE], n_max=4)
     # a target decode of a second (a large model on a GPU): the tiny draft model costs next to nothing
     ctl = DraftLengthController(curve=frozen(FLAT_CURVE, unit=1.0), impl="draft-simple")
-    with Model(tm.make_cyclic_draft()) as draft, \
-            Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
-            Context(draft, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx_dft:
-        spec.draft.ctx_dft = ctx_dft
-        with SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as g:
-            assert g.engine._draft_catch_up
-            (r,) = g.generate([REPEATING], 32)
-            stats = g.stats
+    cs = type_contexts(spec, n_ctx=256, n_batch=64, n_threads=1)  # the cyclic target and its draft model
+    with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), draft_controller=ctl) as g:
+        assert g.engine._draft_catch_up
+        (r,) = g.generate([REPEATING], 32)
+        stats = g.stats
     assert stats.n_drafted > 8
     assert stats.n_accepted == stats.n_drafted
     assert r.tokens == plain

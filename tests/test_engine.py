@@ -359,3 +359,24 @@ def test_waiting_on_an_engine_nobody_runs_raises_at_once_and_names_the_fix(chat_
         h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
         eng.start()
         assert h.result(timeout=60).tokens == expected[0]
+
+
+def test_a_cancelled_request_still_streams_the_text_held_back_for_a_stop_string(chat_model):
+    with make_engine(chat_model, 1, adaptive_draft=False) as eng:
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        eng.run_until_idle()
+        text = h.result().text
+    assert text
+    with make_engine(chat_model, 1, adaptive_draft=False) as eng:
+        # every text the request makes is the start of this stop string: all of it is held back
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=-1, stop=[text + "\u2603"]))
+        for _ in range(3):
+            eng.step()
+        before = h.pending()
+        assert before and 0 < sum(len(d.tokens) for d in before) < 24
+        assert "".join(d.text for d in before) == ""
+        h.cancel()
+        eng.run_until_idle()
+        res = h.result()
+    assert res.stop_reason == "cancelled" and res.text
+    assert "".join(d.text for d in before + h.pending()) == res.text

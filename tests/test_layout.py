@@ -27,19 +27,17 @@ LAYERS: dict[str, int] = {
     "version": 0, "errors": 0, "decl": 0, "ffi": 0,
     "core": 1,
     "common": 2,          # the port
-    "reference": 3,       # the C++ bindings only
-    "generation": 4,
-    "parity": 5,
-    "cli": 6, "server": 6, "llm": 6, "pyspec": 6, "__main__": 6,
+    "fastpath": 3,        # the C shortcuts beside the port, which the generation layer chooses
+    "suffix": 3,          # suffix decoding: a speculative type beyond llama.cpp, beside the port
+    "reference": 4,       # the C++ bindings only
+    "generation": 5,
+    "parity": 6,
+    "cli": 7, "server": 7, "llm": 7, "pyspec": 7, "__main__": 7,
 }
 # test support: it may import anything, and nothing in the library imports it except the command
 # line, whose --tiny and `pyspec models` hand the tiny models to the layers below as plain paths
 TESTING = "testing"
 TESTING_USERS = ("cli",)
-# The one import of the test support below the CLI that is still open (issue 23, item 1): the
-# builder's tiny=True, which Engine.load and LLM pass down, makes the tiny models on demand.
-# Any other import of pyspec.testing from the library fails the test.
-TESTING_KNOWN = {"pyspec/generation/contexts.py"}
 
 
 def _part(module: str) -> str:
@@ -87,8 +85,7 @@ def _layer_violations() -> list[str]:
             continue
         for line, module in _pyspec_imports(path):
             target = _part(module)
-            known = str(path.relative_to(PKG.parent)) in TESTING_KNOWN
-            if target == TESTING and part not in TESTING_USERS and not known:
+            if target == TESTING and part not in TESTING_USERS:
                 bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} (test support)")
             elif target != TESTING and LAYERS[target] > LAYERS[part]:
                 bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {module} ({part} < {target})")

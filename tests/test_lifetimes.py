@@ -12,6 +12,7 @@ import pyspec
 from pyspec import Batch, ClosedError, ConcurrentUseError, Context, Model
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.contexts import ModelSet, open_contexts
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.testing import models as tm
 
@@ -30,23 +31,14 @@ def models():
 
 def make(models, t: T, engine: str = "python"):
     """(generator, target context, draft context or None) for one speculative type."""
-    kw = dict(n_ctx=256, n_batch=64, n_ubatch=32, n_threads=1, n_threads_batch=1)
     p = CommonParamsSpeculative(types=[t])
     p.draft.n_max = 4
     p.ngram_mod.n_match, p.ngram_mod.n_min, p.ngram_mod.n_max = 2, 1, 6
-    ctxd = None
-    if t == T.DRAFT_MTP:
-        ctx = Context(models["mtp"], **kw, n_rs_seq=4)
-        ctxd = Context(models["mtp"], **kw, ctx_type="mtp", ctx_other=ctx)
-    elif t == T.DRAFT_EAGLE3:
-        ctx = Context(models["target"], **kw)
-        ctxd = Context(models["eagle3"], **kw, ctx_other=ctx)
-    else:
-        ctx = Context(models["target"], **kw)
-        if t == T.DRAFT_SIMPLE:
-            ctxd = Context(models["draft"], **kw)
-    p.draft.ctx_dft = ctxd
-    return SpeculativeGenerator(ctx, p, greedy_sampling(), engine=engine), ctx, ctxd
+    # the library's builder on the test's own models (which it closes itself, in any order)
+    ms = ModelSet(models["mtp"]) if t == T.DRAFT_MTP else \
+        ModelSet(models["target"], {T.DRAFT_EAGLE3: models["eagle3"], T.DRAFT_SIMPLE: models["draft"]}.get(t))
+    cs = open_contexts(ms, p, n_ctx=256, n_batch=64, n_ubatch=32, n_threads=1)
+    return SpeculativeGenerator(cs.ctx_tgt, p, greedy_sampling(), engine=engine), cs.ctx_tgt, cs.ctx_dft
 
 
 def close_all(*objs):
@@ -286,6 +278,7 @@ def test_closed_generator_raises_closed_error(models):
 # --- long run (short version of scripts/soak.py) -------------------------------
 
 
+@pytest.mark.slow  # a soak run in a subprocess
 def test_a_thousand_speculative_steps_grow_no_memory_fds_or_threads():
     import subprocess
     import sys

@@ -132,8 +132,9 @@ def test_run_warns_that_a_small_n_ctx_is_padded_to_256(caplog: pytest.LogCapture
 def test_the_padded_n_ctx_the_warning_names_is_what_llama_cpp_gives() -> None:
     from pyspec.cli.commands import _n_ctx_seq_used
     from pyspec.generation.engine import Engine
+    from pyspec.testing.models import tiny_model_paths
 
-    with Engine.load(tiny=True, n_ctx=100, n_parallel=3, n_threads=1) as engine:
+    with Engine.load(tiny_model_paths()[0], n_ctx=100, n_parallel=3, n_threads=1) as engine:
         assert engine.n_ctx_seq == _n_ctx_seq_used(100, 3) == 256
 
 

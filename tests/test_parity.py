@@ -7,8 +7,8 @@ that drafts nothing compares nothing speculative: assert_parity also requires
 every implementation on each side to draft and get drafts accepted (a scenario
 made not to draft says so in its name).
 
-The models are the tiny cyclic ones (pyspec.generation.contexts.model_paths with
-tiny=True; the tiny qwen35 MTP model for draft-mtp): the target's greedy output
+The models are the tiny cyclic ones (pyspec.testing.models.tiny_model_paths; the
+tiny qwen35 MTP model for draft-mtp): the target's greedy output
 falls into short cycles of its successor map, and the draft models follow the
 same map, so drafts of every type are made and accepted. Prompts that already run
 round a cycle give the n-gram types history to draft from (ngram-cache drafts
@@ -30,7 +30,6 @@ from pyspec.common.ngram_cache import LLAMA_NGRAM_STATIC, common_ngram_cache_sav
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.backends import PortBackend
-from pyspec.generation.contexts import model_paths
 from pyspec.generation.driver import greedy_sampling
 from pyspec.parity.harness import (
     ParityError,
@@ -68,7 +67,7 @@ def word_bias(target_model) -> list[tuple[int, float]]:
 
 def models_for(types: list[T]) -> dict[str, Any]:
     """ParityScenario's model fields for the types: the tiny cyclic models (the MTP model for draft-mtp)."""
-    target, draft = model_paths(types, tiny=True)
+    target, draft = tm.tiny_model_paths(types)
     return {"target": str(target), "draft": str(draft) if draft is not None else None}
 
 

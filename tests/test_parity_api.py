@@ -24,7 +24,7 @@ from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
 from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import ref
-from pyspec.generation.contexts import ContextSet, default_model_path, model_paths
+from pyspec.generation.contexts import ContextSet, default_model_path
 from pyspec.parity.harness import ParityScenario, assert_parity, build_contexts
 from pyspec.reference.speculative import (
     RefSpeculative,
@@ -42,7 +42,7 @@ CYCLE = list(tm.cyclic_successor()[1][0])
 
 def contexts(types: list[T], n_seq: int = 1, **kw) -> ContextSet:
     """A fresh context set for the types on the tiny models (n_ubatch = n_batch = 32)."""
-    target, draft = model_paths(types, tiny=True)
+    target, draft = tm.tiny_model_paths(types)
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=types, n_seq=n_seq,
                         n_ctx=128, n_batch=32, n_ubatch=32, n_threads=1, **kw)
     cs = build_contexts(sc)
@@ -130,7 +130,7 @@ def test_with_the_reference_log_fully_on_the_sides_still_agree(capfd):
     ref.pyspec_ref_log_set_verbosity(10)
     try:
         for t in (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP):
-            target, draft = model_paths([t], tiny=True)
+            target, draft = tm.tiny_model_paths([t])
             assert_parity(ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[t],
                                          prompts=[CYCLE * 2], n_predict=8, n_ctx=128, n_batch=32, n_ubatch=32,
                                          n_threads=1))
@@ -170,7 +170,7 @@ def refusals(params: CommonParamsSpeculative, n_seq: int = 1) -> tuple[str, str]
 
 @pytest.mark.slow  # loads Gemma 3 270M
 def test_a_draft_model_whose_vocabulary_differs_is_refused_alike():
-    _, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
+    _, draft = tm.tiny_model_paths([T.DRAFT_SIMPLE])
     assert draft is not None
     with Model(default_model_path()) as gemma, Model(draft) as md, \
             Context(gemma, n_ctx=64, n_batch=16, n_threads=1) as ctx_tgt, \
@@ -188,7 +188,7 @@ def test_a_draft_context_with_another_n_seq_is_refused_alike():
 
 
 def test_a_draft_model_that_is_not_eagle3_is_refused_alike():
-    target, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
+    target, draft = tm.tiny_model_paths([T.DRAFT_SIMPLE])
     assert draft is not None
     with Model(target) as mt, Model(draft) as md, Context(mt, n_ctx=64, n_batch=16, n_threads=1) as ctx_tgt, \
             Context(md, n_ctx=64, n_batch=16, n_threads=1) as ctx_dft:
@@ -274,7 +274,7 @@ def test_ngram_mod_resets_after_five_rejected_drafts_alike():
 @pytest.mark.parametrize("spec_type", [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP], ids=lambda t: t.name.lower())
 def test_p_min_cuts_drafts_short_alike(spec_type):
     # 0.75: the tiny draft heads are often less sure than that, so drafts are cut at different lengths
-    target, draft = model_paths([spec_type], tiny=True)
+    target, draft = tm.tiny_model_paths([spec_type])
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[spec_type], n_seq=2,
                         prompts=[CYCLE * 2, "The quick brown fox"], n_predict=24, n_max=6, n_ctx=128, n_batch=32,
                         n_ubatch=32, n_threads=1)

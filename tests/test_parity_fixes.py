@@ -21,7 +21,6 @@ from pyspec.common.params import CommonParamsSpeculative, c_float, c_int32, c_ui
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
-from pyspec.generation.contexts import model_paths
 from pyspec.parity.harness import ParityScenario, _run_side, assert_parity
 from pyspec.reference.speculative import RefSpeculative
 from pyspec.testing import models as tm
@@ -86,7 +85,7 @@ def test_changing_ngram_map_sizes_after_init_changes_neither_side():
 @pytest.fixture(scope="module")
 def draft_pair():
     """The tiny cyclic target and its draft model, loaded once."""
-    target, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
+    target, draft = tm.tiny_model_paths([T.DRAFT_SIMPLE])
     assert draft is not None
     with Model(target) as mt, Model(draft) as md:
         yield mt, md
@@ -154,7 +153,7 @@ def test_a_draft_decode_that_llama_refuses_stops_drafting_on_both_sides(draft_pa
 
 
 def test_p_min_is_compared_as_a_float32_on_both_sides(monkeypatch):
-    target, draft = model_paths([T.DRAFT_SIMPLE], tiny=True)
+    target, draft = tm.tiny_model_paths([T.DRAFT_SIMPLE])
     sc = ParityScenario(target=str(target), draft=str(draft), types=[T.DRAFT_SIMPLE], prompts=[MODEL_CYCLE * 2],
                         n_predict=8, n_max=4, n_threads=1, n_ctx=128)
     # the probability of the first draft token, as the port reads it (a float32 value)
@@ -216,7 +215,7 @@ def test_values_the_cpp_fields_cannot_hold_are_refused_alike_on_both_sides(group
 @pytest.mark.parametrize("spec_type", [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP], ids=lambda t: t.name.lower())
 def test_no_draft_when_n_min_is_negative_as_size_t_makes_it_huge(spec_type):
     # draft-*: `dp.result->size() < (size_t) params.n_min` with n_min = -1 discards every draft
-    target, draft = model_paths([spec_type], tiny=True)
+    target, draft = tm.tiny_model_paths([spec_type])
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[spec_type],
                         prompts=[MODEL_CYCLE * 2], n_predict=16, n_threads=1, n_ctx=128, n_batch=32, n_ubatch=32,
                         n_max=4, n_min=-1, expect_drafts=False, name=f"no-draft {spec_type.name}: n_min -1")

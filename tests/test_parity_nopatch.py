@@ -1,6 +1,6 @@
 """The port equals upstream's speculative.cpp exactly where upstream is well defined.
 
-The default reference carries the patches listed at the top of csrc/pyspec_ref.cpp
+The default reference carries the patches listed at the top of csrc/pyspec_ref_speculative.cpp
 (pyspec_ref_patches()); the build also installs the reference without any patch,
 pyspec/lib/nopatch/libpyspec_ref.so. A child process opens that one (PYSPEC_REF_LIB)
 and runs every type with one ubatch per decode (n_ubatch = n_batch), where
@@ -24,14 +24,13 @@ CHILD = r"""
 import json, sys
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.ffi import ffi, ref
-from pyspec.generation.contexts import model_paths
 from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
 
 print(json.dumps({"patches": ffi.string(ref.pyspec_ref_patches()).decode()}), flush=True)
 cycle = list(tm.cyclic_successor()[1][0])
 for t in [t for t in T if t not in (T.NONE, T.COUNT)]:
-    target, draft = model_paths([t], tiny=True)
+    target, draft = tm.tiny_model_paths([t])
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[t], n_seq=2,
                         prompts=[cycle * 3, "def fib(n): return fib(n-1) + fib(n-2)\n" * 2], n_predict=24,
                         n_max=4, n_ctx=192, n_batch=32, n_ubatch=32, n_threads=1,

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.generation.contexts import model_paths
 from pyspec.generation.driver import greedy_sampling
 from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
@@ -45,7 +44,7 @@ samplings = st.one_of(
 
 
 def draw_scenario(data: st.DataObject, spec_type: T) -> ParityScenario:
-    target, draft = model_paths([spec_type], tiny=True)
+    target, draft = tm.tiny_model_paths([spec_type])
     n_seq = data.draw(st.integers(1, 3), "n_seq")
     n_max = data.draw(st.integers(1, 6), "n_max")
     smp = data.draw(samplings, "sampling")

@@ -1,6 +1,6 @@
 """The C++ reference (libpyspec_ref) driven from Python: pyspec.reference.speculative.
 
-Tests named ``test_wrapper_*`` pin the C ABI's own behaviour (csrc/pyspec_ref.cpp checks
+Tests named ``test_wrapper_*`` pin the C ABI's own behaviour (csrc/pyspec_ref*.cpp checks
 before calling in, where the C++ would assert, abort or silently drop the input), not
 upstream's."""
 

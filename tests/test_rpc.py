@@ -280,7 +280,8 @@ def test_speculative_generation_with_the_target_on_rpc_and_the_draft_local_equal
     results = {}
     for where, kw in (("local", {"devices": []}), ("rpc", {"rpc_servers": [server, server2]})):
         # batch-invariant settings: no weight repacking on the CPU (DESIGN.md, numerics)
-        with load_models(types, tiny=True, draft_kw={"devices": [], "use_extra_bufts": False},
+        target, draft = tm.tiny_model_paths(types)
+        with load_models(types, model=target, draft=draft, draft_kw={"devices": [], "use_extra_bufts": False},
                          use_extra_bufts=False, **kw) as ms:
             assert (ms.target.rpc is not None) == (where == "rpc")
             assert ms.draft is not None and ms.draft.devices == [] and ms.draft.rpc is None

@@ -12,7 +12,7 @@ from pyspec import Batch, Context
 from pyspec.common import sampling as smp
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
-from pyspec.ffi import ext, ffi, llama
+from pyspec.ffi import llama
 from pyspec.reference.sampling import RefSampler
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
@@ -21,12 +21,14 @@ PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
 class Side:
     """One sampler (Python port or C++ reference) with its own context."""
 
-    def __init__(self, model, params: CommonParamsSampling, cpp: bool, backend: bool = False) -> None:
+    def __init__(self, model, params: CommonParamsSampling, cpp: bool, backend: bool = False,
+                 init: Any = smp.common_sampler_init) -> None:
         self.ctx = Context(model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1)
         p = dataclasses.replace(params)
         self.cpp = cpp
-        # either side's sampler; the methods below call the matching API
-        self.s: Any = RefSampler(model, p) if cpp else smp.common_sampler_init(model, p)
+        # either side's sampler (the port's from ``init``: the port's own or the fast path's); the
+        # methods below call the matching API
+        self.s: Any = RefSampler(model, p) if cpp else init(model, p)
         if backend:
             chain = self.s.chain if cpp else smp.common_sampler_get(cast(Any, self.s))
             assert llama.llama_set_sampler(self.ctx.ptr, 0, chain)
@@ -150,202 +152,3 @@ def test_clone_continues_identically(target_model):
     b = smp.common_sampler_sample(clone, side.ctx, -1)
     assert a == b
     clone.close()
-
-
-GREEDY = CommonParamsSampling(top_k=1, samplers=[S.TOP_K])
-
-
-def test_greedy_shortcut_gives_the_chains_token_and_candidates(target_model):
-    """Greedy sampling skips the vocabulary-sized candidate array; on every row of a real batch it
-    gives the C++ sampler's token and leaves the candidates as the C++ chain does."""
-    py, cpp = Side(target_model, GREEDY, cpp=False), Side(target_model, GREEDY, cpp=True)
-    assert py.s.top1
-    for side in (py, cpp):
-        side.feed(PROMPT, all_logits=True)
-    for idx in range(len(PROMPT)):
-        assert py.sample(idx) == cpp.sample(idx)
-        got = smp.candidates_array(smp.common_sampler_get_candidates(py.s, False))
-        want = cpp.s.candidates(do_sort=False)
-        assert got["id"].tolist() == want.ids.tolist() and len(got) == 1
-        assert got["logit"].tolist() == want.logits.tolist() and got["p"].tolist() == want.probs.tolist() == [1.0]
-        assert (py.s.cur_p.selected, bool(py.s.cur_p.sorted)) == (want.selected, want.sorted)
-        # and the same as the full path of the port itself
-        assert py.s.sample_top1(py.ctx.ptr, idx) == int(np.argmax(py.ctx.get_logits_ith(idx)))
-
-
-@pytest.mark.parametrize("params", [
-    CommonParamsSampling(top_k=2, samplers=[S.TOP_K]),
-    CommonParamsSampling(top_k=1, samplers=[S.TOP_K, S.TEMPERATURE]),
-    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], logit_bias=[(450, 5.0)]),
-    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], grammar='root ::= "yes"'),
-    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], backend_sampling=True),
-    CommonParamsSampling(top_k=1, samplers=[S.TOP_K], mirostat=2),
-], ids=["top-k-2", "more-samplers", "logit-bias", "grammar", "backend", "mirostat"])
-def test_greedy_shortcut_only_for_the_plain_top1_chain(target_model, params):
-    s = smp.common_sampler_init(target_model, dataclasses.replace(params))
-    try:
-        assert not s.top1
-    finally:
-        s.close()
-
-
-def test_greedy_shortcut_ends_when_the_chain_is_edited(target_model):
-    """Whoever holds the chain (common_sampler_get) may change it: sampling then runs the chain."""
-    seeded = dataclasses.replace(GREEDY, seed=21)
-    py, cpp = Side(target_model, seeded, cpp=False), Side(target_model, seeded, cpp=True)
-    assert py.s.top1
-    for side in (py, cpp):
-        chain = side.s.chain if side.cpp else smp.common_sampler_get(side.s)
-        llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, 0))  # top-k 1 goes: dist over all
-    assert not py.s.top1
-    assert py.generate(6) == cpp.generate(6)
-
-
-TIE_ROWS = {
-    "tie": [1.0, 3.0, 3.0, 2.0],
-    "all-equal": [0.0] * 64,
-    "all-minus-inf": [-np.inf] * 8,
-    "tie-after-minus-inf": [-np.inf, -np.inf, 0.0, 0.0, -1.0],
-    "signed-zeros": [-0.0, 0.0, -1.0],
-    "nan-first": [np.nan, 1.0, 2.0],
-    "nan-later": [1.0, 2.0, np.nan, 2.0],
-}
-
-
-@pytest.mark.parametrize("name", [*TIE_ROWS, "wide-tie"])
-def test_top1_of_row_keeps_what_the_top_k_sampler_keeps(name):
-    """The first of equal highest logits, as llama.cpp's top-k 1 (std::partial_sort with a strict >)."""
-    if name == "wide-tie":
-        row = np.random.default_rng(5).standard_normal(32000).astype(np.float32)
-        row[[901, 77, 31000]] = 9.0
-    else:
-        row = np.array(TIE_ROWS[name], dtype=np.float32)
-    cand = np.zeros(row.size, dtype=smp.TOKEN_DATA)
-    cand["id"], cand["logit"] = np.arange(row.size), row
-    cur_p = ffi.new("llama_token_data_array *")
-    cur_p.data = ffi.cast("llama_token_data *", ffi.from_buffer(cand))
-    cur_p.size, cur_p.selected, cur_p.sorted = row.size, -1, False
-    chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
-    try:
-        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_k(1))
-        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(1))
-        llama.llama_sampler_apply(chain, cur_p)
-        kept = int(cur_p.data[cur_p.selected].id)
-    finally:
-        llama.llama_sampler_free(chain)
-    if np.isnan(row).any():
-        assert smp.top1_of_row(row) == -1  # the full path decides: argmax and the sort part ways on NaN
-    else:
-        assert smp.top1_of_row(row) == kept
-        assert name != "wide-tie" or kept == 77
-
-
-@pytest.mark.parametrize("n", [1, 2, 255, 256, 257, 1000, 32000, 262144])
-def test_top1_scan_equals_argmax_across_blocks(n):
-    """The C scan works in blocks of 256 logits: the first highest wherever it and its ties fall,
-    for rows of every sign and size (numpy's argmax keeps the first of equals too)."""
-    rng = np.random.default_rng(n)
-    rows = [rng.standard_normal(n).astype(np.float32), -np.abs(rng.standard_normal(n)).astype(np.float32) - 1,
-            np.full(n, -np.inf, np.float32), np.full(n, np.float32(1e-42))]  # the last: denormals
-    for spots in ([n - 1], [n // 2, n - 1], [0, n // 3, n - 1], [max(0, n - 257), n - 1]):
-        row = rng.standard_normal(n).astype(np.float32)
-        row[spots] = 50.0
-        rows.append(row)
-    for row in rows:
-        assert smp.top1_of_row(row) == int(np.argmax(row))
-    row = rows[0].copy()
-    row[-1] = np.nan
-    assert smp.top1_of_row(row) == -1
-    assert smp.top1_of_row(np.zeros(0, np.float32)) == -1
-
-
-DRAFT_LIKE = CommonParamsSampling(seed=31, top_k=10, samplers=[S.TOP_K])  # speculative.cpp's draft sampler
-
-
-@pytest.mark.parametrize("params", [DRAFT_LIKE, dataclasses.replace(DRAFT_LIKE, top_k=2, seed=5)], ids=["k10", "k2"])
-def test_top_k_shortcut_gives_the_chains_draw_and_candidates(target_model, params):
-    """[top-k k, dist] sorts the row's k highest alone: on every row of a real batch, the token, the
-    candidates (id, logit, p), the selection and the order equal the C++ sampler's."""
-    py, cpp = Side(target_model, params, cpp=False), Side(target_model, params, cpp=True)
-    assert py.s.plain_top_k == params.top_k and not py.s.top1
-    for side in (py, cpp):
-        side.feed(PROMPT, all_logits=True)
-    for idx in range(len(PROMPT)):
-        buf = ffi.new("llama_token_data[]", params.top_k)
-        row = py.ctx.get_logits_ith(idx)
-        assert ext.pyspec_topk(ffi.cast("const float *", ffi.from_buffer(row)), row.size, params.top_k, buf)
-        assert py.sample(idx) == cpp.sample(idx)
-        got = smp.candidates_array(smp.common_sampler_get_candidates(py.s, False))
-        want = cpp.s.candidates(do_sort=False)
-        assert got["id"].tolist() == want.ids.tolist() and len(got) == params.top_k
-        assert got["logit"].tolist() == want.logits.tolist() and got["p"].tolist() == want.probs.tolist()
-        assert (py.s.cur_p.selected, bool(py.s.cur_p.sorted)) == (want.selected, want.sorted)
-
-
-TOPK_ROWS = {
-    "distinct": ([0.5, 3.0, 1.0, 2.0, -1.0], True),
-    "tie-inside": ([3.0, 1.0, 3.0, 2.0, 0.0], False),
-    "tie-at-the-edge": ([3.0, 1.0, 2.0, 1.0, 0.0], False),
-    "tie-below": ([3.0, 2.0, 1.0, 0.0, 0.0], True),
-    "signed-zeros-at-the-edge": ([1.0, 2.0, -0.0, 0.0, -1.0], False),
-    "minus-inf-below": ([-np.inf, 1.0, 2.0, 3.0, -np.inf], True),
-    "nan": ([0.0, 1.0, np.nan, 2.0, 3.0], False),
-}
-
-
-@pytest.mark.parametrize("name", [*TOPK_ROWS, "wide", "wide-nan", "wide-tie"])
-def test_top_k_scan_is_certain_only_where_the_sort_is(name):
-    """pyspec_topk answers only where std::partial_sort's order is certain, and then as it does
-    (wide rows: past the first blocks, where whole blocks below the kept logits are skipped)."""
-    k = 3
-    if name.startswith("wide"):
-        row = np.random.default_rng(9).standard_normal(32000).astype(np.float32)
-        row[[20000, 31999]] = 7.0, 7.5  # the two highest, far apart
-        if name == "wide-nan":
-            row[30001] = np.nan
-        if name == "wide-tie":
-            row[[25000, 31000]] = 6.5  # the third highest, twice
-        certain = name == "wide"
-    else:
-        values, certain = TOPK_ROWS[name]
-        row = np.array(values, dtype=np.float32)
-    buf = ffi.new("llama_token_data[]", k)
-    assert ext.pyspec_topk(ffi.cast("const float *", ffi.from_buffer(row)), row.size, k, buf) == certain
-    if certain:
-        cand = np.zeros(row.size, dtype=smp.TOKEN_DATA)
-        cand["id"], cand["logit"] = np.arange(row.size), row
-        cur_p = ffi.new("llama_token_data_array *")
-        cur_p.data = ffi.cast("llama_token_data *", ffi.from_buffer(cand))
-        cur_p.size, cur_p.selected, cur_p.sorted = row.size, -1, False
-        top_k = llama.llama_sampler_init_top_k(k)
-        try:
-            llama.llama_sampler_apply(top_k, cur_p)
-        finally:
-            llama.llama_sampler_free(top_k)
-        assert [(buf[j].id, buf[j].logit) for j in range(k)] == [(cand[j]["id"], cand[j]["logit"]) for j in range(k)]
-
-
-def test_top_k_scan_refuses_what_it_cannot_hold():
-    row = np.arange(40, dtype=np.float32)
-    ptr = ffi.cast("const float *", ffi.from_buffer(row))
-    buf = ffi.new("llama_token_data[]", 40)
-    for k, n in ((0, 40), (ext.PYSPEC_TOPK_MAX + 1, 40), (5, 5), (5, 3)):
-        assert not ext.pyspec_topk(ptr, n, k, buf)
-    assert ext.pyspec_topk(ptr, 40, ext.PYSPEC_TOPK_MAX, buf) and buf[0].id == 39
-
-
-def test_greedy_shortcut_ends_for_a_chain_rebuilt_at_the_same_addresses(target_model):
-    """Freed samplers' memory comes back for the next ones: the shortcut ends when the chain is handed
-    out, not when its pointers change; and a clone of such a sampler keeps running its chain."""
-    s = smp.common_sampler_init(target_model, dataclasses.replace(GREEDY, seed=8))
-    try:
-        chain = smp.common_sampler_get(s)
-        for i in (1, 0):
-            llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, i))
-        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_top_k(40))
-        llama.llama_sampler_chain_add(chain, llama.llama_sampler_init_dist(8))
-        clone = smp.common_sampler_clone(s)
-        assert not s.top1 and not clone.top1
-        clone.close()
-    finally:
-        s.close()

@@ -52,6 +52,35 @@ def test_the_server_loop_row_names_the_engine_modules_and_the_cpp_loop_that_mirr
         assert "csrc/pyspec_loop.cpp" in rows[f"common/common.cpp :: {helper}"]
 
 
+def test_every_private_llama_header_that_csrc_includes_has_a_row_naming_the_includer():
+    """The C++ compiles against llama.cpp's private headers: a new pin's change to one is reviewed in its includers."""
+    included = upstream.vendor_includes(llama_cpp_dir())
+    for header, includer in (("src/llama-context.h", "csrc/pyspec_ext.cpp"),
+                             ("src/llama-model.h", "csrc/pyspec_ext.cpp"),
+                             ("src/llama-arch.h", "csrc/pyspec_ext.cpp"),
+                             ("src/llama-ext.h", "csrc/pyspec_ext.cpp"),
+                             ("src/llama-grammar.h", "csrc/pyspec_grammar.cpp"),
+                             ("common/speculative.cpp", "csrc/pyspec_ref_speculative.cpp")):
+        assert includer in included[header], header  # the scan finds the includes it guards
+    assert upstream.unrecorded_includes(llama_cpp_dir()) == []
+
+
+def test_a_private_header_included_without_a_row_naming_the_includer_is_reported(tmp_path):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(upstream.CSRC, csrc)
+    batch = csrc / "pyspec_batch.cpp"
+    text = batch.read_text()
+    # a private header with no row, one whose row names another file, and a public header
+    batch.write_text(text.replace('#include "llama.h"\n',
+                                  '#include "llama.h"\n#include "llama-vocab.h"\n#include "llama-grammar.h"\n'
+                                  '#include "ggml-cpu.h"\n', 1))
+    assert batch.read_text() != text
+    assert upstream.unrecorded_includes(llama_cpp_dir(), csrc) == [
+        "src/llama-vocab.h (included by csrc/pyspec_batch.cpp)",
+        "src/llama-grammar.h (included by csrc/pyspec_batch.cpp)",
+    ]
+
+
 @pytest.fixture
 def tree_copy(tmp_path) -> Path:
     """The recorded files of the vendored tree, copied (so they can be edited)."""

@@ -117,22 +117,20 @@ def test_both_engines_and_the_cpp_loop_refuse_with_the_same_exception_and_messag
 
 def _c_spec_init(p: CommonParamsSpeculative) -> str:
     s, _keep = spec_params_struct(p)
-    err = ffi.new("char[]", 1024)
-    ptr = ref.pyspec_ref_spec_init(s, 1, err, 1024)
+    ptr = ref.pyspec_ref_spec_init(s, 1)
     if ptr != ffi.NULL:
         ref.pyspec_ref_spec_free(ptr)
         return ""
-    return ffi.string(err).decode()
+    return ffi.string(ref.pyspec_ref_last_error()).decode()
 
 
 def _c_sampler_init(model: Any, p: CommonParamsSampling) -> str:
     s, _keep = sampling_params_struct(p)
-    err = ffi.new("char[]", 1024)
-    ptr = ref.pyspec_ref_sampler_init(ffi.cast("struct llama_model *", model.ptr), s, err, 1024)
+    ptr = ref.pyspec_ref_sampler_init(ffi.cast("struct llama_model *", model.ptr), s)
     if ptr != ffi.NULL:
         ref.pyspec_ref_sampler_free(ptr)
         return ""
-    return ffi.string(err).decode()
+    return ffi.string(ref.pyspec_ref_last_error()).decode()
 
 
 C_ABI_SPEC = ["ngram_mod n_match 0", "ngram_mod n_max -1", "cache missing", "cache directory", "cache count <= 0",

@@ -115,6 +115,19 @@ def _models_kw(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def _model_files(args: argparse.Namespace, types: Any) -> dict[str, Any]:
+    """load_models' model= and draft=: --model and --draft, and with --tiny the tiny models
+    (pyspec.testing.models) in place of those not given; the library takes them as plain paths."""
+    model, draft = args.model, args.draft
+    if args.tiny:
+        from pyspec.testing.models import tiny_model_paths
+
+        tiny_target, tiny_draft = tiny_model_paths(types)
+        model = model or tiny_target
+        draft = draft or tiny_draft
+    return {"model": model, "draft": draft}
+
+
 def _spec_kw(args: argparse.Namespace) -> dict[str, Any]:
     return {"n_max": args.n_max, "n_min": args.n_min, "p_min": args.p_min,
             "ngram_n": args.ngram_n, "ngram_m": args.ngram_m}
@@ -242,7 +255,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, seed=args.seed)
 
     with common_log(args.verbose), \
-            load_models(types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
+            load_models(types, **_model_files(args, types), **_models_kw(args)) as models:
         _check_threads(args, n_seq)  # once the files are found: a missing model is the one line to see
         spec = spec_params(types, **_spec_kw(args))
         with open_contexts(models, spec, **_ctx_kw(args, n_seq)) as cs:
@@ -301,7 +314,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                     seed=args.seed)
     with common_log(args.verbose):
-        engine = Engine.load(args.model, types=args.types, draft=args.draft, tiny=args.tiny,
+        engine = Engine.load(**_model_files(args, args.types), types=args.types,
                              n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
                              n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
                              slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
@@ -359,7 +372,7 @@ def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_type
     from pyspec.generation.contexts import load_models
 
     with bench.common_log(args.verbose), load_models(
-            all_types, model=args.model, draft=args.draft, tiny=args.tiny, **_models_kw(args)) as models:
+            all_types, **_model_files(args, all_types), **_models_kw(args)) as models:
         return bench.run_bench(
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),

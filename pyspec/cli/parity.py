@@ -82,7 +82,13 @@ def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
             model = default_model_path()
         elif not args.tiny and not args.target:
             raise SystemExit("give --target PATH, --tiny or --real")
-        target, draft = model_paths(types, model=model, draft=args.draft, tiny=args.tiny)
+        draft: Any = args.draft
+        if args.tiny:  # the tiny models where no path is given (the CLI may import the test support)
+            from pyspec.testing.models import tiny_model_paths
+
+            tiny_target, tiny_draft = tiny_model_paths(types)
+            model, draft = model or tiny_target, draft or tiny_draft
+        target, draft = model_paths(types, model=model, draft=draft)
         out.append(ParityScenario(
             target=str(target), draft=str(draft) if draft is not None else None, types=types,
             prompts=args.prompt or DEFAULT_PROMPTS, n_seq=args.n_seq, n_predict=args.n_predict,

@@ -30,8 +30,8 @@ from pyspec.core.sampler import (
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import llama
 
-__all__ = ["check_llama_token", "check_n_accepted", "check_ngram_cache_file", "check_output_row", "check_sampling_params", "check_speculative_params",
-           "check_token", "token_array"]
+__all__ = ["check_draft_vocab", "check_llama_token", "check_n_accepted", "check_ngram_cache_file", "check_output_row",
+           "check_sampling_params", "check_speculative_params", "check_token", "token_array"]
 
 _INT32 = (-(2**31), 2**31 - 1)
 _UINT16_MAX = 65535
@@ -120,6 +120,33 @@ def check_ngram_cache_file(path: str, what: str) -> None:
         p += 1 + 2 * k
 
 
+def check_draft_vocab(model_tgt: Any, model_dft: Any) -> None:
+    """SpeculativeError naming both sizes unless the draft model's vocabulary has as many tokens as the target's.
+
+    draft-simple hands token ids from one model to the other: a draft token past the target's
+    vocabulary, or a target token past the draft's, fails mid-generation (the batch is refused
+    with a ValueError). For the place that opens a target and a draft-simple context, before it
+    opens them; check_speculative_params applies it where common_speculative_are_compatible's
+    tolerance would let such a pair through.
+    """
+    n_tgt, n_dft = int(model_tgt.vocab.n_tokens), int(model_dft.vocab.n_tokens)
+    if n_tgt != n_dft:
+        raise SpeculativeError(f"the draft model's vocabulary has {n_dft} tokens and the target's {n_tgt}: "
+                               "draft-simple needs the same vocabulary size (token ids pass between the models)")
+
+
+def _check_draft_simple_vocab(ctx_tgt: Any, ctx_dft: Any) -> None:
+    from pyspec.common.speculative import SPEC_VOCAB_MAX_SIZE_DIFFERENCE
+
+    m_tgt, m_dft = getattr(ctx_tgt, "model", None), getattr(ctx_dft, "model", None)
+    if m_tgt is None or m_dft is None:
+        return  # the implementation refuses a missing context with its own message
+    # common_speculative_are_compatible refuses larger differences (the C++ message, on both sides
+    # alike) and lets these through: a draft up to 128 tokens larger or smaller than the target
+    if abs(int(m_tgt.vocab.n_tokens) - int(m_dft.vocab.n_tokens)) <= SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        check_draft_vocab(m_tgt, m_dft)
+
+
 def check_speculative_params(params: CommonParamsSpeculative, n_seq: int) -> None:
     """Raise ValueError / SpeculativeError for parameters neither engine can run (see the module docstring)."""
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq <= 0:
@@ -137,6 +164,8 @@ def check_speculative_params(params: CommonParamsSpeculative, n_seq: int) -> Non
     _int("draft.n_gpu_layers", d.n_gpu_layers)
     _num("draft.p_split", d.p_split)
     _num("draft.p_min", d.p_min)
+    if T.DRAFT_SIMPLE in params.types:
+        _check_draft_simple_vocab(d.ctx_tgt, d.ctx_dft)
     for name in ("ngram_simple", "ngram_map_k", "ngram_map_k4v"):
         m = getattr(params, name)
         # uint16_t in common_params_speculative_ngram_map; a size of 0 makes common_ngram_map_draft's

@@ -19,6 +19,7 @@ import numpy as np
 from pyspec.common.checks import check_output_row, check_sampling_params, check_token
 from pyspec.common.common import LLAMA_TOKEN_NULL, CommonTimeMeas, ggml_time_us
 from pyspec.common.params import CommonParamsSampling, CommonSamplerType
+from pyspec.core.ext_error import last_error
 from pyspec.core.handle import NotCopyable
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import ext, ffi, llama
@@ -44,6 +45,11 @@ class CommonSampler(NotCopyable):
     """Mirrors struct common_sampler (sampling.cpp). Free with close() or ``with``.
 
     It keeps its model alive (its grammar reads the model's vocabulary) until closed.
+
+    common_sampler_sample, common_sampler_get and common_sampler_clone call through the methods
+    sample, get and clone, which hold their C++ bodies: the one seam where the engine's fast
+    sampler (pyspec.fastpath, a subclass) stands in, so that every call site of the port,
+    speculative.py's draft samplers among them, stays as the C++ writes it.
     """
 
     def __init__(
@@ -67,15 +73,8 @@ class CommonSampler(NotCopyable):
         self._single = ffi.new("llama_token_data_array *")
         self._single_data = ffi.new("llama_token_data *")
         self._row_data = ffi.new("pyspec_sampler_row_data *")
-        self._t_total = ffi.new("int64_t *")  # t_total_us, in C: the greedy shortcut adds to it there
+        self._t_total = ffi.new("int64_t *")  # t_total_us, in C memory: C code may add to it (pyspec.fastpath)
         self.timed = not params.no_perf
-        self._t_total_arg = self._t_total if self.timed else ffi.NULL
-        # k where the chain is [top-k k, dist] and nothing else, else 0: sampling may then skip the
-        # vocabulary-sized candidate array (sample_top1 for greedy sampling, pyspec_sampler_topk),
-        # until common_sampler_get hands the chain out (its holder may change it; a freed
-        # sampler's address comes back for the next one, so the chain's pointers cannot tell)
-        self.plain_top_k = _plain_top_k(params, grmr, chain)
-        self._cur_k = self._cur_buf[: max(1, self.plain_top_k)]  # self.cur after a shortcut
 
     def reset(self) -> None:
         """Mirrors common_sampler::reset."""
@@ -116,25 +115,6 @@ class CommonSampler(NotCopyable):
         cp.selected = -1
         cp.sorted = False
 
-    def sample_top1(self, cptr: Any, idx: int) -> int:
-        """llama_synchronize, set_logits and the chain [top-k 1, dist] for a row of plain logits, in one
-        C call (csrc/pyspec_ext.cpp): the token, or LLAMA_TOKEN_NULL where the full path must run
-        (backend-sampled output, no row, a NaN logit). ``cptr`` is the context's pointer, held.
-
-        The same result without the vocabulary-sized candidate array: top-k 1 is std::partial_sort
-        with a strict ``>``, which keeps the first of equal highest logits; dist then selects that
-        one candidate with p = 1. cur_p is left as the chain leaves it.
-        """
-        id = int(ext.pyspec_sampler_top1(cptr, idx, self.n_vocab, self.cur_p, self._cur_ptr, self._t_total_arg))
-        if id != LLAMA_TOKEN_NULL:
-            self.cur = self._cur_k
-        return id
-
-    @property
-    def top1(self) -> bool:
-        """Whether sample_top1 stands in for the chain (greedy sampling)."""
-        return self.plain_top_k == 1
-
     @property
     def t_total_us(self) -> int:
         return int(self._t_total[0])
@@ -146,6 +126,84 @@ class CommonSampler(NotCopyable):
     def tm(self) -> CommonTimeMeas:
         """Mirrors common_sampler::tm."""
         return CommonTimeMeas(self, "t_total_us", self.params.no_perf)
+
+    def sample(self, ctx: Context, cptr: Any, idx: int, grammar_first: bool) -> int:
+        """The body of common_sampler_sample (sampling.cpp), which holds ``ctx`` (its pointer ``cptr``)."""
+        chain = _chain(self)
+        check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
+
+        llama.llama_synchronize(cptr)
+
+        # measure after the synchronization so ongoing async work is not counted
+        with self.tm():
+            grmr = self.grmr
+            cur_p = self.cur_p  # initialized by set_logits
+
+            self.set_logits(ctx, idx)
+
+            # a backend sampler may have sampled already: then return its token directly
+            id = int(self._row_data.token)  # llama_get_sampled_token_ith, read by set_logits
+            if id != LLAMA_TOKEN_NULL:
+                if grmr != ffi.NULL:
+                    raise SpeculativeError("using grammar in combination with backend sampling is not supported")
+                hits = np.flatnonzero(self.cur["id"] == id)
+                if hits.size:
+                    cur_p.selected = int(hits[0])
+                return id
+
+            if grammar_first and grammar_should_apply(self):
+                llama.llama_sampler_apply(grmr, cur_p)
+
+            llama.llama_sampler_apply(chain, cur_p)
+
+            selected = cur_p.selected
+            if selected < 0 or selected >= cur_p.size:
+                raise SpeculativeError("no selected token during sampling - check your sampling configuration")
+            id = int(cur_p.data[selected].id)
+
+            if grammar_first or not grammar_should_apply(self):
+                return id
+
+            # grammar-based rejection sampling: does the sampled token fit the grammar?
+            single = self._single
+            self._single_data.id = id
+            self._single_data.logit = 1.0
+            self._single_data.p = 0.0
+            single.data = self._single_data
+            single.size = 1
+            single.selected = -1
+            single.sorted = False
+            llama.llama_sampler_apply(grmr, single)
+            if single.data[0].logit != _NEG_INF:
+                return id
+
+            # resampling: apply the grammar first, then the chain
+            self.set_logits(ctx, idx)
+
+            if grammar_should_apply(self):
+                llama.llama_sampler_apply(grmr, cur_p)
+
+            llama.llama_sampler_apply(chain, cur_p)
+
+            if cur_p.selected == -1:
+                raise SpeculativeError("no selected token during sampling - check your sampling configuration")
+
+            return int(cur_p.data[cur_p.selected].id)
+
+    def get(self) -> Any:
+        """The body of common_sampler_get (sampling.cpp): the chain."""
+        return _chain(self)
+
+    def clone(self) -> CommonSampler:
+        """The body of common_sampler_clone (sampling.cpp); the copy is of this sampler's class."""
+        grmr = llama.llama_sampler_clone(self.grmr) if self.grmr != ffi.NULL else ffi.NULL
+        out = type(self)(self.params, grmr, llama.llama_sampler_clone(_chain(self)), self.n_vocab, self.model)
+        out.prev = deque(self.prev, maxlen=self.prev.maxlen)
+        n = int(self.cur.size)
+        # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
+        ffi.memmove(out._cur_ptr, self._cur_ptr, n * TOKEN_DATA.itemsize)
+        out.cur = out._cur_buf[:n]
+        return out
 
     def close(self) -> None:
         """Mirrors common_sampler_free (sampling.cpp)."""
@@ -170,24 +228,6 @@ class CommonSampler(NotCopyable):
             self.close()
         except Exception:
             pass
-
-
-def top1_of_row(row: np.ndarray) -> int:
-    """The token top-k 1 keeps from a row of logits in token order: the first of the highest,
-    or LLAMA_TOKEN_NULL for a row with a NaN, where argmax (which picks the first NaN) and the
-    comparison-based sort part ways. The greedy shortcut's own C scan (pyspec_top1)."""
-    row = np.ascontiguousarray(row, dtype=np.float32).reshape(-1)
-    return int(ext.pyspec_top1(ffi.cast("const float *", ffi.from_buffer(row)), row.size))
-
-
-def _plain_top_k(params: CommonParamsSampling, grmr, chain) -> int:
-    """k where common_sampler_init built exactly [top-k k, dist] (see CommonSampler.plain_top_k) and
-    k <= PYSPEC_TOPK_MAX (the C scan keeps k + 1 logits in a sorted array), else 0."""
-    plain = (params.mirostat == 0 and list(params.samplers) == [CommonSamplerType.TOP_K]
-             and 1 <= params.top_k <= ext.PYSPEC_TOPK_MAX
-             and not params.has_logit_bias() and not params.backend_sampling and grmr == ffi.NULL
-             and llama.llama_sampler_chain_n(chain) == 2)
-    return int(params.top_k) if plain else 0
 
 
 def _chain(gsmpl: CommonSampler):
@@ -318,10 +358,9 @@ def common_sampler_accept(gsmpl: CommonSampler | None, token: int, is_generated:
     accept_grammar = is_generated and grammar_should_apply(gsmpl)
     if accept_grammar:
         # a token the grammar does not allow throws through llama.cpp's C API (the process ends)
-        err = ffi.new("char[]", 512)
         vptr = gsmpl.model.vocab.ptr if gsmpl.model is not None else ffi.NULL
-        if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token, err, 512) != 0:
-            raise SpeculativeError(ffi.string(err).decode(errors="replace"))
+        if ext.pyspec_grammar_accept_check(gsmpl.grmr, vptr, token) != 0:
+            raise SpeculativeError(last_error())
         llama.llama_sampler_accept(gsmpl.grmr, token)
     llama.llama_sampler_accept(chain, token)
     gsmpl.prev.append(token)
@@ -338,109 +377,22 @@ def common_sampler_reset(gsmpl: CommonSampler | None) -> None:
 
 
 def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
-    """Mirrors common_sampler_clone (sampling.cpp)."""
-    grmr = llama.llama_sampler_clone(gsmpl.grmr) if gsmpl.grmr != ffi.NULL else ffi.NULL
-    out = CommonSampler(gsmpl.params, grmr, llama.llama_sampler_clone(_chain(gsmpl)), gsmpl.n_vocab, gsmpl.model)
-    out.prev = deque(gsmpl.prev, maxlen=gsmpl.prev.maxlen)
-    out.plain_top_k = gsmpl.plain_top_k  # a copy of a chain that was handed out is not known to be plain
-    n = int(gsmpl.cur.size)
-    # a plain memcpy, as the C++ vector copy; numpy's structured-array copy is far slower
-    ffi.memmove(out._cur_ptr, gsmpl._cur_ptr, n * TOKEN_DATA.itemsize)
-    out.cur = out._cur_buf[:n]
-    return out
+    """Mirrors common_sampler_clone (sampling.cpp); the body is CommonSampler.clone."""
+    return gsmpl.clone()
 
 
 def common_sampler_get(gsmpl: CommonSampler | None):
-    """Mirrors common_sampler_get (sampling.cpp): the chain, e.g. for llama_set_sampler.
-
-    The sampler then runs its chain for every token (no greedy shortcut): the caller may change it."""
+    """Mirrors common_sampler_get (sampling.cpp): the chain, e.g. for llama_set_sampler; the body is
+    CommonSampler.get."""
     if gsmpl is None:
         return ffi.NULL
-    chain = _chain(gsmpl)
-    gsmpl.plain_top_k = 0
-    return chain
+    return gsmpl.get()
 
 
 def common_sampler_sample(gsmpl: CommonSampler, ctx: Context, idx: int, grammar_first: bool = False) -> int:
-    """Mirrors common_sampler_sample (sampling.cpp)."""
+    """Mirrors common_sampler_sample (sampling.cpp); the body is CommonSampler.sample."""
     with ctx.held() as cptr:  # no other thread may decode on ctx while its outputs are read
-        if gsmpl.plain_top_k == 1 and gsmpl.chain is not None:
-            # greedy sampling: the chain's result without the candidate array, in one C call (not in the C++)
-            check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
-            id = gsmpl.sample_top1(cptr, idx)
-            if id != LLAMA_TOKEN_NULL:
-                return id
-        return _sample(gsmpl, ctx, cptr, idx, grammar_first)
-
-
-def _sample(gsmpl: CommonSampler, ctx: Context, cptr, idx: int, grammar_first: bool) -> int:
-    chain = _chain(gsmpl)
-    check_output_row(ctx, idx)  # the C++ GGML_ASSERTs without a row
-
-    k = gsmpl.plain_top_k  # 1: common_sampler_sample's shortcut found a NaN; the full path decides
-
-    llama.llama_synchronize(cptr)
-
-    # measure after the synchronization so ongoing async work is not counted
-    with gsmpl.tm():
-        grmr = gsmpl.grmr
-        cur_p = gsmpl.cur_p  # initialized by set_logits
-
-        if k > 1 and ext.pyspec_sampler_topk(cptr, idx, gsmpl.n_vocab, k, cur_p, gsmpl._cur_ptr):
-            # [top-k k, dist]: set_logits and the top-k sort on the row's k highest alone, where the
-            # sort's order is certain (not in the C++); the chain's top-k keeps them as they are
-            gsmpl.cur = gsmpl._cur_k
-        else:
-            gsmpl.set_logits(ctx, idx)
-
-            # a backend sampler may have sampled already: then return its token directly
-            id = int(gsmpl._row_data.token)  # llama_get_sampled_token_ith, read by set_logits
-            if id != LLAMA_TOKEN_NULL:
-                if grmr != ffi.NULL:
-                    raise SpeculativeError("using grammar in combination with backend sampling is not supported")
-                hits = np.flatnonzero(gsmpl.cur["id"] == id)
-                if hits.size:
-                    cur_p.selected = int(hits[0])
-                return id
-
-        if grammar_first and grammar_should_apply(gsmpl):
-            llama.llama_sampler_apply(grmr, cur_p)
-
-        llama.llama_sampler_apply(chain, cur_p)
-
-        selected = cur_p.selected
-        if selected < 0 or selected >= cur_p.size:
-            raise SpeculativeError("no selected token during sampling - check your sampling configuration")
-        id = int(cur_p.data[selected].id)
-
-        if grammar_first or not grammar_should_apply(gsmpl):
-            return id
-
-        # grammar-based rejection sampling: does the sampled token fit the grammar?
-        single = gsmpl._single
-        gsmpl._single_data.id = id
-        gsmpl._single_data.logit = 1.0
-        gsmpl._single_data.p = 0.0
-        single.data = gsmpl._single_data
-        single.size = 1
-        single.selected = -1
-        single.sorted = False
-        llama.llama_sampler_apply(grmr, single)
-        if single.data[0].logit != _NEG_INF:
-            return id
-
-        # resampling: apply the grammar first, then the chain
-        gsmpl.set_logits(ctx, idx)
-
-        if grammar_should_apply(gsmpl):
-            llama.llama_sampler_apply(grmr, cur_p)
-
-        llama.llama_sampler_apply(chain, cur_p)
-
-        if cur_p.selected == -1:
-            raise SpeculativeError("no selected token during sampling - check your sampling configuration")
-
-        return int(cur_p.data[cur_p.selected].id)
+        return gsmpl.sample(ctx, cptr, idx, grammar_first)
 
 
 def common_sampler_sample_and_accept_n(

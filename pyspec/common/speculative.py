@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from pyspec.common.sampling import (
 from pyspec.core.batch import Batch, BatchView
 from pyspec.core.batch import EmbdBatch as _EmbdBatch
 from pyspec.core.context import Context
+from pyspec.core.model import Model
 from pyspec.core.sampler import SamplerChain
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import ffi, llama
@@ -72,7 +73,7 @@ __all__ = [
     "CommonSpeculativeConfig", "CommonSpeculativeDraftParams", "CommonSpeculativeImpl",
     "CommonSpeculativeImplDraftEagle3", "CommonSpeculativeImplDraftMtp", "CommonSpeculativeImplDraftSimple",
     "CommonSpeculativeImplNgramCache", "CommonSpeculativeImplNgramMapK", "CommonSpeculativeImplNgramMod",
-    "CommonSpeculativeImplNgramSimple", "DraftRequest", "common_get_enabled_speculative_configs",
+    "CommonSpeculativeImplNgramSimple", "DraftRequest", "SamplerInit", "common_get_enabled_speculative_configs",
     "common_speculative_accept", "common_speculative_all_types_str", "common_speculative_are_compatible",
     "common_speculative_begin", "common_speculative_draft", "common_speculative_free",
     "common_speculative_get_draft_params", "common_speculative_init", "common_speculative_n_max",
@@ -272,13 +273,19 @@ class CommonSpeculativeImpl:
         }
 
 
-def _draft_sampler(ctx_dft: Context) -> CommonSampler:
+# What makes the draft samplers: the port's common_sampler_init, or the one the caller of
+# common_speculative_init passes (the engine's fast sampler, pyspec.fastpath). Its samplers are
+# CommonSamplers, so the C++-shaped common_sampler_* calls below run on either unchanged.
+SamplerInit = Callable[[Model, CommonParamsSampling], CommonSampler]
+
+
+def _draft_sampler(ctx_dft: Context, sampler_init: SamplerInit) -> CommonSampler:
     # the draft samplers of the reference: top-k 10, then dist (perf on)
     params = CommonParamsSampling()
     params.no_perf = False
     params.top_k = 10
     params.samplers = [CommonSamplerType.TOP_K]
-    return common_sampler_init(ctx_dft.model, params)
+    return sampler_init(ctx_dft.model, params)
 
 
 def _require_ctx(ctx: Any, what: str) -> Context:
@@ -290,7 +297,8 @@ def _require_ctx(ctx: Any, what: str) -> Context:
 class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
     """Mirrors struct common_speculative_impl_draft_simple (speculative.cpp)."""
 
-    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int,
+                 sampler_init: SamplerInit = common_sampler_init) -> None:
         super().__init__(T.DRAFT_SIMPLE, n_seq)
         self.params = c_copy(params.draft)
 
@@ -302,7 +310,7 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 
         self.batch = Batch(ctx_dft.n_batch, 0, 1)
 
-        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+        self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
         vocab_cmpt = common_speculative_are_compatible(ctx_tgt.model, ctx_dft.model)
         logger.debug("vocab_cmpt = %d", vocab_cmpt)
@@ -459,7 +467,8 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
     """Mirrors struct common_speculative_impl_draft_eagle3 (speculative.cpp)."""
 
-    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int,
+                 sampler_init: SamplerInit = common_sampler_init) -> None:
         super().__init__(T.DRAFT_EAGLE3, n_seq)
         self.params = c_copy(params.draft)
         logger.info("adding speculative implementation 'draft-eagle3'")
@@ -498,7 +507,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         # context n_ubatch >= n_batch. Here the buffer is over-allocated so such reads stay in it.
         self.batch = Batch(n_b, self.n_embd_dec, 1, tokens=True, embd_row_alloc=model_dft.n_embd_inp)
 
-        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+        self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
         # turn on extraction of the target layers' input embeddings
         for k in range(self.target_layer_ids_n):
@@ -787,7 +796,8 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
     autoregressive draft's pre-advancement).
     """
 
-    def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
+    def __init__(self, params: CommonParamsSpeculative, n_seq: int,
+                 sampler_init: SamplerInit = common_sampler_init) -> None:
         super().__init__(T.DRAFT_MTP, n_seq)
         self.params = c_copy(params.draft)  # reuses the draft-model params slot (ctx_tgt/ctx_dft)
 
@@ -810,7 +820,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
         # llama_batch_init allocates one of token/embd; MTP needs both
         self.batch = Batch(n_b, self.n_embd, 1, tokens=True)
 
-        self.smpls = [_draft_sampler(ctx_dft) for _ in range(n_seq)]
+        self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
         # offload draft sampling to the backend: one sampler chain per seq, attached to ctx_dft
         self.backend_chains: list[SamplerChain | None] = [None] * n_seq
@@ -1484,8 +1494,11 @@ def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
     return n_max
 
 
-def common_speculative_init(params: CommonParamsSpeculative, n_seq: int) -> CommonSpeculative | None:
-    """Mirrors common_speculative_init (speculative.cpp): None when no implementation is selected."""
+def common_speculative_init(params: CommonParamsSpeculative, n_seq: int,
+                            sampler_init: SamplerInit = common_sampler_init) -> CommonSpeculative | None:
+    """Mirrors common_speculative_init (speculative.cpp): None when no implementation is selected.
+
+    ``sampler_init`` makes the draft implementations' samplers (see SamplerInit)."""
     check_speculative_params(params, n_seq)  # the same checks as the C++ reference (pyspec.common.checks)
 
     # the implementations to use, in their order of preference
@@ -1527,11 +1540,11 @@ def common_speculative_init(params: CommonParamsSpeculative, n_seq: int) -> Comm
     try:
         for config in configs:
             if config.type == T.DRAFT_SIMPLE:
-                impls.append(CommonSpeculativeImplDraftSimple(config.params, n_seq))
+                impls.append(CommonSpeculativeImplDraftSimple(config.params, n_seq, sampler_init))
             elif config.type == T.DRAFT_EAGLE3:
-                impls.append(CommonSpeculativeImplDraftEagle3(config.params, n_seq))
+                impls.append(CommonSpeculativeImplDraftEagle3(config.params, n_seq, sampler_init))
             elif config.type == T.DRAFT_MTP:
-                impls.append(CommonSpeculativeImplDraftMtp(config.params, n_seq))
+                impls.append(CommonSpeculativeImplDraftMtp(config.params, n_seq, sampler_init))
             elif config.type == T.NGRAM_SIMPLE:
                 ngram_map = get_common_ngram_map(config.type, config.params.ngram_simple)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pyspec.core.ext_error import last_error
 from pyspec.ffi import c_const, ext, ffi
 
 __all__ = ["GRAMMAR_LIMITS", "check_grammar"]
@@ -31,7 +32,5 @@ def check_grammar(grammar: str, root: str = "root", vocab_ptr: Any = None) -> No
         raise ValueError(f"grammar of {len(data)} bytes exceeds the limit of {GRAMMAR_LIMITS['max_bytes']} bytes")
     if "\0" in root:
         raise ValueError("root contains a NUL character")
-    err = ffi.new("char[]", 512)
-    if ext.pyspec_grammar_check(vocab_ptr if vocab_ptr is not None else ffi.NULL, data, len(data), root.encode(),
-                                err, 512) != 0:
-        raise ValueError(f"grammar refused: {ffi.string(err).decode(errors='replace')}")
+    if ext.pyspec_grammar_check(vocab_ptr if vocab_ptr is not None else ffi.NULL, data, len(data), root.encode()) != 0:
+        raise ValueError(f"grammar refused: {last_error()}")

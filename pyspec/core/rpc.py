@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspec.core.backend import ensure_backend
+from pyspec.core.ext_error import last_error
 from pyspec.errors import RpcConnectionError, RpcError, RpcUnavailableError
 from pyspec.ffi import c_const, ext, ffi, ggml, lib_dir
 
@@ -147,7 +148,7 @@ def _raise_for(status: int, what: str, names: Sequence[str], timeout: float) -> 
         )
     if status == _UNAVAILABLE:
         raise RpcUnavailableError('this build has no RPC backend (rebuild with CMAKE_ARGS="-DGGML_RPC=on")')
-    detail = ffi.string(ext.pyspec_rpc_last_error()).decode("utf-8", "replace")
+    detail = last_error()
     raise RpcError(f"{what} on the rpc-server at {where} failed: {detail or status}")
 
 

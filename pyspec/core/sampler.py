@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pyspec.core.ext_error import last_error
 from pyspec.core.grammar import check_grammar
 from pyspec.core.handle import Handle
 from pyspec.errors import SamplerCallbackError
@@ -409,11 +410,10 @@ class SamplerChain(Handle):
         if self._grammars:
             if not self._n_vocab:
                 raise ValueError("grammar chain without a vocabulary")
-            err = ffi.new("char[]", 512)
             vptr = self._vocab.ptr
             for g in self._grammars:
-                if ext.pyspec_grammar_accept_check(llama.llama_sampler_chain_get(ptr, g), vptr, t, err, 512) != 0:
-                    raise ValueError(ffi.string(err).decode(errors="replace"))
+                if ext.pyspec_grammar_accept_check(llama.llama_sampler_chain_get(ptr, g), vptr, t) != 0:
+                    raise ValueError(last_error())
         llama.llama_sampler_accept(ptr, t)
         raise_sampler_errors()
 

@@ -1,5 +1,9 @@
 /* csrc/pyspec_ext.cpp: C linkage for the staging API of src/llama-ext.h. */
 
+/* libpyspec_ext's one error helper: a check that failed (a negative status, a NULL pointer or
+   the sentinel its declaration names) left its message here, per thread (csrc/pyspec_errbuf.h) */
+const char *    pyspec_ext_last_error(void);
+
 void            pyspec_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float *         pyspec_get_embeddings_nextn(struct llama_context * ctx);
 float *         pyspec_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
@@ -101,11 +105,11 @@ enum pyspec_sampler_limit {
     PYSPEC_INFILL_MAX_PIECE = 512
 };
 
-int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root,
-                             char * err, size_t err_len);
-int     pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token,
-                                    char * err, size_t err_len);
+/* 0, or -1 with the message in pyspec_ext_last_error() */
+int     pyspec_grammar_check(const struct llama_vocab * vocab, const char * text, size_t len, const char * root);
+int     pyspec_grammar_accept_check(struct llama_sampler * smpl, const struct llama_vocab * vocab, llama_token token);
 int64_t pyspec_grammar_n_stacks(struct llama_sampler * smpl);
 
-/* csrc/pyspec_gguf.cpp: the tokenizer metadata llama.cpp reads unchecked; 0 or -1 with err */
-int     pyspec_gguf_check(const char * path, char * err, size_t err_len);
+/* csrc/pyspec_gguf.cpp: the tokenizer metadata llama.cpp reads unchecked; 0, or -1 with the
+   message in pyspec_ext_last_error() */
+int     pyspec_gguf_check(const char * path);

@@ -50,6 +50,5 @@ typedef struct pyspec_loop_result {
 /* Runs the loop: clears the memory of both contexts (common_context_can_seq_rm)
  * and of sequences 0 .. n_seq - 1, prefills, generates until every sequence
  * stopped. Returns PYSPEC_REF_OK or a negative PYSPEC_REF_E_*, with the
- * message in err. */
-int pyspec_loop_generate(const pyspec_loop_params * params, pyspec_loop_result * out,
-                         char * err, size_t err_len);
+ * message in pyspec_ref_last_error(). */
+int pyspec_loop_generate(const pyspec_loop_params * params, pyspec_loop_result * out);

@@ -1,11 +1,13 @@
 /* pyspec_ref: C ABI over llama.cpp's common_speculative_* (common/speculative.h)
  * and common_sampler_* (common/sampling.h), the parity reference.
- * Implemented in csrc/pyspec_ref.cpp, which includes this very file, so the
+ * Implemented in csrc/pyspec_ref.cpp, pyspec_ref_speculative.cpp and
+ * pyspec_ref_sampling.cpp, which include this very file, so the
  * declarations cffi reads and the definitions cannot drift apart.
  * Needs the declarations of decl/llama.h. Plain C: no #include, no #ifdef.
  *
  * Status: functions returning int return PYSPEC_REF_OK (0) or a negative
- * PYSPEC_REF_E_*; pyspec_ref_last_error() then holds the message (per thread).
+ * PYSPEC_REF_E_*, those returning a pointer NULL; pyspec_ref_last_error() then
+ * holds the message (per thread; csrc/pyspec_errbuf.h), the library's one error helper.
  */
 
 enum pyspec_ref_status {
@@ -115,10 +117,10 @@ const char * pyspec_ref_spec_all_types_str(void);
  * its length, and as much of it as fits in out (NUL-terminated); or a status */
 int32_t pyspec_ref_spec_type_name_str(const int32_t * types, int32_t n_types, char * out, size_t out_cap);
 
-/* common_speculative_init. NULL with err set on failure; NULL with err == ""
- * when no implementation was selected (the C++ returns nullptr). */
-pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq,
-                                       char * err, size_t err_len);
+/* common_speculative_init. NULL with the message in pyspec_ref_last_error() on
+ * failure; NULL with pyspec_ref_last_error() == "" when no implementation was
+ * selected (the C++ returns nullptr). */
+pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, uint32_t n_seq);
 void     pyspec_ref_spec_free(pyspec_ref_spec * spec);
 uint32_t pyspec_ref_spec_n_seq(const pyspec_ref_spec * spec);
 /* common_speculative_n_max of the init params: a result capacity that fits */
@@ -199,9 +201,9 @@ typedef struct pyspec_ref_sampler pyspec_ref_sampler;
 /* the defaults of common_params_sampling{} (arrays point to static storage) */
 void pyspec_ref_sampling_params_default(pyspec_ref_sampling_params * out);
 
+/* common_sampler_init; NULL with the message in pyspec_ref_last_error() */
 pyspec_ref_sampler * pyspec_ref_sampler_init(const struct llama_model * model,
-                                             const pyspec_ref_sampling_params * params,
-                                             char * err, size_t err_len);
+                                             const pyspec_ref_sampling_params * params);
 void pyspec_ref_sampler_free(pyspec_ref_sampler * smpl);
 
 /* common_sampler_get: the sampler chain (owned by the sampler), e.g. for llama_set_sampler. */
@@ -212,8 +214,9 @@ pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl);
 /* backend_sampling after init (common_sampler_init may turn it off) */
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl);
 int32_t pyspec_ref_sampler_n_vocab(const pyspec_ref_sampler * smpl);
-/* 0 when accepting token into the grammar would succeed, else -1 with the reason in err */
-int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token, char * err, size_t err_len);
+/* PYSPEC_REF_OK when accepting token into the grammar would succeed, else PYSPEC_REF_E_NULL,
+ * PYSPEC_REF_E_RANGE or (the grammar refuses it) PYSPEC_REF_E_EXCEPTION */
+int pyspec_ref_sampler_accept_check(pyspec_ref_sampler * smpl, llama_token token);
 
 int pyspec_ref_sampler_sample(pyspec_ref_sampler * smpl, struct llama_context * ctx, int32_t idx,
                               bool grammar_first, llama_token * out);

@@ -1,5 +1,6 @@
 /* csrc/pyspec_rpc.cpp: a guard around llama.cpp's RPC backend (status codes instead of
-   abort() or a hang when an rpc-server is lost or silent). Part of libpyspec_ext. */
+   abort() or a hang when an rpc-server is lost or silent). Part of libpyspec_ext: the message
+   of a PYSPEC_RPC_LOST or PYSPEC_RPC_ERROR is in pyspec_ext_last_error(). */
 
 enum pyspec_rpc_status {
     PYSPEC_RPC_OK          =  0,
@@ -17,7 +18,6 @@ uint64_t    pyspec_rpc_losses(int32_t ep);
 int32_t     pyspec_rpc_connections(int32_t ep, bool lost);
 int32_t     pyspec_rpc_check(const int32_t * eps, int32_t n_eps);
 int32_t     pyspec_rpc_retire(int32_t ep);
-const char * pyspec_rpc_last_error(void);
 int32_t     pyspec_rpc_region_begin(const int32_t * eps, int32_t n_eps, double timeout_s);
 int32_t     pyspec_rpc_region_end(void);
 

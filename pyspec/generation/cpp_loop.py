@@ -29,7 +29,7 @@ from pyspec.core.rpc import RpcLink
 from pyspec.errors import ref_error
 from pyspec.ffi import c_const, c_enum, ffi, ref
 from pyspec.generation.statistics import GenerationStats, SequenceResult
-from pyspec.reference.library import ERR_LEN, cdata_ptr
+from pyspec.reference.library import cdata_ptr, last_error
 from pyspec.reference.sampling import sampling_params_struct
 from pyspec.reference.speculative import spec_params_struct
 
@@ -134,7 +134,6 @@ def cpp_generate(
         ffi.cast("int32_t *", ffi.from_buffer(row)) for row in per_seq
     )
 
-    err = ffi.new("char[]", ERR_LEN)
     contexts = [c for c in (ctx_tgt, ctx_dft) if isinstance(c, Context)]
     # the call releases the GIL and decodes on both contexts itself: hold them for the whole run
     with contextlib.ExitStack() as held:
@@ -145,9 +144,10 @@ def cpp_generate(
             for link in links:
                 link.ensure_usable("the C++ loop")
             held.enter_context(RpcLink([ep for link in links for ep in link.endpoints]).region("the C++ loop"))
-        rc = ref.pyspec_loop_generate(p, r, err, ERR_LEN)
+        rc = ref.pyspec_loop_generate(p, r)
+        msg = last_error() if rc < 0 else ""  # read at once: this thread's next libpyspec_ref call replaces it
     if rc < 0:
-        raise ref_error(rc, ffi.string(err).decode(errors="replace"), input_error=True)
+        raise ref_error(rc, msg, input_error=True)
 
     n_tokens, n_drafted, n_accepted, stop = (row[:n_seq].tolist() for row in per_seq)
     vocab = ctx_tgt.model.vocab

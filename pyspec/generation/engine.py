@@ -34,11 +34,15 @@ loop thread owns the contexts until :meth:`Engine.close`.
 
 Split along llama.cpp server's seams: generation/queue.py (EngineQueue: the
 queue, the loop thread, the caller's stepping, commands; server-queue.cpp),
-generation/slots.py (a request's and a slot's state, prefix matching),
-generation/output.py (text pieces, stop strings, logprobs: process_token),
+generation/slots.py (a request's and a slot's state, slot choice, prefix matching),
+generation/slot_memory.py (SlotMemory: what each slot's sequence holds in memory:
+prefix reuse, prompt and speculative checkpoints, clearing, slot files),
+generation/output.py (text pieces, stop strings, logprobs, the final result:
+process_token, send_final_response),
 core/slot_file.py (the slot file's format); the step and the verification stay
-here (server-context.cpp's update_slots). csrc/pyspec_loop.cpp mirrors this
-loop with fixed draft lengths (pyspec.generation.cpp_loop).
+here (server-context.cpp's update_slots) and ask SlotMemory for every edit of a
+slot's memory. csrc/pyspec_loop.cpp mirrors this loop with fixed draft lengths
+(pyspec.generation.cpp_loop).
 """
 
 from __future__ import annotations
@@ -52,13 +56,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyspec.common.common import (
-    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
-    CommonContextSeqRmType,
-    CommonPromptCheckpoint,
-    common_context_can_seq_rm,
-    common_context_seq_rm,
-)
+from pyspec.common.common import CommonContextSeqRmType
 from pyspec.common.params import (
     CommonParamsSampling,
     CommonParamsSpeculative,
@@ -68,15 +66,14 @@ from pyspec.common.params import (
 from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
-from pyspec.core.slot_file import read_slot_file, write_slot_file
 from pyspec.errors import ClosedError, PyspecError
-from pyspec.ffi import llama
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
-from pyspec.generation.output import append_text, decode_piece, release_text, token_logprob
+from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
-from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.generation.slots import CKPT_MAX, CKPT_TAIL, Job, Slot, common_prefix, pick_slot, window_kept
+from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
+from pyspec.generation.slot_memory import SlotMemory
+from pyspec.generation.slots import Job, Slot, pick_slot
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -147,16 +144,9 @@ class Engine(EngineQueue):
         self._owned = list(owned)
 
         # how each context can roll back (clears their memory, as the server's start-up does)
-        self.ctx_tgt_seq_rm_type = common_context_can_seq_rm(ctx_tgt)
+        self.slot_memory = SlotMemory(ctx_tgt, self.ctx_dft)
         if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
             raise PyspecError("speculative decoding is not supported by this target context")
-        self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
-        if self.ctx_dft is not None:
-            self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
-        # a draft's checkpoint positions are read only by a draft context's rollback and a target's
-        # checkpoint restore: without either, the two memory queries a step are skipped
-        self._spec_ckpt_pos = self.ctx_dft is not None or self.ctx_tgt_seq_rm_type in (
-            CommonContextSeqRmType.FULL, CommonContextSeqRmType.RS)
 
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
         wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
@@ -166,7 +156,7 @@ class Engine(EngineQueue):
                 "no implementations specified for speculative decoding "
                 "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
         self.vocab = ctx_tgt.model.vocab
-        self._token_info: dict[int, tuple[bytes, bool]] = {}  # token -> (piece, is end of generation), for _emit
+        self._pieces = TokenPieces(self.vocab)  # each token's piece and end-of-generation flag, for _emit
         self.n_vocab = self.vocab.n_tokens
         self.n_ctx_seq = ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
@@ -192,15 +182,10 @@ class Engine(EngineQueue):
                                 and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.PART)
         self._dft_batch = Batch(self.ctx_dft.n_batch, 0, 1) if self._draft_catch_up and self.ctx_dft else None
         self.slots = [Slot(i) for i in range(self.n_parallel)]
-        # memories that cannot always resume from any prefix: recurrent, hybrid, sliding-window attention
-        self._needs_prompt_checkpoints = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.PART or any(
-            not c.params.swa_full and llama.llama_model_n_swa(c.model.ptr) > 0
-            for c in (ctx_tgt, self.ctx_dft) if c is not None)
 
         # counters of the whole engine
         self.n_steps = 0  # target decodes
         self.n_checkpoint_restores = 0  # partial acceptances undone through a checkpoint
-        self.n_prompt_checkpoint_hits = 0  # prompts resumed from a prompt checkpoint
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -223,7 +208,6 @@ class Engine(EngineQueue):
         *,
         types: str | Sequence[Any] = "none",
         draft: str | Path | None = None,
-        tiny: bool = False,
         n_parallel: int = 1,
         n_ctx: int = 4096,
         n_batch: int = 512,
@@ -246,7 +230,7 @@ class Engine(EngineQueue):
 
         parsed = parse_types(types)
         spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m)
-        models = load_models(parsed, model=model, draft=draft, tiny=tiny, **model_kw)
+        models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
                                n_threads=n_threads, owned=models.owned)
@@ -264,6 +248,21 @@ class Engine(EngineQueue):
     @property
     def model(self) -> Any:
         return self.ctx_tgt.model
+
+    @property
+    def ctx_tgt_seq_rm_type(self) -> int:
+        """How the target context can roll back (a CommonContextSeqRmType value, common_context_can_seq_rm)."""
+        return self.slot_memory.ctx_tgt_seq_rm_type
+
+    @property
+    def ctx_dft_seq_rm_type(self) -> int:
+        """How the draft context can roll back (NO without one)."""
+        return self.slot_memory.ctx_dft_seq_rm_type
+
+    @property
+    def n_prompt_checkpoint_hits(self) -> int:
+        """Prompts resumed from a prompt checkpoint."""
+        return self.slot_memory.n_prompt_checkpoint_hits
 
     def _calibrate(self) -> None:
         """Measure what the draft-length choice needs and is not known yet (once per model and settings)."""
@@ -391,7 +390,7 @@ class Engine(EngineQueue):
             if job.sampler is not None:
                 job.sampler.close()
             job.stop_reason = "cancelled"
-            job.handle._finish(self._completion(job, -1))
+            job.handle._finish(completion(job, -1))
         for s in self.slots:
             if s.job is not None:
                 self._finish(s, "cancelled")
@@ -418,19 +417,19 @@ class Engine(EngineQueue):
     def save_slot(self, slot_id: int, path: str | Path) -> int:
         """Write slot ``slot_id``'s tokens and memory (target and draft) to ``path``; returns the token count.
         The slot must be idle."""
-        return int(self._call(lambda: self._save_slot(self._idle_slot(slot_id), Path(path))))
+        return int(self._call(lambda: self.slot_memory.save(self._idle_slot(slot_id), Path(path))))
 
     def restore_slot(self, slot_id: int, path: str | Path) -> int:
         """Load a file written by save_slot into idle slot ``slot_id``; returns the token count.
         The next request that shares its prefix reuses it."""
-        return int(self._call(lambda: self._restore_slot(self._idle_slot(slot_id), Path(path))))
+        return int(self._call(lambda: self.slot_memory.restore(self._idle_slot(slot_id), Path(path))))
 
     def erase_slot(self, slot_id: int) -> int:
         """Forget what idle slot ``slot_id`` holds; returns how many tokens it held."""
         def erase() -> int:
             s = self._idle_slot(slot_id)
             n = len(s.tokens)
-            self._clear_memory(s)
+            self.slot_memory.clear(s)
             return n
         return int(self._call(erase))
 
@@ -441,38 +440,6 @@ class Engine(EngineQueue):
         if s.job is not None:
             raise PyspecError(f"slot {slot_id} is busy")
         return s
-
-    def _save_slot(self, s: Slot, path: Path) -> int:
-        tgt = self.ctx_tgt.state_seq_get(s.id)
-        dft = self.ctx_dft.state_seq_get(s.id) if self.ctx_dft is not None else b""
-        write_slot_file(path, {"model": self.model.desc, "n_vocab": self.n_vocab, "tokens": s.tokens,
-                               "n_tgt": len(tgt), "n_dft": len(dft)}, tgt, dft)
-        return len(s.tokens)
-
-    def _restore_slot(self, s: Slot, path: Path) -> int:
-        head, body = read_slot_file(path)
-        try:
-            tokens = [self.vocab.check_token(t) for t in head["tokens"]]
-            n_tgt, n_dft = int(head["n_tgt"]), int(head["n_dft"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: bad slot file header ({e})") from None
-        if head.get("n_vocab") != self.n_vocab or head.get("model") != self.model.desc:
-            raise ValueError(f"{path} was saved from another model ({head.get('model')!r})")
-        if len(body) != n_tgt + n_dft or (n_dft > 0) != (self.ctx_dft is not None):
-            raise ValueError(f"{path}: state sizes do not match this engine's contexts")
-        if len(tokens) + 1 > self.n_ctx_seq:
-            raise ValueError(f"{path} holds {len(tokens)} tokens, more than this context fits")
-        self._clear_memory(s)
-        try:
-            if n_tgt:
-                self.ctx_tgt.state_seq_set(s.id, body[:n_tgt])
-            if n_dft and self.ctx_dft is not None:
-                self.ctx_dft.state_seq_set(s.id, body[n_tgt:])
-        except BaseException:
-            self._clear_memory(s)
-            raise
-        s.tokens = tokens
-        return len(tokens)
 
     # --- the event trace (parity harness) -------------------------------------------
 
@@ -520,48 +487,9 @@ class Engine(EngineQueue):
             if job.sampler is not None:
                 job.sampler.close()
             job.stop_reason = "cancelled"
-            job.handle._finish(self._completion(job, -1))
+            job.handle._finish(completion(job, -1))
         for s, job in taken:
             self._start(s, job)
-
-    def _clear_memory(self, s: Slot) -> None:
-        common_context_seq_rm(self.ctx_tgt, s.id, -1, -1)
-        if self.ctx_dft is not None:
-            common_context_seq_rm(self.ctx_dft, s.id, -1, -1)
-        s.tokens = []
-        s.checkpoints = []
-
-    def _keep_prefix(self, s: Slot, n_keep: int) -> int:
-        """Make the memory hold only the slot's first ``n_keep`` tokens (fewer when it cannot); returns how many."""
-        if n_keep <= 0:
-            self._clear_memory(s)
-            return 0
-        n_keep = min(n_keep, len(s.tokens))
-        ok = True
-        if n_keep < len(s.tokens):
-            ok = self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
-            if ok and self.ctx_dft is not None:
-                ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
-        # sliding-window attention keeps only the last n_swa positions: what comes after n_keep
-        # needs the window before it (the server's pos_min_thold check)
-        ok = ok and all(window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
-        if not ok:
-            # recurrent / hybrid / SWA memory: resume from the latest prompt checkpoint at or before n_keep
-            fits = [c for c in s.checkpoints if 0 < c.n_tokens <= n_keep]
-            if not fits:
-                self._clear_memory(s)
-                return 0
-            ckpt = fits[-1]
-            ckpt.load_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            common_context_seq_rm(self.ctx_tgt, s.id, ckpt.pos_max + 1, -1)
-            if self.ctx_dft is not None:
-                ckpt.load_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(self.ctx_dft, s.id, ckpt.pos_max + 1, -1)
-            n_keep = ckpt.n_tokens
-            self.n_prompt_checkpoint_hits += 1
-        del s.tokens[n_keep:]
-        s.checkpoints = [c for c in s.checkpoints if c.n_tokens <= n_keep]
-        return n_keep
 
     def _start(self, s: Slot, job: Job) -> None:
         """The server's SLOT_STATE_STARTED: reuse the cached prefix, drop the rest, set up the sampler."""
@@ -569,11 +497,7 @@ class Engine(EngineQueue):
         job.t_start = time.perf_counter()
         job.stats.t_queue_ms = (job.t_start - job.handle.t_submit) * 1e3
         try:
-            n_past = common_prefix(s.tokens, job.prompt) if job.request.cache_prompt else 0
-            # at least one prompt token is decoded, for the logits of the first sampled token
-            n_past = min(n_past, len(job.prompt) - 1)
-            n_past = self._keep_prefix(s, n_past)
-            job.stats.n_cached = n_past
+            job.stats.n_cached = self.slot_memory.reuse_prefix(s, job)
             s.reading = True
             s.sampled = -1
             s.i_batch = -1
@@ -634,12 +558,10 @@ class Engine(EngineQueue):
         return True
 
     def _update(self, batch: Batch) -> None:
-        ctx_tgt, ctx_dft, eng, ctl = self.ctx_tgt, self.ctx_dft, self.backend, self.draft_ctl
+        ctx_tgt, eng, ctl = self.ctx_tgt, self.backend, self.draft_ctl
         t_step = time.perf_counter()
         t_draft = t_skip = 0.0
         generating = [s for s in self.slots if s.generating]
-        use_ckpt_tgt_full = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL
-        use_ckpt_dft_full = self.ctx_dft_seq_rm_type == CommonContextSeqRmType.FULL
 
         # draft for the slots that have room for one
         drafting: list[Slot] = []
@@ -654,10 +576,7 @@ class Engine(EngineQueue):
                 n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0:
                     continue  # no room
-                if self._spec_ckpt_pos:
-                    s.spec_ckpt.update_pos(len(s.tokens), *ctx_tgt.memory.seq_pos_range(s.id))
-                if use_ckpt_dft_full:
-                    s.spec_ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                self.slot_memory.spec_checkpoint_begin(s)
                 requests.append(DraftRequest(s.id, n_draft_max, len(s.tokens), s.sampled, s.tokens))  # read, not kept
                 s.spec_cap = n_draft_max
                 drafting.append(s)
@@ -689,22 +608,9 @@ class Engine(EngineQueue):
 
         # checkpoints where the memory cannot drop the rejected part
         for s in drafting:
-            draft, ckpt = s.spec_draft, s.spec_ckpt
             assert s.job is not None
-            s.job.stats.n_drafted += len(draft)
-            if ctx_dft is not None:
-                if use_ckpt_dft_full:
-                    ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
-            if draft:
-                use_ckpt_tgt = use_ckpt_tgt_full or (
-                    self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and len(draft) > ctx_tgt.n_rs_seq)
-                use_ckpt_dft = (self.ctx_dft_seq_rm_type == CommonContextSeqRmType.RS
-                                and ctx_dft is not None and len(draft) > ctx_dft.n_rs_seq)
-                if use_ckpt_tgt:
-                    ckpt.update_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                if use_ckpt_dft:
-                    ckpt.update_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            s.job.stats.n_drafted += len(s.spec_draft)
+            self.slot_memory.spec_checkpoint(s)
 
         # the generating slots' [sampled, draft...] (the server's update_batch)
         batch.clear()
@@ -801,12 +707,9 @@ class Engine(EngineQueue):
         prompt, n_prompt = job.prompt, len(job.prompt)
         # recurrent / hybrid targets: decode the prompt's last tokens in a step of their own and keep
         # the state before them, so a later request sharing this prefix can resume from it
-        ckpt_at = -1
-        if job.request.cache_prompt and self._needs_prompt_checkpoints:
-            ckpt_at = n_prompt - min(CKPT_TAIL, n_batch)
+        ckpt_at = self.slot_memory.prompt_checkpoint_at(job, n_batch)
         n0 = len(s.tokens)
-        if n0 == ckpt_at and n0 > 0 and not any(c.n_tokens == n0 for c in s.checkpoints):
-            self._prompt_checkpoint(s)
+        self.slot_memory.take_prompt_checkpoint(s, ckpt_at)
         while len(s.tokens) < n_prompt and batch.n_tokens < n_batch:
             if len(s.tokens) == ckpt_at and len(s.tokens) > n0:
                 break
@@ -817,43 +720,26 @@ class Engine(EngineQueue):
             if last:
                 s.i_batch = batch.n_tokens - 1
 
-    def _prompt_checkpoint(self, s: Slot) -> None:
-        mem = self.ctx_tgt.memory
-        ckpt = CommonPromptCheckpoint()
-        ckpt.update_pos(len(s.tokens), *mem.seq_pos_range(s.id))
-        ckpt.update_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        s.checkpoints.append(ckpt)
-        del s.checkpoints[:-CKPT_MAX]
-
     def _verify(self, s: Slot) -> None:
-        ctx_tgt, ctx_dft, eng = self.ctx_tgt, self.ctx_dft, self.backend
+        ctx_tgt, eng = self.ctx_tgt, self.backend
         job = s.job
         assert job is not None
         n_draft = len(s.spec_draft)
         idxs = s.spec_i_batch
         # the server clones the sampler before every verification; only a checkpoint restore
         # uses the copy, which a target that can drop part of a sequence never needs
-        may_restore = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
-            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_draft > ctx_tgt.n_rs_seq)
+        may_restore = self.slot_memory.tgt_needs_checkpoint(n_draft)
         saved = eng.save_sampler(s.id) if may_restore else None
         accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
         n_rollback = n_draft + 1 - len(accepted)
-        use_ckpt_tgt = self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.FULL or (
-            self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS and n_rollback > ctx_tgt.n_rs_seq)
+        use_ckpt_tgt = self.slot_memory.tgt_needs_checkpoint(n_rollback)
 
         if n_rollback > 0 and use_ckpt_tgt:
             # partial acceptance the memory cannot express: restore the checkpoint and
             # re-verify the accepted tokens as the next step's draft
             s.spec_draft = accepted
-            ckpt = s.spec_ckpt
-            ckpt.load_tgt(ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-            common_context_seq_rm(ctx_tgt, s.id, ckpt.pos_max + 1, -1)
-            if ctx_dft is not None:
-                ckpt.load_dft(ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                common_context_seq_rm(ctx_dft, s.id, ckpt.pos_max + 1, -1)
-            del s.tokens[ckpt.n_tokens :]
+            self.slot_memory.spec_restore(s)
             eng.restore_sampler(s.id, saved)
             self.n_checkpoint_restores += 1
             s.spec_cap = 0  # the reused draft is no new evidence of acceptance
@@ -874,16 +760,10 @@ class Engine(EngineQueue):
         del s.tokens[len(s.tokens) - n_draft :]
         s.tokens.extend(accepted[:-1])
         s.spec_draft = []
-        common_context_seq_rm(ctx_tgt, s.id, len(s.tokens), -1)
-        if ctx_dft is not None:
-            common_context_seq_rm(ctx_dft, s.id, len(s.tokens), -1)
+        self.slot_memory.drop_rejected(s)
         self._emit(s, accepted, idxs[: len(accepted)])
 
     # --- tokens out (the server's process_token) --------------------------------------
-
-    def _logprob(self, idx: int, tok: int, n_probs: int) -> TokenLogprob:
-        """The token's log-probability and the n_probs most likely tokens: log-softmax of the target's logits."""
-        return token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
 
     def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int]) -> None:
         """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
@@ -896,21 +776,18 @@ class Engine(EngineQueue):
             job.stats.t_first_token_ms = (now - job.handle.t_submit) * 1e3
         new_probs: list[TokenLogprob] = []
         n_probs = job.request.n_probs
-        token_info = self._token_info
+        pieces = self._pieces
         reason = ""
         n_new = 0
         for tok, idx in zip(toks, idxs, strict=True):
             n_new += 1
             if n_probs > 0:
-                lp = self._logprob(idx, tok, n_probs)
+                lp = token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
                 job.logprobs.append(lp)
                 new_probs.append(lp)
             if job.n_remaining > 0:
                 job.n_remaining -= 1
-            info = token_info.get(tok)
-            if info is None:  # a vocabulary does not change: each token's piece and end-of-generation flag once
-                info = token_info[tok] = (self.vocab.token_to_piece_bytes(tok, special=False), self.vocab.is_eog(tok))
-            piece, is_eog = info
+            piece, is_eog = pieces.get(tok)
             text = decode_piece(job, piece)
             if text and not is_eog and append_text(job, text):
                 reason = "stop"
@@ -933,28 +810,21 @@ class Engine(EngineQueue):
         if reason:
             self._finish(s, reason)
 
-    def _completion(self, job: Job, slot_id: int) -> Completion:
-        st = job.stats
-        st.n_gen = len(job.generated)
-        if job.t_first:
-            st.t_gen_ms = (time.perf_counter() - job.t_first) * 1e3
-        return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
-                          slot_id, job.logprobs, st)
-
     def _finish(self, s: Slot, reason: str) -> None:
         job = s.job
         assert job is not None
         job.stop_reason = reason
-        if reason == "cancelled" and job.n_sent < len(job.text):
-            job.handle._put(Delta(job.text[job.n_sent :], []))
-            job.n_sent = len(job.text)
+        if reason == "cancelled":
+            rest = release_text(job, True)  # what was held back for a stop string still streams
+            if rest:
+                job.handle._put(Delta(rest, []))
         s.job = None
         s.reading = False
         s.spec_draft = []
         s.spec_i_batch = []
         s.i_batch = -1
         s.t_last_used = time.perf_counter()
-        job.handle._finish(self._completion(job, s.id))
+        job.handle._finish(completion(job, s.id))
 
     def _fail(self, s: Slot, error: BaseException) -> None:
         """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""
@@ -965,7 +835,7 @@ class Engine(EngineQueue):
         s.spec_i_batch = []
         s.i_batch = -1
         try:
-            self._clear_memory(s)
+            self.slot_memory.clear(s)
         except Exception:
             logger.exception("could not clear slot %d after a failure", s.id)
         if job is not None:

@@ -1,18 +1,36 @@
-"""Tokens out: text pieces, stop strings, what may be streamed, logprobs (the server's process_token and
-populate_token_probs, tools/server/server-context.cpp). The engine calls these per new token (Engine._emit);
-end of generation, budget and context stay with the engine's step."""
+"""Tokens out: text pieces, stop strings, what may be streamed, logprobs, the final result (the server's
+process_token, populate_token_probs and send_final_response, tools/server/server-context.cpp). The engine calls
+these per new token (Engine._emit) and when a request ends; the decision to end (end of generation, budget,
+context) stays with the engine's step."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from pyspec.core.vocab import Vocab
-from pyspec.generation.requests import TokenLogprob
+from pyspec.generation.requests import Completion, TokenLogprob
 from pyspec.generation.slots import Job
 
-__all__ = ["append_text", "decode_piece", "find_stop", "partial_stop", "release_text", "token_logprob"]
+__all__ = ["TokenPieces", "append_text", "completion", "decode_piece", "find_stop", "partial_stop", "release_text",
+           "token_logprob"]
+
+
+class TokenPieces:
+    """Each token's piece (without special tokens' text) and whether it ends generation, asked of the
+    vocabulary once per token: a vocabulary does not change."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self._info: dict[int, tuple[bytes, bool]] = {}
+
+    def get(self, tok: int) -> tuple[bytes, bool]:
+        info = self._info.get(tok)
+        if info is None:
+            info = self._info[tok] = (self.vocab.token_to_piece_bytes(tok, special=False), self.vocab.is_eog(tok))
+        return info
 
 
 def decode_piece(job: Job, piece: bytes) -> str:
@@ -82,3 +100,13 @@ def partial_stop(text: str, stop: Sequence[str]) -> int:
                 n = k
                 break
     return n
+
+
+def completion(job: Job, slot_id: int) -> Completion:
+    """The request's final result (the server's send_final_response): its text, tokens, stop, logprobs and stats."""
+    st = job.stats
+    st.n_gen = len(job.generated)
+    if job.t_first:
+        st.t_gen_ms = (time.perf_counter() - job.t_first) * 1e3
+    return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
+                      slot_id, job.logprobs, st)

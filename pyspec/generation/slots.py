@@ -12,17 +12,9 @@ import numpy as np
 
 from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
-from pyspec.core.context import Context
-from pyspec.ffi import llama
 from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
 
-__all__ = ["CKPT_MAX", "CKPT_TAIL", "Job", "Slot", "common_prefix", "pick_slot", "window_kept"]
-
-# prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
-# step of their own so that the state before them can be kept (the server's checkpoint offset 4)
-CKPT_TAIL = 4
-CKPT_MAX = 4  # per slot; the oldest goes first
-
+__all__ = ["Job", "Slot", "common_prefix", "pick_slot"]
 
 class Job:
     """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
@@ -106,11 +98,3 @@ def pick_slot(slots: Sequence[Slot], job: Job, free: list[Slot], slot_similarity
             return best
     return min(free, key=lambda s: s.t_last_used)
 
-
-def window_kept(ctx: Context, seq_id: int, n_keep: int) -> bool:
-    """Whether sliding-window attention still holds what comes after the first ``n_keep`` positions needs."""
-    n_swa = 0 if ctx.params.swa_full else int(llama.llama_model_n_swa(ctx.model.ptr))
-    if n_swa <= 0:
-        return True
-    pos_min = ctx.memory.seq_pos_min(seq_id)
-    return pos_min == 0 or 0 < pos_min < n_keep - n_swa

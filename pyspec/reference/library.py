@@ -1,9 +1,9 @@
 """What the wrappers of the C++ side share: status checks and C views of Python values.
 
-libpyspec_ref (csrc/pyspec_ref.cpp, declared in decl/pyspec_ref.h) returns
-PYSPEC_REF_OK or a negative PYSPEC_REF_E_* status and keeps the message of the
-last failure per thread; :func:`check` turns a failure into the exception that
-pyspec.errors maps it to.
+libpyspec_ref (csrc/pyspec_ref*.cpp, declared in decl/pyspec_ref.h) returns
+PYSPEC_REF_OK or a negative PYSPEC_REF_E_* status (a pointer: NULL) and keeps the
+message of the last failure per thread; :func:`last_error` reads it and :func:`check`
+turns a failure into the exception that pyspec.errors maps it to.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from pyspec.core.handle import Handle
 from pyspec.errors import ref_error
 from pyspec.ffi import ffi, ref
 
-__all__ = ["ERR_LEN", "batch_ptr", "cdata_ptr", "check", "handles", "held", "held_all", "token_array", "token_ptr"]
+__all__ = ["batch_ptr", "cdata_ptr", "check", "handles", "held", "held_all", "last_error", "token_array", "token_ptr"]
 
-ERR_LEN = 1024  # bytes of the error message buffers handed to the C++
+
+def last_error() -> str:
+    """The message of the calling thread's last failure in libpyspec_ref (pyspec_ref_last_error; "" for none)."""
+    return ffi.string(ref.pyspec_ref_last_error()).decode(errors="replace")
 
 
 def check(rc: int, what: str) -> int:
@@ -31,7 +34,7 @@ def check(rc: int, what: str) -> int:
     ``what`` names the call only when the C++ left no message.
     """
     if rc < 0:
-        msg = ffi.string(ref.pyspec_ref_last_error()).decode(errors="replace")
+        msg = last_error()
         raise ref_error(rc, msg) if msg else ref_error(rc, what=what)
     return rc
 

@@ -18,7 +18,7 @@ from pyspec.core.handle import Handle, serialized
 from pyspec.core.model import Model
 from pyspec.errors import RefError, SpeculativeError
 from pyspec.ffi import c_const, ffi, ref
-from pyspec.reference.library import ERR_LEN, cdata_ptr, check, handles, held, token_array, token_ptr
+from pyspec.reference.library import cdata_ptr, check, handles, held, last_error, token_array, token_ptr
 
 __all__ = ["Candidates", "RefSampler", "sampling_params_struct"]
 
@@ -93,10 +93,9 @@ class RefSampler(Handle):
             check_sampling_params(params, model.vocab.n_tokens, model.n_ctx_train, model.vocab.ptr)
         p, _keep = sampling_params_struct(params)
 
-        err = ffi.new("char[]", ERR_LEN)
-        ptr = ref.pyspec_ref_sampler_init(cdata_ptr(model, "struct llama_model *"), p, err, ERR_LEN)
+        ptr = ref.pyspec_ref_sampler_init(cdata_ptr(model, "struct llama_model *"), p)
         if ptr == ffi.NULL:
-            raise RefError(ffi.string(err).decode(errors="replace") or "common_sampler_init failed")
+            raise RefError(last_error() or "common_sampler_init failed")
         self.own(ptr, ref.pyspec_ref_sampler_free, handles(model))
         self.n_vocab = int(ref.pyspec_ref_sampler_n_vocab(ptr))
         # common_sampler_init turns backend sampling off when a grammar is set
@@ -172,9 +171,8 @@ class RefSampler(Handle):
         ptr = self.ptr
         token = _as_ref_error(check_token, int(token), self.n_vocab)
         if accept_grammar:
-            err = ffi.new("char[]", ERR_LEN)
-            if ref.pyspec_ref_sampler_accept_check(ptr, token, err, ERR_LEN) != 0:
-                raise RefError(ffi.string(err).decode(errors="replace"), c_const("PYSPEC_REF_E_EXCEPTION"))
+            if ref.pyspec_ref_sampler_accept_check(ptr, token) != 0:
+                raise RefError(last_error(), c_const("PYSPEC_REF_E_EXCEPTION"))
         check(ref.pyspec_ref_sampler_accept(ptr, token, accept_grammar), "accept")
 
     @serialized

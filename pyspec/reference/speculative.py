@@ -2,7 +2,7 @@
 
 Thin wrappers over libpyspec_ref, which compiles the vendored llama.cpp
 ``common/speculative.cpp`` unchanged (its patches are listed at the top of
-csrc/pyspec_ref.cpp). The parity harness runs these beside the Python port on
+csrc/pyspec_ref_speculative.cpp). The parity harness runs these beside the Python port on
 identically made contexts and compares them call by call.
 
 Every failure of the C++ side (a ``throw``, or a GGML_ASSERT precondition that
@@ -24,7 +24,7 @@ from pyspec.common.speculative import DraftRequest
 from pyspec.core.handle import Handle, serialized
 from pyspec.errors import RefError
 from pyspec.ffi import c_const, ffi, ref
-from pyspec.reference.library import ERR_LEN, batch_ptr, cdata_ptr, check, handles, held_all, token_array, token_ptr
+from pyspec.reference.library import batch_ptr, cdata_ptr, check, handles, held_all, last_error, token_array, token_ptr
 
 __all__ = ["RefSpeculative", "spec_all_types_str", "spec_params_struct", "spec_type_from_name", "spec_type_name_str",
            "spec_type_str", "spec_types_from_names"]
@@ -144,10 +144,9 @@ class RefSpeculative(Handle):
         p, _keep = spec_params_struct(params)
         d = params.draft
 
-        err = ffi.new("char[]", ERR_LEN)
-        ptr = ref.pyspec_ref_spec_init(p, n_seq, err, ERR_LEN)
+        ptr = ref.pyspec_ref_spec_init(p, n_seq)
         if ptr == ffi.NULL:
-            msg = ffi.string(err).decode(errors="replace")
+            msg = last_error()
             if not msg:  # the C++ returned nullptr: status 0, see init()
                 raise RefError("no implementations specified for speculative decoding", 0)
             raise RefError(msg)

@@ -15,6 +15,8 @@ every endpoint but ``/health`` and the model list wants ``Authorization: Bearer 
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import json
 import time
 import uuid
@@ -33,7 +35,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pyspec.errors import BadRequest, PyspecError
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
-from pyspec.server.params import ServerDefaults, chat_request, completion_request, native_request
+from pyspec.server.params import (
+    ServerDefaults,
+    chat_request,
+    completion_request,
+    detokenize_request,
+    native_request,
+    parse_json,
+    slot_action_request,
+    slot_filename,
+    tokenize_request,
+)
 
 __all__ = ["create_app"]
 
@@ -48,20 +60,36 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 
 
 class _ApiKey:
-    """Refuses requests without ``Authorization: Bearer <key>`` (or ``X-Api-Key``), except the public endpoints."""
+    """Refuses requests without the key, except to the public endpoints, with llama-server's 401 body.
+
+    The key comes as ``Authorization: Bearer <key>`` (the scheme is required: a bare key there is
+    refused) or, when there is no Authorization header, as ``X-Api-Key: <key>`` (llama-server's
+    Anthropic-style header). It is compared in constant time (hmac.compare_digest), so the time a
+    refusal takes says nothing about how much of a guess was right.
+    """
 
     def __init__(self, app: ASGIApp, key: str | None) -> None:
         self.app = app
-        self.key = key
+        self.key = key.encode("utf-8") if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key and scope["type"] == "http" and scope["path"] not in _PUBLIC:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if given != self.key:
+        if self.key is not None and scope["type"] == "http" and scope["path"] not in _PUBLIC:
+            given = _presented_key(scope["headers"])
+            # compare_digest on bytes: constant time for equal lengths, and any bytes are allowed
+            if given is None or not hmac.compare_digest(given, self.key):
                 await _error(401, "Invalid API Key", "authentication_error")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request presents: the credentials of ``Authorization: Bearer ...``, else ``X-Api-Key``."""
+    auth = next((v for k, v in headers if k.lower() == b"authorization"), None)
+    if auth is not None:
+        scheme, _, credentials = auth.strip().partition(b" ")
+        # RFC 9110: the scheme is case-insensitive; anything but Bearer (or no scheme at all) is refused
+        return credentials.strip() if scheme.lower() == b"bearer" and credentials.strip() else None
+    return next((v.strip() for k, v in headers if k.lower() == b"x-api-key"), None)
 
 
 def _sse(obj: Any) -> bytes:
@@ -82,11 +110,7 @@ async def _body(req: HttpRequest) -> Any:
         if n > _MAX_BODY:
             raise _TooLarge
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        return json.loads(raw) if raw else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    return parse_json(b"".join(chunks))
 
 
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
@@ -195,43 +219,34 @@ class _Api:
         return JSONResponse(self.engine.slot_info())
 
     async def slot_action(self, req: HttpRequest) -> Response:
-        try:
-            slot_id = int(req.path_params["id"])
-        except ValueError:
-            raise BadRequest("slot id must be an integer") from None
-        action = req.query_params.get("action", "")
-        if action not in ("save", "restore", "erase"):
-            raise BadRequest("action must be save, restore or erase")
+        slot_id, action = slot_action_request(req.path_params["id"], req.query_params.get("action", ""),
+                                              self.engine.n_parallel)
         loop = asyncio.get_running_loop()
         if action == "erase":
             n = await loop.run_in_executor(None, self.engine.erase_slot, slot_id)
             return JSONResponse({"id_slot": slot_id, "n_erased": n})
         if self.slot_save_path is None:
             return _error(501, "slot files are off: start the server with --slot-save-path DIR", "not_supported_error")
-        body = await _body(req)
-        name = body.get("filename") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
-            raise BadRequest("'filename' must be a plain file name")
+        name = slot_filename(await _body(req))
         path = self.slot_save_path / name
-        if action == "save":
-            n = await loop.run_in_executor(None, self.engine.save_slot, slot_id, path)
-            return JSONResponse({"id_slot": slot_id, "filename": name, "n_saved": n})
-        if not path.is_file():
-            return _error(404, f"no slot file {name!r}", "not_found_error")
-        n = await loop.run_in_executor(None, self.engine.restore_slot, slot_id, path)
-        return JSONResponse({"id_slot": slot_id, "filename": name, "n_restored": n})
+        try:
+            if action == "save":
+                n = await loop.run_in_executor(None, self.engine.save_slot, slot_id, path)
+                return JSONResponse({"id_slot": slot_id, "filename": name, "n_saved": n})
+            if not path.is_file():
+                return _error(404, f"no slot file {name!r}", "not_found_error")
+            n = await loop.run_in_executor(None, self.engine.restore_slot, slot_id, path)
+            return JSONResponse({"id_slot": slot_id, "filename": name, "n_restored": n})
+        except OSError as e:
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            # a file system with a shorter limit than slot_filename's (or a long --slot-save-path)
+            raise BadRequest(f"'filename' is too long for the slot folder's file system: {e.strerror}") from None
 
     async def tokenize(self, req: HttpRequest) -> Response:
-        body = await _body(req)
-        if not isinstance(body, dict) or not isinstance(body.get("content"), str):
-            raise BadRequest("'content' must be a string")
-        add_special = body.get("add_special", False)
-        parse_special = body.get("parse_special", True)
-        with_pieces = body.get("with_pieces", False)
-        if not all(isinstance(v, bool) for v in (add_special, parse_special, with_pieces)):
-            raise BadRequest("'add_special', 'parse_special' and 'with_pieces' must be true or false")
+        content, add_special, parse_special, with_pieces = tokenize_request(await _body(req))
         vocab = self.engine.vocab
-        toks = vocab.tokenize(body["content"], add_special=add_special, parse_special=parse_special)
+        toks = vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
         if not with_pieces:
             return JSONResponse({"tokens": toks})
         out = []
@@ -245,14 +260,7 @@ class _Api:
         return JSONResponse({"tokens": out})
 
     async def detokenize(self, req: HttpRequest) -> Response:
-        body = await _body(req)
-        toks = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-            raise BadRequest("'tokens' must be a list of token ids")
-        n = self.engine.n_vocab
-        bad = [t for t in toks if not 0 <= t < n]
-        if bad:
-            raise BadRequest(f"token {bad[0]} is outside the vocabulary (0..{n - 1})")
+        toks = detokenize_request(await _body(req), self.engine.n_vocab)
         return JSONResponse({"content": self.engine.vocab.detokenize(toks)})
 
     def _native_final(self, c: Completion, n_probs: int, stream: bool) -> dict[str, Any]:

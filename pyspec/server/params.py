@@ -1,8 +1,11 @@
 """Request bodies of the HTTP API -> engine Requests: llama-server's native fields and OpenAI's, checked.
 
-Every field is checked for type and range before anything is queued; a bad
-one raises :class:`BadRequest` naming it (the server answers 400 and changes
-nothing). The names follow llama.cpp's tools/server/server-task.cpp
+The one place where the server reads what a client sent: the JSON body itself
+(:func:`parse_json`), the completion and chat fields, /tokenize, /detokenize and
+the slot actions and file names. Every field is checked for type and range
+before anything is queued or the file system is touched; a bad one raises
+:class:`BadRequest` naming it in quotes (the server answers 400 and changes
+nothing), so no value a client can send ends as a 500. The names follow llama.cpp's tools/server/server-task.cpp
 (``n_predict``, ``temperature``, ``top_k``, ``repeat_penalty``, ``n_probs``,
 ``cache_prompt``, ``id_slot``, ``speculative.n_max``...) and OpenAI's API
 (``max_tokens``, ``logprobs``, ``top_logprobs``, ``logit_bias``...).
@@ -11,15 +14,20 @@ nothing). The names follow llama.cpp's tools/server/server-task.cpp
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, cast
 
 from pyspec.common.params import LLAMA_DEFAULT_SEED, CommonParamsSampling
+from pyspec.core.grammar import check_grammar
 from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
 
-__all__ = ["ServerDefaults", "chat_request", "completion_request", "native_request"]
+__all__ = ["MAX_FILENAME_BYTES", "MAX_JSON_DEPTH", "ServerDefaults", "chat_request", "completion_request",
+           "detokenize_request", "native_request", "parse_json", "slot_action_request", "slot_filename",
+           "tokenize_request"]
 
 
 @dataclasses.dataclass
@@ -35,36 +43,100 @@ class ServerDefaults:
 
 _MISSING = object()
 
+MAX_JSON_DEPTH = 64  # nesting of a request body: every field is at most a few levels deep
+# a JSON integer with more digits than this is out of every field's range; reading it as an int
+# costs quadratic time and Python refuses more than 4300 digits with an error that names no field
+_MAX_INT_DIGITS = 64
 
-def _get(body: Mapping[str, Any], *names: str) -> Any:
-    for n in names:
-        if n in body and body[n] is not None:
-            return body[n]
-    return _MISSING
+
+def _json_int(text: str) -> int | float:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        return math.copysign(math.inf, -1.0 if text.startswith("-") else 1.0)  # refused by the field's check
+    return int(text)
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON (an empty body is ``{}``); BadRequest unless it is valid and at most
+    MAX_JSON_DEPTH levels deep (deeper values would exhaust the recursion of whatever reads them)."""
+    try:
+        body = json.loads(raw, parse_int=_json_int) if raw else {}
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(f"the body nests more than {MAX_JSON_DEPTH} levels deep")
+        for w in v.values() if isinstance(v, dict) else v if isinstance(v, list) else ():
+            if isinstance(w, (list, dict)):
+                stack.append((w, depth + 1))
+    return body
+
+
+def _text(name: str, v: str) -> str:
+    """v, unless it holds a lone surrogate (JSON's "\\ud800" escape), which has no UTF-8 form."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"'{name}' is not valid Unicode: {e.reason} at character {e.start}") from None
+    return v
+
+
+def _get(body: Mapping[str, Any], name: str) -> Any:
+    """The body's value of ``name``; _MISSING when it is absent or null (null is unset, as in llama-server)."""
+    v = body.get(name)
+    return _MISSING if v is None else v
+
+
+def _present(body: Mapping[str, Any], *names: str) -> list[tuple[str, Any]]:
+    """(name, value) of each of ``names`` (a field and its aliases) that the body sets: each is checked,
+    the first one given wins."""
+    return [(n, body[n]) for n in names if n in body and body[n] is not None]
 
 
 def _num(body: Mapping[str, Any], name: str, lo: float, hi: float, *aliases: str) -> float | None:
-    v = _get(body, name, *aliases)
-    if v is _MISSING:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{name}' must be a number")
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}")
-    return float(v)
+    out = [_check_num(n, v, lo, hi) for n, v in _present(body, name, *aliases)]
+    return out[0] if out else None
 
 
-def _int(body: Mapping[str, Any], name: str, lo: int, hi: int, *aliases: str) -> int | None:
-    v = _get(body, name, *aliases)
+def _check_num(name: str, v: Any, lo: float, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"'{name}' must be a number, got {_kind(v)}")
+    try:
+        f = float(v)  # an int too large for a float overflows here
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise BadRequest(f"'{name}' must be a finite number in [{lo}, {hi}], got {_kind(v)}")
+    if not lo <= f <= hi:
+        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {_kind(v)}")
+    return f
+
+
+def _kind(v: Any) -> str:
+    """v for an error message: numbers as they are, anything else by its JSON type."""
     if v is _MISSING:
-        return None
+        return "nothing"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return repr(v) if len(repr(v)) <= 40 else f"a number of {len(repr(v))} digits"
+    return {bool: "a boolean", str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(v), type(v).__name__)
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int, *aliases: str, label: str = "") -> int | None:
+    # label: the field's full name when body is a nested object
+    out = [_check_int(label or n, v, lo, hi) for n, v in _present(body, name, *aliases)]
+    return out[0] if out else None
+
+
+def _check_int(name: str, v: Any, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise BadRequest(f"'{name}' must be an integer")
+            raise BadRequest(f"'{name}' must be an integer in [{lo}, {hi}], got {_kind(v)}")
     if not lo <= v <= hi:
-        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {v}")
+        raise BadRequest(f"'{name}' must be in [{lo}, {hi}], got {_kind(v)}")
     return int(v)
 
 
@@ -73,7 +145,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if v is _MISSING:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be true or false")
+        raise BadRequest(f"'{name}' must be true or false, got {_kind(v)}")
     return v
 
 
@@ -82,10 +154,27 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if v is _MISSING:
         return []
     if isinstance(v, str):
-        return [v]
+        return [_text("stop", v)]
     if isinstance(v, list) and all(isinstance(w, str) for w in v):
-        return list(v)
+        return [_text("stop", w) for w in v]
     raise BadRequest("'stop' must be a string or a list of strings")
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}")
+
+
+def _token_id(tok: Any) -> int | None:
+    """A logit_bias key as a token id: an int, an integral float, or a string of decimal digits
+    (OpenAI's object keys); None for anything else (an inf, a bool, "1_0", " 1 ")."""
+    if isinstance(tok, bool):
+        return None
+    if isinstance(tok, int):
+        return tok
+    if isinstance(tok, float):
+        return int(tok) if tok.is_integer() else None  # is_integer() is False for inf and nan
+    if isinstance(tok, str) and _TOKEN_ID.fullmatch(tok):
+        return int(tok)
+    return None
 
 
 def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]] | None:
@@ -102,10 +191,10 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadRequest("'logit_bias' entries must be [token, bias]")
         tok, bias = item
-        try:
-            t = int(tok)
-        except (TypeError, ValueError):
-            raise BadRequest(f"'logit_bias': token {tok!r} is not a token id") from None
+        t = _token_id(tok)
+        if t is None:
+            raise BadRequest(f"'logit_bias': token {_kind(tok) if not isinstance(tok, str) else repr(tok[:40])}"
+                             " is not a token id")
         if not 0 <= t < n_vocab:
             raise BadRequest(f"'logit_bias': token {t} is outside the vocabulary (0..{n_vocab - 1})")
         if bias is False:
@@ -116,6 +205,76 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
             raise BadRequest(f"'logit_bias': bias for token {t} must be a number in [-100, 100] (or false)")
         out.append((t, b))
     return out
+
+
+# GBNF's escapes of a code point (llama-grammar.cpp parse_char): \xHH, \uHHHH, \UHHHHHHHH
+_GBNF_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_GBNF_SIMPLE = {"t": 9, "r": 13, "n": 10, "\\": 92, '"': 34, "[": 91, "]": 93}
+_MAX_CODE_POINT = 0x10FFFF
+
+
+def _gbnf_char(g: str, i: int) -> tuple[int, int]:
+    """The code point of the (possibly escaped) character at g[i], and the index after it."""
+    if g[i] == "\\" and i + 1 < len(g):
+        e = g[i + 1]
+        if e in _GBNF_ESCAPES:
+            n = _GBNF_ESCAPES[e]
+            digits = g[i + 2 : i + 2 + n]
+            if len(digits) == n and all(c in "0123456789abcdefABCDEF" for c in digits):
+                return int(digits, 16), i + 2 + n
+        return _GBNF_SIMPLE.get(e, ord(e)), i + 2
+    return ord(g[i]), i + 1
+
+
+def _grammar_nul(g: str) -> None:
+    """BadRequest if a literal or character class of ``g`` can only match NUL.
+
+    llama.cpp's grammar sampler ends every token's code points with a 0, so NUL is never matched:
+    such an element rejects every token, the sampler then picks a token the grammar refuses and
+    accepting it throws ("Unexpected empty grammar stack"): a 500 after the request was queued.
+    Only the element's lexical form is read here; llama.cpp's parser judges the rest.
+    """
+    i, n = 0, len(g)
+    while i < n:
+        c = g[i]
+        if c == "#":  # a comment, to the end of the line
+            while i < n and g[i] not in "\r\n":
+                i += 1
+        elif c == '"':
+            i += 1
+            while i < n and g[i] != '"':
+                cp, i = _gbnf_char(g, i)
+                if cp == 0:
+                    raise BadRequest("'grammar': a string literal holds NUL (\\x00), which no token can produce")
+            i += 1
+        elif c == "[":
+            i += 1
+            negated = i < n and g[i] == "^"
+            i += negated
+            ranges: list[tuple[int, int]] = []
+            while i < n and g[i] != "]":
+                lo, i = _gbnf_char(g, i)
+                hi = lo
+                if i + 1 < n and g[i] == "-" and g[i + 1] != "]":
+                    hi, i = _gbnf_char(g, i + 1)
+                ranges.append((lo, hi))
+            i += 1
+            if _only_nul(ranges, negated):
+                raise BadRequest("'grammar': a character class matches only NUL (\\x00), which no token can produce")
+        else:
+            i += 1
+
+
+def _only_nul(ranges: list[tuple[int, int]], negated: bool) -> bool:
+    """Whether a character class of these ranges matches NUL and nothing else."""
+    if not negated:
+        return bool(ranges) and all(hi <= 0 for _, hi in ranges) and any(lo <= 0 for lo, _ in ranges)
+    covered = 1  # the class leaves out every code point from 1 up to this one (exclusive)
+    for lo, hi in sorted(ranges):
+        if lo > covered:
+            break
+        covered = max(covered, hi + 1)
+    return covered > _MAX_CODE_POINT and not any(lo <= 0 <= hi for lo, hi in ranges)
 
 
 def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> CommonParamsSampling:
@@ -145,7 +304,12 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
     g = _get(body, "grammar")
     if g is not _MISSING:
         if not isinstance(g, str):
-            raise BadRequest("'grammar' must be a string (GBNF)")
+            raise BadRequest(f"'grammar' must be a string (GBNF), got {_kind(g)}")
+        _grammar_nul(_text("grammar", g))
+        try:
+            check_grammar(g)  # the engine checks it again with the vocabulary; this names the field
+        except ValueError as e:
+            raise BadRequest(f"'grammar': {e}") from None
         s.grammar = g
     lb = _logit_bias(body, n_vocab)
     if lb is not None:
@@ -154,8 +318,7 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
 
 
 def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> dict[str, Any]:
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
+    body = _object(body)
     n = _int(body, "n", 1, 1)  # one choice per request
     del n
     n_predict = _int(body, "n_predict", -1, 1 << 30, "max_completion_tokens", "max_tokens")
@@ -163,9 +326,11 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
     n_draft = _int(body, "speculative.n_max", 0, 1 << 16)
     n_draft_min = _int(body, "speculative.n_min", 0, 1 << 16)
     spec = _get(body, "speculative")
+    if spec is not _MISSING and not isinstance(spec, Mapping):
+        raise BadRequest(f"'speculative' must be an object {{\"n_max\": ..., \"n_min\": ...}}, got {_kind(spec)}")
     if isinstance(spec, Mapping):
-        n_draft = _int(spec, "n_max", 0, 1 << 16) if n_draft is None else n_draft
-        n_draft_min = _int(spec, "n_min", 0, 1 << 16) if n_draft_min is None else n_draft_min
+        n_draft = _int(spec, "n_max", 0, 1 << 16, label="speculative.n_max") if n_draft is None else n_draft
+        n_draft_min = _int(spec, "n_min", 0, 1 << 16, label="speculative.n_min") if n_draft_min is None else n_draft_min
     id_slot = _int(body, "id_slot", -1, n_parallel - 1, "slot_id")
     return {
         "n_predict": d.n_predict if n_predict is None else n_predict,
@@ -178,17 +343,76 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
     }
 
 
-def _prompt(body: Mapping[str, Any], name: str = "prompt") -> str | list[int]:
+def _prompt(body: Mapping[str, Any], n_vocab: int, name: str = "prompt") -> str | list[int]:
     p = _get(body, name)
     if p is _MISSING:
         raise BadRequest(f"'{name}' is required")
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one
     if isinstance(p, str):
-        return p
+        return _text(name, p)
     if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return list(p)
-    raise BadRequest(f"'{name}' must be a string or a list of token ids (one prompt per request)")
+        return _token_ids(name, p, n_vocab)
+    raise BadRequest(f"'{name}' must be a string or a list of token ids (one prompt per request), got {_kind(p)}")
+
+
+def _token_ids(name: str, toks: list[int], n_vocab: int) -> list[int]:
+    if not toks:
+        raise BadRequest(f"'{name}' is an empty list of tokens")
+    bad = next((t for t in toks if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise BadRequest(f"'{name}': token {_kind(bad)} is outside the vocabulary (0..{n_vocab - 1})")
+    return list(toks)
+
+
+def _texts(name: str, v: Any) -> None:
+    """_text over every string (keys too) inside a JSON value (its depth is bounded by parse_json)."""
+    if isinstance(v, str):
+        _text(name, v)
+    elif isinstance(v, Mapping):
+        for k, w in v.items():
+            _text(name, k)
+            _texts(name, w)
+    elif isinstance(v, list):
+        for w in v:
+            _texts(name, w)
+
+
+def _messages(body: Mapping[str, Any]) -> list[Any]:
+    msgs = _get(body, "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest(f"'messages' must be a non-empty list, got {_kind(msgs)}")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            # OpenAI's content parts: only text reaches a text model's template
+            for j, part in enumerate(content):
+                if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise BadRequest(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": string}}")
+        elif not isinstance(content, (str, type(None))):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts, got {_kind(content)}")
+        _texts(f"messages[{i}]", m)
+    return msgs
+
+
+# names the chat renderer passes itself (pyspec.generation.chat.render_chat / render_template):
+# a template kwarg of the same name would collide with them
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "template", "bos_token", "eos_token"})
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    kwargs = _get(body, "chat_template_kwargs")
+    if kwargs is _MISSING:
+        return None
+    if not isinstance(kwargs, Mapping):
+        raise BadRequest(f"'chat_template_kwargs' must be an object, got {_kind(kwargs)}")
+    clash = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if clash:
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(clash)} (the request's own fields set them)")
+    _texts("chat_template_kwargs", kwargs)
+    return dict(cast(Mapping[str, Any], kwargs))
 
 
 def _finish(req: Request) -> Request:
@@ -201,7 +425,7 @@ def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_p
     """llama-server's /completion body -> (Request, stream)."""
     c = _common(body, d, n_vocab, n_parallel)
     n_probs = _int(body, "n_probs", 0, 100) or 0
-    req = Request(prompt=_prompt(body), n_probs=n_probs, add_special=True, parse_special=True, **c)
+    req = Request(prompt=_prompt(body, n_vocab), n_probs=n_probs, add_special=True, parse_special=True, **c)
     return _finish(req), _bool(body, "stream", False)
 
 
@@ -212,28 +436,82 @@ def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int,
     if _bool(body, "echo", False):
         raise BadRequest("'echo' is not supported")
     n_probs = _int(body, "logprobs", 0, 20) or 0
-    req = Request(prompt=_prompt(body), n_probs=n_probs, add_special=True, parse_special=True, **c)
+    req = Request(prompt=_prompt(body, n_vocab), n_probs=n_probs, add_special=True, parse_special=True, **c)
     return _finish(req), _bool(body, "stream", False)
 
 
 def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> tuple[Request, bool]:
     """OpenAI's /v1/chat/completions body -> (Request, stream)."""
     c = _common(body, d, n_vocab, n_parallel)
-    msgs = _get(body, "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
-        if not isinstance(m.get("content", ""), (str, list, type(None))):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
+    msgs = _messages(body)
     n_probs = 0
     if _bool(body, "logprobs", False):
         n_probs = _int(body, "top_logprobs", 0, 20) or 0
         n_probs = max(n_probs, 1)  # the chosen token's log-probability needs the row; top list trimmed later
-    kwargs = _get(body, "chat_template_kwargs")
-    if kwargs is not _MISSING and not isinstance(kwargs, Mapping):
-        raise BadRequest("'chat_template_kwargs' must be an object")
     req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                  chat_template_kwargs=None if kwargs is _MISSING else dict(cast(Mapping[str, Any], kwargs)), **c)
+                  chat_template_kwargs=_template_kwargs(body), **c)
     return _finish(req), _bool(body, "stream", False)
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise BadRequest(f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def tokenize_request(body: Any) -> tuple[str, bool, bool, bool]:
+    """llama-server's /tokenize body -> (content, add_special, parse_special, with_pieces)."""
+    body = _object(body)
+    content = _get(body, "content")
+    if not isinstance(content, str):
+        raise BadRequest(f"'content' must be a string, got {_kind(content)}")
+    return (_text("content", content), _bool(body, "add_special", False), _bool(body, "parse_special", True),
+            _bool(body, "with_pieces", False))
+
+
+def detokenize_request(body: Any, n_vocab: int) -> list[int]:
+    """llama-server's /detokenize body -> the token ids (each in the vocabulary)."""
+    toks = _get(_object(body), "tokens")
+    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise BadRequest("'tokens' must be a list of token ids")
+    return _token_ids("tokens", toks, n_vocab) if toks else []
+
+
+_SLOT_ID = re.compile(r"[0-9]{1,9}")
+
+
+def slot_action_request(slot_id: str, action: str, n_parallel: int) -> tuple[int, str]:
+    """/slots/{id}?action=... -> (slot id, action), both checked."""
+    if not _SLOT_ID.fullmatch(slot_id) or not 0 <= int(slot_id) < n_parallel:
+        raise BadRequest(f"the slot id must be an integer in [0, {n_parallel - 1}], got {slot_id[:40]!r}")
+    if action not in ("save", "restore", "erase"):
+        raise BadRequest(f"'action' must be save, restore or erase, got {action[:40]!r}")
+    return int(slot_id), action
+
+
+# the longest file name of common Linux file systems (NAME_MAX, as fs_validate_filename), less the
+# ".tmp" that the slot file writer appends to its temporary file (pyspec/core/slot_file.py)
+MAX_FILENAME_BYTES = 255 - len(".tmp")
+# what llama.cpp's fs_validate_filename refuses (common.cpp), besides path separators: control
+# characters, look-alikes of '.', '/' and '\', surrogates, U+FFFD, the BOM, and : * ? " < > |
+_FORBIDDEN_IN_FILENAME = re.compile(r'[\x00-\x1f\x7f-\x9f\uff0e\u2215\u2216\ud800-\udfff\ufffd\ufeff:*?"<>|/\\]')
+
+
+def slot_filename(body: Any) -> str:
+    """The 'filename' of a slot save / restore body: a plain file name in the slot folder.
+
+    Refused before anything touches the file system: an over-long name (the OS error would be a 500),
+    path separators and '..' (no escape from the folder), a leading '.', and what llama-server's
+    fs_validate_filename refuses.
+    """
+    name = _get(_object(body), "filename")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"'filename' must be a non-empty string, got {_kind(name)}")
+    if (m := _FORBIDDEN_IN_FILENAME.search(name)) is not None:
+        raise BadRequest(f"'filename' must be a plain file name: character U+{ord(m.group()):04X} is not allowed")
+    n_bytes = len(name.encode("utf-8"))
+    if n_bytes > MAX_FILENAME_BYTES:
+        raise BadRequest(f"'filename' is {n_bytes} bytes long, more than the {MAX_FILENAME_BYTES} allowed")
+    if name.startswith((".", " ")) or name.endswith((".", " ")) or ".." in name:
+        raise BadRequest("'filename' must be a plain file name: no leading '.' or ' ', trailing '.' or ' ', or '..'")
+    return name

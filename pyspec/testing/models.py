@@ -37,7 +37,7 @@ import os
 import struct
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ __all__ = [
     "make_eagle3",
     "make_mtp",
     "make_target",
+    "tiny_model_paths",
     "vocab_source",
     "write_empty",
     "write_llama",
@@ -731,6 +732,26 @@ def make_all() -> dict[str, Path]:
         "cyclic-eagle3": make_cyclic_eagle3(),
         "chat-target": make_chat_target(),
     }
+
+
+def tiny_model_paths(types: str | Sequence[Any] = "none") -> tuple[Path, Path | None]:
+    """(target, draft) of the tiny models for a set of speculative types, made on first use.
+
+    ``types``: names as :func:`pyspec.generation.contexts.parse_types` takes them, or the types
+    themselves (a union of several sets, as the bench loads, may hold two draft types: draft-mtp
+    wins, then draft-eagle3, as in ``draft_kind``). The target is the
+    tiny cyclic llama, whose greedy output repeats itself so n-gram drafts are accepted (the
+    tiny qwen35 MTP model for draft-mtp); the draft is its cyclic draft (draft-simple) or its
+    EAGLE3 head (draft-eagle3), else None. Pass them to the library as plain paths
+    (``load_models(types, model=target, draft=draft)``, ``Engine.load(target, draft=draft)``):
+    the library below the command line never imports this module.
+    """
+    from pyspec.generation.contexts import draft_kind, parse_types  # test support may import any layer
+
+    kind = draft_kind(parse_types(types) if isinstance(types, str) else list(types))
+    target = make_mtp() if kind == "mtp" else make_cyclic_target()
+    draft = {"draft": make_cyclic_draft, "eagle3": make_cyclic_eagle3}.get(kind)
+    return target, (draft() if draft is not None else None)
 
 
 # ---------------------------------------------------------------------------

@@ -13,6 +13,13 @@ When the vendored tree differs from the record (a new pin, a local edit),
 :func:`check` returns one :class:`Drift` per text that changed, naming the
 pyspec files to review; after the review, ``python -m pyspec.testing.upstream
 --update`` rewrites the record from the vendored tree.
+
+The C++ in ``csrc/`` compiles against llama.cpp's private headers too (``src/llama-context.h``,
+``src/llama-grammar.h``, ``common/sampling.h``, ...), whose structs and functions carry no
+API promise: :func:`unrecorded_includes` names every such header that a ``csrc/`` file
+includes without a row of the record that names that file, so that a new pin's changes to
+them are reviewed in the C++ that reads them. The public C headers (``include/``,
+``ggml/include/``) are checked declaration by declaration instead (pyspec.testing.abi).
 """
 
 from __future__ import annotations
@@ -23,12 +30,23 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RECORD", "Drift", "Source", "check", "digest", "extract", "read_record", "write_record"]
+__all__ = ["CSRC", "RECORD", "Drift", "Source", "check", "digest", "extract", "read_record", "unrecorded_includes",
+           "vendor_includes", "write_record"]
 
 RECORD = Path(__file__).resolve().parents[1] / "common" / "UPSTREAM.sha256"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+# llama.cpp's public C API: declared in pyspec/decl and compared with the headers by pyspec.testing.abi
+PUBLIC_DIRS = ("include/", "ggml/include/")
+# the include directories of the csrc targets in the llama.cpp tree, in the compiler's order
+# (CMakeLists.txt: ${LLAMA_DIR}/src, then those llama-common and llama export)
+_INCLUDE_DIRS = ("src", "common", "include", "ggml/include")
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+_CSRC_SUFFIXES = (".c", ".cpp", ".h")
 
 _HEADER = """\
-# sha256 of the upstream llama.cpp texts that pyspec mirrors, at the pinned revision.
+# sha256 of the upstream llama.cpp texts that pyspec mirrors, at the pinned revision, and of
+# the private llama.cpp headers that csrc/ includes (each row names the csrc files that include it).
 # Checked by tests/test_upstream_drift.py; rewrite with `python -m pyspec.testing.upstream --update`
 # only after the files named on the right were reviewed against the new upstream text.
 # <sha256>  <file in vendor/llama.cpp>[ :: <struct NAME | enum NAME | function NAME>]  -> <pyspec files>
@@ -155,6 +173,45 @@ def write_record(tree: Path, record: Path = RECORD) -> list[Source]:
     return new
 
 
+def vendor_includes(tree: Path, csrc: Path = CSRC) -> dict[str, list[str]]:
+    """The llama.cpp files that the ``csrc`` files include, each with the files that include it.
+
+    A quoted ``#include`` that resolves beside the including file is pyspec's own
+    (``pyspec_errbuf.h``, ``../pyspec/decl/...``); otherwise it is the first of the build's include
+    directories in ``tree`` that holds it (a name found in none, such as a generated file, is skipped).
+    Keys are paths in the tree (``src/llama-grammar.h``), values ``csrc/<name>`` in file order.
+    """
+    found: dict[str, list[str]] = {}
+    for f in sorted(csrc.iterdir()):
+        if f.suffix not in _CSRC_SUFFIXES or not f.is_file():
+            continue
+        for name in _INCLUDE.findall(f.read_text(encoding="utf-8")):
+            if (f.parent / name).exists():
+                continue
+            for d in _INCLUDE_DIRS:
+                if (tree / d / name).is_file():
+                    users = found.setdefault(f"{d}/{name}", [])
+                    if f"csrc/{f.name}" not in users:
+                        users.append(f"csrc/{f.name}")
+                    break
+    return found
+
+
+def unrecorded_includes(tree: Path, csrc: Path = CSRC, record: Path = RECORD) -> list[str]:
+    """Every private llama.cpp file (outside :data:`PUBLIC_DIRS`) that a ``csrc`` file includes
+    with no row of the record for that file that names the includer, as
+    ``"<path> (included by csrc/<name>)"``; [] when each is recorded."""
+    mirrors: dict[str, set[str]] = {}
+    for src in read_record(record):
+        mirrors.setdefault(src.path, set()).update(src.mirrors)
+    out = []
+    for path, users in vendor_includes(tree, csrc).items():
+        if path.startswith(PUBLIC_DIRS):
+            continue
+        out += [f"{path} (included by {u})" for u in users if u not in mirrors.get(path, set())]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from pyspec.testing.models import llama_cpp_dir
 
@@ -170,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     drifts = check(tree)
     for d in drifts:
         print(d)
-    if not drifts:
-        print(f"{tree}: every recorded upstream text is unchanged")
-    return 1 if drifts else 0
+    unrecorded = unrecorded_includes(tree)
+    for u in unrecorded:
+        print(f"{u}: a private llama.cpp header with no row naming the includer")
+    if not drifts and not unrecorded:
+        print(f"{tree}: every recorded upstream text is unchanged, every private header csrc/ includes is recorded")
+    return 1 if drifts or unrecorded else 0
 
 
 if __name__ == "__main__":
