@@ -235,7 +235,7 @@ static const float * plain_logits_row(llama_context * ctx, int32_t idx) {
     return llama_get_sampled_token_ith(ctx, idx) == LLAMA_TOKEN_NULL ? row : nullptr;
 }
 
-// The greedy shortcut of common_sampler_sample (pyspec.common.sampling) in one call: its
+// The greedy shortcut of common_sampler_sample (pyspec.fastpath.sampler) in one call: its
 // llama_synchronize; then, for a row of plain logits, the token the chain [top-k 1, dist]
 // selects, with cur_p left as that chain leaves it (data = buf, buf[0] = {id, logit, 1},
 // size 1, selected 0, sorted) and the time after the synchronization added to *t_us (if given).
@@ -332,7 +332,7 @@ bool pyspec_topk(const float * row, int32_t n, int32_t k, llama_token_data * buf
     return true;
 }
 
-// set_logits and the top-k sampler of common_sampler_sample (pyspec.common.sampling) for a
+// set_logits and the top-k sampler of common_sampler_sample (pyspec.fastpath.sampler) for a
 // chain [top-k k, dist] and a row of plain logits, without the vocabulary-sized candidate
 // array: pyspec_topk into buf, and cur_p = {buf, k, -1, sorted}. false, cur_p untouched, where
 // pyspec_topk is, for a backend-sampled row and for no row: the full path runs.

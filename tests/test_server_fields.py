@@ -205,12 +205,17 @@ def test_a_bad_field_is_a_400_naming_it(client, engine, slot_dir, path, body, fi
     assert list(slot_dir.iterdir()) == []  # nothing written, nothing restored from
 
 
+# NUL among other characters of a class, and an escaped backslash followed by the text x00: not NUL-only
+NOT_NUL_GRAMMAR = r'root ::= [a-z\x00]+ | "\\x00"'
+
+
 @pytest.mark.parametrize("path, body", [
     ("/completion", obj(*COMPLETION, '"temperature": 0.5', '"top_k": 40', '"seed": 4294967295',
                          '"logit_bias": {"5": false}')),
     ("/completion", obj(*COMPLETION, '"speculative": {"n_max": 0}, "stop": ["\\u0000"], "id_slot": -1')),
     ("/completion", obj(*COMPLETION, '"grammar": "root ::= [^\\"\\\\\\\\\\\\x7F\\\\x00-\\\\x1F]+"')),
     ("/completion", obj(*COMPLETION, '"n_predict": 2.0, "logit_bias": [[5, -1.5], ["6", false]]')),
+    ("/completion", obj(*COMPLETION, f'"grammar": {json.dumps(NOT_NUL_GRAMMAR)}')),
     ("/v1/chat/completions", obj(*CHAT, '"chat_template_kwargs": {"enable_thinking": false}, "logprobs": true')),
     ("/v1/chat/completions", '{"max_tokens": 2, "messages": [{"role": "user", "content": '
                              '[{"type": "text", "text": "hi"}]}]}'),

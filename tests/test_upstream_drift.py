@@ -44,7 +44,7 @@ def test_the_server_loop_row_names_the_engine_modules_and_the_cpp_loop_that_mirr
     rows = {s.name: s.mirrors for s in upstream.read_record()}
     server = rows["tools/server/server-context.cpp"]
     for mirror in ("pyspec/generation/engine.py", "pyspec/generation/slots.py", "pyspec/generation/output.py",
-                   "pyspec/generation/queue.py", "csrc/pyspec_loop.cpp"):
+                   "pyspec/generation/queue.py", "pyspec/generation/slot_memory.py", "csrc/pyspec_loop.cpp"):
         assert mirror in server
     assert "pyspec/generation/driver.py" not in server  # the driver only steps the engine
     # the C++ loop's checked twins of the two aborting memory helpers

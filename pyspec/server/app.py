@@ -110,7 +110,8 @@ async def _body(req: HttpRequest) -> Any:
         if n > _MAX_BODY:
             raise _TooLarge
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    # parsing and checking run in a worker thread: a large body costs that thread, not the event loop
+    return await asyncio.to_thread(parse_json, b"".join(chunks))
 
 
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
@@ -129,6 +130,11 @@ class _Api:
         self.created = int(time.time())
 
     # --- helpers ----------------------------------------------------------------
+
+    async def _request(self, build: Callable[[Any, ServerDefaults, int, int], tuple[Request, bool]],
+                       body: Any) -> tuple[Request, bool]:
+        """(Request, stream) from a body, checked in a worker thread (a long grammar or prompt is scanned there)."""
+        return await asyncio.to_thread(build, body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
 
     def _submit(self, req: Request) -> RequestHandle:
         try:
@@ -286,7 +292,7 @@ class _Api:
 
     async def completion(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = native_request(body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+        r, stream = await self._request(native_request, body)
         h = self._submit(r)
         if not stream:
             return JSONResponse(self._native_final(await self._wait(req, h), r.n_probs, False))
@@ -304,7 +310,7 @@ class _Api:
 
     async def v1_completions(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = completion_request(body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+        r, stream = await self._request(completion_request, body)
         h = self._submit(r)
         cid = f"cmpl-{uuid.uuid4().hex}"
 
@@ -350,7 +356,7 @@ class _Api:
 
     async def v1_chat(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = chat_request(body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+        r, stream = await self._request(chat_request, body)
         n_top = int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0
         h = self._submit(r)
         cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -226,6 +226,28 @@ def _gbnf_char(g: str, i: int) -> tuple[int, int]:
     return ord(g[i]), i + 1
 
 
+# what a NUL-only element needs: a NUL escape or character, or (a negated class) an escape or
+# character at the top of the code space; a grammar without any is passed over in one search
+_MAY_NEED_NUL = re.compile(r"\\x00|\\u0000|\\U|\x00|\U0010ffff")
+# a string literal, a character class, a comment (llama-grammar.cpp's parse_sequence / parse_space)
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*', re.DOTALL)
+
+
+_LITERAL_NUL = re.compile(r"\\x00|\\u0000|\\U00000000|\x00")
+_GBNF_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+
+
+def _literal_has_nul(body: str) -> bool:
+    if "\0" in body:
+        return True
+    # escape by escape, left to right: in \\x00 the first escape is a backslash, then comes the text x00
+    for m in _GBNF_ESCAPE.finditer(body):
+        digits = m.group(1) or m.group(2) or m.group(3)
+        if digits is not None and int(digits, 16) == 0:
+            return True
+    return False
+
+
 def _grammar_nul(g: str) -> None:
     """BadRequest if a literal or character class of ``g`` can only match NUL.
 
@@ -234,35 +256,28 @@ def _grammar_nul(g: str) -> None:
     accepting it throws ("Unexpected empty grammar stack"): a 500 after the request was queued.
     Only the element's lexical form is read here; llama.cpp's parser judges the rest.
     """
-    i, n = 0, len(g)
-    while i < n:
-        c = g[i]
-        if c == "#":  # a comment, to the end of the line
-            while i < n and g[i] not in "\r\n":
-                i += 1
-        elif c == '"':
-            i += 1
-            while i < n and g[i] != '"':
-                cp, i = _gbnf_char(g, i)
-                if cp == 0:
-                    raise BadRequest("'grammar': a string literal holds NUL (\\x00), which no token can produce")
-            i += 1
-        elif c == "[":
-            i += 1
-            negated = i < n and g[i] == "^"
-            i += negated
-            ranges: list[tuple[int, int]] = []
-            while i < n and g[i] != "]":
-                lo, i = _gbnf_char(g, i)
-                hi = lo
-                if i + 1 < n and g[i] == "-" and g[i + 1] != "]":
-                    hi, i = _gbnf_char(g, i + 1)
-                ranges.append((lo, hi))
-            i += 1
-            if _only_nul(ranges, negated):
-                raise BadRequest("'grammar': a character class matches only NUL (\\x00), which no token can produce")
-        else:
-            i += 1
+    if _MAY_NEED_NUL.search(g) is None:
+        return
+    for m in _GBNF_TOKEN.finditer(g):
+        t = m.group()
+        if t[0] == "#" or _MAY_NEED_NUL.search(t) is None:
+            continue
+        body = t[1:-1] if len(t) > 1 and t[-1] == t[0].replace("[", "]") else t[1:]
+        if t[0] == '"':
+            if _LITERAL_NUL.search(body) is not None and _literal_has_nul(body):
+                raise BadRequest("'grammar': a string literal holds NUL (\\x00), which no token can produce")
+            continue
+        negated = body.startswith("^")
+        i = int(negated)
+        ranges: list[tuple[int, int]] = []
+        while i < len(body):
+            lo, i = _gbnf_char(body, i)
+            hi = lo
+            if i + 1 < len(body) and body[i] == "-":
+                hi, i = _gbnf_char(body, i + 1)
+            ranges.append((lo, hi))
+        if _only_nul(ranges, negated):
+            raise BadRequest("'grammar': a character class matches only NUL (\\x00), which no token can produce")
 
 
 def _only_nul(ranges: list[tuple[int, int]], negated: bool) -> bool:
@@ -305,11 +320,13 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
     if g is not _MISSING:
         if not isinstance(g, str):
             raise BadRequest(f"'grammar' must be a string (GBNF), got {_kind(g)}")
-        _grammar_nul(_text("grammar", g))
         try:
-            check_grammar(g)  # the engine checks it again with the vocabulary; this names the field
+            # the engine checks it again with the vocabulary; this names the field, and bounds the
+            # text's size before the scan below
+            check_grammar(_text("grammar", g))
         except ValueError as e:
             raise BadRequest(f"'grammar': {e}") from None
+        _grammar_nul(g)
         s.grammar = g
     lb = _logit_bias(body, n_vocab)
     if lb is not None:
