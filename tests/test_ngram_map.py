@@ -339,3 +339,51 @@ def test_key_map_add_in_python_and_numpy_fills_as_the_loop(count):
                 want[h] = j
         _key_map_add(m, tokens, j_lo + count, j_lo, n)
         assert m.key_map.tolist() == want.tolist()
+
+
+# --- shrink cleanup (upstream 0c1e57098; issue 25) -------------------------------------------
+
+# a first request on sequence 0, then a later one whose history is shorter than the first's
+_SHRINK_FIRST = [0, 4, 0, 1, 3, 4, 1, 0, 1, 1, 2, 4, 2, 3, 2, 1, 4, 3, 1, 2, 4, 0, 1, 3, 4]
+_SHRINK_LATER = [4, 4, 0, 1, 4, 2, 0, 4, 0]
+
+
+def _first_request(mp: CommonNgramMap) -> list[list[int]]:
+    # begin, then 8 draft/accept steps that each keep the first drafted token (or the last one again)
+    drafts: list[list[int]] = []
+    hist = _SHRINK_FIRST[:-1]
+    common_ngram_map_begin(mp, hist)
+    sampled = _SHRINK_FIRST[-1]
+    for _ in range(8):
+        d: list[int] = []
+        common_ngram_map_draft(mp, hist, sampled, d)
+        common_ngram_map_accept(mp, len(d))
+        drafts.append(d)
+        hist = [*hist, sampled]
+        sampled = d[0] if d else sampled
+    return drafts
+
+
+@pytest.mark.parametrize("key_only", [True, False], ids=["map-k", "map-k4v"])
+def test_map_begin_with_a_shorter_history_drops_the_keys_past_its_end(key_only):
+    # the old pin kept the keys in [new size, last begin) and read past the history (IndexError);
+    # now begin cleans up from size_begin - size_key - size_value = 8 - 2 - 3 = 3
+    mp = CommonNgramMap(2, 3, key_only, 1)
+    _first_request(mp)
+    assert any(k.key_idx >= 8 for k in mp.keys)
+    common_ngram_map_begin(mp, _SHRINK_LATER[:-1])
+    assert all(k.key_idx < 3 for k in mp.keys)
+    assert all(int(i) == 0 or int(i) < 3 for i in mp.key_map)
+    assert mp.key_map_last_idx == 2
+    assert mp.size_last_begin == mp.idx_last_check == 8
+
+
+@pytest.mark.parametrize("key_only", [True, False], ids=["map-k", "map-k4v"])
+def test_map_later_request_with_a_shorter_history_drafts_without_index_error(key_only):
+    mp = CommonNgramMap(2, 3, key_only, 1)
+    assert _first_request(mp)[:3] == [[1, 0, 1], [0, 1, 1], [1, 1, 2]]
+    common_ngram_map_begin(mp, _SHRINK_LATER[:-1])
+    d: list[int] = []
+    common_ngram_map_draft(mp, _SHRINK_LATER[:-1], _SHRINK_LATER[-1], d)
+    # the later request finds [4, 0] at index 1 of its own history and copies the 3 tokens after it
+    assert d == [1, 4, 2]

@@ -290,6 +290,16 @@ def common_ngram_map_begin(map: CommonNgramMap, tokens: TokenSequence) -> None:
     logger.debug("common_ngram_map_begin: begin, idx_last_draft=%d, new begin=%d, #keys=%d",
                  map.idx_last_check, size_begin, len(map.keys))
 
+    idx_begin_cleanup = map.size_last_begin
+    if idx_begin_cleanup > size_begin:
+        # a shorter history than the last begin (a later request on the same sequence): the
+        # entries of the last size_key + size_value tokens are cleaned up too
+        if size_begin > map.size_key + map.size_value:
+            idx_begin_cleanup = size_begin - map.size_key - map.size_value
+        else:
+            idx_begin_cleanup = 0
+        logger.info("common_ngram_map_begin: shrink cleanup begin: %d -> %d", map.size_last_begin, idx_begin_cleanup)
+
     count_map_entries_upd = 0
     if map.key_map.size != 0 and size_begin < map.idx_last_check:
         if map.show_key_map_stats:
@@ -302,25 +312,21 @@ def common_ngram_map_begin(map: CommonNgramMap, tokens: TokenSequence) -> None:
                         count_nonzero, min_idx, max_idx, map.key_map_last_idx)
 
         # Update the map from hash to key index (clear outdated entries).
-        outdated = map.key_map >= map.size_last_begin
+        outdated = (map.key_map != 0) & (map.key_map >= idx_begin_cleanup)
         count_map_entries_upd += int(np.count_nonzero(outdated))
         map.key_map[outdated] = 0
-        map.key_map_last_idx = (map.size_last_begin - 1 if map.size_last_begin > 0 else 0) & UINT32_MAX
+        map.key_map_last_idx = (idx_begin_cleanup - 1 if idx_begin_cleanup > 0 else 0) & UINT32_MAX
 
     if size_begin < map.idx_last_check and len(map.keys) != 0:
-        # The next token generation will start at index size_begin.
-        # The tokens between map.size_last_begin and size_begin are no longer valid.
-        #
-        # Refresh map: Remove all entries with index >= map.size_last_begin.
         count_keys = len(map.keys)
         count_keys_del = 0
         count_values_del = 0
         for i in range(len(map.keys) - 1, -1, -1):
             key = map.keys[i]
-            if key.key_idx >= map.size_last_begin:
+            if key.key_idx >= idx_begin_cleanup:
                 # Delete the key.
-                logger.debug("common_ngram_map_begin: delete key %d at index %d (>= size_last_begin=%d)",
-                             i, key.key_idx, map.size_last_begin)
+                logger.debug("common_ngram_map_begin: delete key %d at index %d (>= idx_begin_cleanup=%d)",
+                             i, key.key_idx, idx_begin_cleanup)
                 del map.keys[i]
                 count_keys_del += 1
                 continue
@@ -330,7 +336,7 @@ def common_ngram_map_begin(map: CommonNgramMap, tokens: TokenSequence) -> None:
             # Check the indices of the values.
             for j in range(COMMON_NGRAM_MAX_VALUES - 1, -1, -1):
                 value = key.values[j]
-                if value.value_idx >= map.size_last_begin:
+                if value.value_idx != 0 and value.value_idx >= idx_begin_cleanup:
                     # Delete the value.
                     count_values_del += 1
 
