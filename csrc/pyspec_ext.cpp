@@ -68,6 +68,40 @@ uint32_t pyspec_model_target_layer_ids_n(const llama_model * model) {
     return llama_model_target_layer_ids_n(model);
 }
 
+// the MTP graphs GGML_ASSERT 0 <= offset < n_layer_nextn when they are built: refused here
+// (-1, message in pyspec_ext_last_error), where Python can still be told
+int32_t pyspec_set_nextn_layer_offset(llama_context * ctx, int32_t offset) {
+    const int32_t n = (int32_t) llama_get_model(ctx)->hparams.n_layer_nextn;
+    if (offset < 0 || (offset > 0 && offset >= n)) {
+        return pyspec::fail(-1, "nextn layer offset %d out of range [0, %d)", (int) offset, (int) std::max(n, 1));
+    }
+    llama_set_nextn_layer_offset(ctx, offset);
+    return 0;
+}
+
+int32_t pyspec_model_dflash_selector_top_k(const llama_model * model) {
+    return llama_model_dflash_selector_top_k(model);
+}
+
+// llama_model_get_tok_embd, without its aborts (more than UINT32_MAX elements, a tensor
+// type it cannot dequantize): 0 with the message in pyspec_ext_last_error instead
+uint32_t pyspec_model_get_tok_embd(const llama_model * model, float * out) {
+    const ggml_tensor * t = model->tok_embd;
+    if (t != nullptr && model->vocab.n_tokens() != 0) {
+        if ((uint64_t) ggml_nelements(t) > UINT32_MAX) {
+            pyspec::fail(-1, "token embedding matrix of %lld elements", (long long) ggml_nelements(t));
+            return 0;
+        }
+        const ggml_type ty = t->type;
+        if (out != nullptr && ty != GGML_TYPE_F32 && ty != GGML_TYPE_F16 && ty != GGML_TYPE_BF16 &&
+            !(ggml_is_quantized(ty) && ggml_get_type_traits(ty)->to_float != nullptr)) {
+            pyspec::fail(-1, "unsupported tensor type for dequantization: %s", ggml_type_name(ty));
+            return 0;
+        }
+    }
+    return llama_model_get_tok_embd(model, out);
+}
+
 // The most recurrent-state snapshots per sequence (n_rs_seq) a context of `model` can
 // be made with. Each snapshot adds three tensors per recurrent layer to every graph
 // (build_conv_state in src/models/delta-net-base.cpp), and a graph's ggml context holds

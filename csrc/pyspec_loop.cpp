@@ -160,7 +160,14 @@ struct loop {
         if (id < 0 || id >= llama_vocab_n_tokens(vocab)) {
             fail(PYSPEC_REF_E_RANGE, "token %d is outside the vocabulary (0..%d)", (int) id, llama_vocab_n_tokens(vocab) - 1);
         }
-        common_batch_add(batch, id, pos, { seq_id }, logits);
+        // the previous pin's common_batch_add (common.cpp now has common_batch over
+        // llama_batch_ext): this loop keeps a llama_batch and llama_decode, as before the bump
+        batch.token   [batch.n_tokens]    = id;
+        batch.pos     [batch.n_tokens]    = pos;
+        batch.n_seq_id[batch.n_tokens]    = 1;
+        batch.seq_id  [batch.n_tokens][0] = seq_id;
+        batch.logits  [batch.n_tokens]    = logits;
+        batch.n_tokens++;
     }
 
     void decode_tgt() {
@@ -264,7 +271,7 @@ struct loop {
                 pyspec_ref_draft_request r = {};
                 r.seq_id   = s->id;
                 r.n_max    = n_max;
-                r.n_past   = (llama_pos) s->tokens.size();
+                r.pos0     = (llama_pos) s->tokens.size();
                 r.id_last  = s->sampled;
                 r.prompt   = s->tokens.data();
                 r.n_prompt = (int32_t) s->tokens.size();
@@ -320,7 +327,7 @@ struct loop {
         }
 
         // one batch for all sequences: [sampled, draft...] each (the server's update_batch)
-        common_batch_clear(batch);
+        batch.n_tokens = 0; // the previous pin's common_batch_clear
         for (slot * s : active) {
             const llama_pos pos0 = (llama_pos) s->tokens.size();
             if (s->spec_draft.empty()) {

@@ -14,31 +14,23 @@
 //
 // ---- Patches: where this build differs from upstream's speculative.cpp -------
 //
-// 1. eagle3-batch-rows: a namespace-local llama_batch_init (below), found first by
-//    the unqualified calls inside the namespace, gives every batch with embeddings
-//    room for 4 x n_tokens rows and zeroes it. Why: the EAGLE3 implementation
-//    allocates its decoder batch with n_embd_dec floats per row, but
-//    llama_context::decode strides embedding rows by n_embd_inp (3 x n_embd_tgt
-//    for EAGLE3) once a draft decode splits into several ubatches (n_ubatch <
-//    n_batch, or per-sequence ubatches over separate KV streams), so upstream
-//    reads past the end of its allocation there (valgrind: invalid reads) and its
-//    drafts depend on whatever lies beyond. With the patch those reads stay in
-//    bounds and read zeros; the Python port over-allocates its zeroed batch the
-//    same way, so both sides stay token-identical in that ill-defined case. It
-//    changes nothing where upstream is well defined (one ubatch per draft decode:
-//    n_ubatch >= n_batch on a unified KV cache). MTP's batch gets the same extra
-//    zeroed room, which its decodes never read (its rows are as wide as
-//    llama_decode strides them); draft-simple's batch has no embeddings.
+// None at this revision. Patch 1 of the previous pin (eagle3-batch-rows: a
+// namespace-local llama_batch_init giving EAGLE3's decoder batch 4 x n_tokens zeroed
+// rows) is dropped: the EAGLE3 code no longer calls llama_batch_init, it fills a
+// common_batch whose rows are copied into a llama_batch_ext with their own width
+// (llama_embd.n_embd, checked against the model's input width by
+// llama_batch_ext::set_token_embd), and llama_batch_allocr strides ubatch rows by
+// that same width, so the out-of-bounds read of a split draft decode no longer exists.
 //
-// No other line of the reference is changed. Building with -DPYSPEC_REF_NO_PATCH
-// (CMake target pyspec_ref_nopatch, installed as pyspec/lib/nopatch/libpyspec_ref.so)
-// leaves out every patch: the reference is then upstream's code exactly, and
-// tests/test_parity_nopatch.py shows the port equal to it where upstream is well
-// defined. pyspec_ref_patches() names the patches compiled in.
+// The mechanism stays: building with -DPYSPEC_REF_NO_PATCH (CMake target
+// pyspec_ref_nopatch, installed as pyspec/lib/nopatch/libpyspec_ref.so) leaves out
+// every patch, and pyspec_ref_patches() names the patches compiled in ("" now, in
+// both builds); tests/test_parity_nopatch.py shows the port equal to upstream's code.
 //
 
 #include "common.h"
 #include "ggml.h"
+#include "ggml-cpp.h"
 #include "llama.h"
 #include "log.h"
 #include "ngram-cache.h"
@@ -53,6 +45,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cinttypes>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -67,19 +60,6 @@
 #include <vector>
 
 namespace pyspec_ref_impl {
-
-#ifndef PYSPEC_REF_NO_PATCH
-// patch 1, eagle3-batch-rows (see the list at the top of this file)
-static llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max) {
-    constexpr int32_t pad = 4;
-    llama_batch batch = ::llama_batch_init(embd ? n_tokens * pad : n_tokens, embd, n_seq_max);
-    if (batch.embd != nullptr) {
-        std::memset(batch.embd, 0, sizeof(float) * (size_t) n_tokens * pad * embd);
-    }
-    return batch;
-}
-#endif
-
 #include "speculative.cpp"
 } // namespace pyspec_ref_impl
 
@@ -93,6 +73,7 @@ struct pyspec_ref_spec {
     ref::common_speculative * spec = nullptr;
     uint32_t n_seq = 0;
     int32_t  n_max = 0;
+    llama_context * ctx_tgt = nullptr; // the batch of process() was decoded on it
 
     // storage behind the draft params' prompt / result pointers
     std::vector<llama_tokens> prompts;
@@ -210,14 +191,54 @@ static std::string check_spec_params(const common_params_speculative & p) {
 
 static const char * spec_type_names[COMMON_SPECULATIVE_TYPE_COUNT + 1] = {};
 
+// common_speculative_process takes a common_batch at this revision; pyspec's C ABI
+// keeps the llama_batch that Python decoded, rebuilt here row by row with llama_batch's
+// defaults (no logits array: only the last row is an output; no pos array: positions
+// continue from the target memory, as llama_batch_ext's compat path does). Embedding
+// rows are as wide as the target model's input; common_batch keeps views, not copies.
+static common_batch to_common_batch(const pyspec_ref_spec * spec, const llama_batch & b) {
+    llama_context * ctx = spec->ctx_tgt;
+    common_batch cb = ctx != nullptr ? common_batch(ctx) : common_batch();
+    const size_t n_embd = ctx != nullptr ? (size_t) llama_model_n_embd_inp(llama_get_model(ctx)) : 0;
+    std::vector<llama_pos> pos_next;
+    if (b.pos == nullptr && ctx != nullptr) {
+        pos_next.resize(llama_n_seq_max(ctx));
+        for (size_t s = 0; s < pos_next.size(); ++s) {
+            pos_next[s] = llama_memory_seq_pos_max(llama_get_memory(ctx), (llama_seq_id) s) + 1;
+        }
+    }
+    for (int32_t i = 0; i < b.n_tokens; ++i) {
+        const llama_seq_id seq0 = b.seq_id != nullptr && b.n_seq_id != nullptr && b.n_seq_id[i] > 0 ? b.seq_id[i][0] : 0;
+        const bool output = b.logits != nullptr ? b.logits[i] != 0 : i == b.n_tokens - 1;
+        std::array<llama_pos, GGML_MROPE_SECTIONS> pos = {};
+        if (b.pos != nullptr) {
+            for (int32_t j = 0; j < (b.token != nullptr ? 1 : cb.n_pos); ++j) {
+                pos[j] = b.pos[(size_t) j * b.n_tokens + i]; // M-RoPE embeddings: section-major
+            }
+        } else if (seq0 >= 0 && (size_t) seq0 < pos_next.size()) {
+            pos[0] = pos_next[seq0]++;
+        }
+        const llama_embd embd = { b.embd != nullptr ? b.embd + (size_t) i * n_embd : nullptr, 1, n_embd };
+        int32_t idx;
+        if (b.token != nullptr) {
+            idx = cb.add(b.token[i], pos[0], seq0, output);
+            if (embd.data != nullptr) {
+                cb.set_embd(idx, embd);
+            }
+        } else {
+            idx = cb.add_embd(embd, pos.data(), seq0, output);
+        }
+        for (int32_t k = 1; b.seq_id != nullptr && b.n_seq_id != nullptr && k < b.n_seq_id[i]; ++k) {
+            cb.add_seq(idx, b.seq_id[i][k]);
+        }
+    }
+    return cb;
+}
+
 extern "C" {
 
 const char * pyspec_ref_patches(void) {
-#ifdef PYSPEC_REF_NO_PATCH
-    return "";
-#else
-    return "eagle3-batch-rows";
-#endif
+    return ""; // no patch at this revision (see the list at the top of this file)
 }
 
 void pyspec_ref_spec_params_default(pyspec_ref_spec_params * out) {
@@ -366,6 +387,7 @@ pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, ui
         auto res = std::make_unique<pyspec_ref_spec>();
         res->n_seq = n_seq;
         res->n_max = ref::common_speculative_n_max(&p);
+        res->ctx_tgt = p.draft.ctx_tgt;
         res->spec  = ref::common_speculative_init(p, n_seq);
         if (res->spec == nullptr) {
             return nullptr; // no implementation selected: err stays ""
@@ -474,18 +496,40 @@ int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
     }
 
     return guarded([&] {
-        return ref::common_speculative_process(spec->spec, b) ? 1 : 0;
+        const common_batch cb = to_common_batch(spec, b);
+        return ref::common_speculative_process(spec->spec, cb) ? 1 : 0;
     });
 }
 
-int pyspec_ref_spec_need_embd(pyspec_ref_spec * spec) {
+int32_t pyspec_ref_spec_n_max_effective(const pyspec_ref_spec * spec) {
     REQUIRE_SPEC(spec);
-    return guarded([&] { return ref::common_speculative_need_embd(spec->spec) ? 1 : 0; });
+    return ref::common_speculative_n_max(spec->spec);
 }
 
-int pyspec_ref_spec_need_embd_nextn(pyspec_ref_spec * spec) {
+int64_t pyspec_ref_spec_get_state(pyspec_ref_spec * spec, llama_seq_id seq_id, uint8_t * out, size_t out_cap) {
     REQUIRE_SPEC(spec);
-    return guarded([&] { return ref::common_speculative_need_embd_nextn(spec->spec) ? 1 : 0; });
+    REQUIRE_SEQ(spec, seq_id);
+    REQUIRE(out_cap == 0 || out != nullptr, PYSPEC_REF_E_NULL, "invalid output buffer");
+    int64_t n = 0;
+    const int rc = guarded([&] {
+        std::vector<uint8_t> data;
+        if (ref::common_speculative_get_state(spec->spec, seq_id, data)) {
+            std::copy(data.begin(), data.begin() + std::min(data.size(), out_cap), out);
+            n = (int64_t) data.size();
+        }
+        return (int) PYSPEC_REF_OK;
+    });
+    return rc < 0 ? rc : n;
+}
+
+int pyspec_ref_spec_set_state(pyspec_ref_spec * spec, llama_seq_id seq_id, const uint8_t * data, size_t n) {
+    REQUIRE_SPEC(spec);
+    REQUIRE_SEQ(spec, seq_id);
+    REQUIRE(n == 0 || data != nullptr, PYSPEC_REF_E_NULL, "invalid data");
+    return guarded([&] {
+        ref::common_speculative_set_state(spec->spec, seq_id, std::vector<uint8_t>(data, data + n));
+        return (int) PYSPEC_REF_OK;
+    });
 }
 
 int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * reqs, int32_t n_reqs) {
@@ -540,7 +584,7 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
 
             dp.drafting = true;
             dp.n_max    = q.n_max;
-            dp.n_past   = q.n_past;
+            dp.pos0     = q.pos0;
             dp.id_last  = q.id_last;
             dp.prompt   = &spec->prompts[q.seq_id];
             dp.result   = &spec->results[q.seq_id];

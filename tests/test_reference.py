@@ -115,10 +115,13 @@ def test_implementations_are_listed_in_the_reference_priority_order() -> None:
     assert names == ["ngram-simple", "ngram-map-k", "ngram-mod"]
 
 
-def test_ngram_implementations_need_no_embeddings() -> None:
+def test_ngram_implementations_have_no_state_and_their_own_n_max() -> None:
+    # common_speculative_need_embd[_nextn] are gone at this pin; get/set_state are new
     with RefSpeculative(ngram_simple_params(), n_seq=1) as spec:
-        assert spec.need_embd() is False
-        assert spec.need_embd_nextn() is False
+        assert spec.get_state(0) is None
+        spec.set_state(0, b"\x00" * 8)  # no implementation keeps a state: ignored, as upstream
+        assert spec.get_state(0) is None
+        assert spec.n_max_effective() == spec.n_max
 
 
 def test_wrapper_refuses_accept_without_a_draft_where_the_cpp_asserts() -> None:

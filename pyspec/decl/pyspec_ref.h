@@ -90,7 +90,7 @@ typedef struct pyspec_ref_impl_stats {
 typedef struct pyspec_ref_draft_request {
     llama_seq_id        seq_id;
     int32_t             n_max;    /* -1 = no per-call limit */
-    llama_pos           n_past;
+    llama_pos           pos0;     /* common_speculative_draft_params.pos0 (was n_past) */
     llama_token         id_last;
     const llama_token * prompt;
     int32_t             n_prompt;
@@ -129,9 +129,18 @@ int32_t  pyspec_ref_spec_n_max(const pyspec_ref_spec * spec);
 int pyspec_ref_spec_begin(pyspec_ref_spec * spec, llama_seq_id seq_id,
                           const llama_token * prompt, int32_t n_prompt);
 /* 1 = true, 0 = false, < 0 = status */
+/* common_speculative_process of a common_batch rebuilt from batch (its rows, seq_ids,
+ * outputs and positions; embedding rows as wide as the target model's input).
+ * Upstream's common_speculative_need_embd[_nextn] are gone: the implementations turn on
+ * the target's extraction themselves (llama_set_embeddings_layer_inp / _nextn on ctx_tgt). */
 int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch);
-int pyspec_ref_spec_need_embd(pyspec_ref_spec * spec);
-int pyspec_ref_spec_need_embd_nextn(pyspec_ref_spec * spec);
+/* common_speculative_n_max(spec): the max draft length of the initialized implementations */
+int32_t pyspec_ref_spec_n_max_effective(const pyspec_ref_spec * spec);
+/* common_speculative_get_state: the state's size (copies min(size, out_cap) bytes),
+ * 0 when no implementation has a state for seq_id (upstream returns false); or a status */
+int64_t pyspec_ref_spec_get_state(pyspec_ref_spec * spec, llama_seq_id seq_id, uint8_t * out, size_t out_cap);
+/* common_speculative_set_state with n bytes of data */
+int pyspec_ref_spec_set_state(pyspec_ref_spec * spec, llama_seq_id seq_id, const uint8_t * data, size_t n);
 /* common_speculative_draft for the sequences in reqs (distinct seq_ids);
  * PYSPEC_REF_E_CAPACITY after the draft when a result did not fit (the
  * whole result stays readable through pyspec_ref_spec_get_result) */

@@ -185,14 +185,30 @@ class RefSpeculative(Handle):
             return check(ref.pyspec_ref_spec_process(ptr, batch_ptr(batch)), "process") == 1
 
     @serialized
-    def need_embd(self) -> bool:
-        """Mirrors common_speculative_need_embd."""
-        return check(ref.pyspec_ref_spec_need_embd(self.ptr), "need_embd") == 1
+    def n_max_effective(self) -> int:
+        """Mirrors common_speculative_n_max(spec): the max draft length of the initialized implementations."""
+        return check(ref.pyspec_ref_spec_n_max_effective(self.ptr), "n_max_effective")
 
     @serialized
-    def need_embd_nextn(self) -> bool:
-        """Mirrors common_speculative_need_embd_nextn."""
-        return check(ref.pyspec_ref_spec_need_embd_nextn(self.ptr), "need_embd_nextn") == 1
+    def get_state(self, seq_id: int) -> bytes | None:
+        """Mirrors common_speculative_get_state: the state of seq_id, None where upstream returns false."""
+        ptr = self.ptr
+        seq = self._seq(seq_id)
+        n = check(ref.pyspec_ref_spec_get_state(ptr, seq, ffi.NULL, 0), "get_state")
+        if n == 0:
+            return None
+        buf = ffi.new("uint8_t[]", n)
+        check(ref.pyspec_ref_spec_get_state(ptr, seq, buf, n), "get_state")
+        return bytes(ffi.buffer(buf, n))
+
+    @serialized
+    def set_state(self, seq_id: int, data: bytes) -> None:
+        """Mirrors common_speculative_set_state."""
+        ptr = self.ptr
+        seq = self._seq(seq_id)
+        raw = bytes(data)
+        buf = ffi.from_buffer("uint8_t[]", raw) if raw else ffi.NULL
+        check(ref.pyspec_ref_spec_set_state(ptr, seq, buf, len(raw)), "set_state")
 
     @serialized
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
@@ -212,7 +228,7 @@ class RefSpeculative(Handle):
             r = reqs[k]
             r.seq_id = self._seq(int(req.seq_id))
             r.n_max = int(req.n_max)
-            r.n_past = int(req.n_past)
+            r.pos0 = int(getattr(req, "pos0", getattr(req, "n_past", 0)))  # the port names it pos0 at this pin
             r.id_last = int(req.id_last)
             r.prompt = token_ptr(toks)
             r.n_prompt = toks.size
