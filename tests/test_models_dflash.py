@@ -1,0 +1,243 @@
+"""pyspec.testing.models_dflash writes the tiny DFlash / DSpark drafters: cached, with the metadata and
+tensors llama.cpp's ``dflash`` architecture reads, classified as draft-dflash / draft-dspark, and loaded
+by the pinned llama.cpp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pyspec.testing import models as testmodels
+from pyspec.testing import models_dflash as md
+
+
+def _have_llama_cpp() -> bool:
+    try:
+        testmodels.llama_cpp_dir()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(
+    not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"
+)
+
+N_VOCAB = 32000  # ggml-vocab-llama-spm.gguf
+
+
+def _have_libraries() -> bool:
+    from pyspec.ffi import lib_path
+
+    return lib_path("llama").is_file()
+
+
+needs_libraries = pytest.mark.skipif(not _have_libraries(), reason="pyspec's libraries are not built")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def models(cache: Path) -> dict[str, Path]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYSPEC_MODEL_CACHE", str(cache))
+        out = md.make_all_dflash()
+        out["cyclic-target"] = testmodels.make_cyclic_target()
+        out["cyclic-eagle3"] = testmodels.make_cyclic_eagle3()
+        out["mtp"] = testmodels.make_mtp()
+        return out
+
+
+@pytest.fixture(scope="module")
+def readers(models: dict[str, Path]) -> dict[str, Any]:
+    gguf = testmodels.gguf_module()
+    return {name: gguf.GGUFReader(path) for name, path in models.items()}
+
+
+def kv(reader: Any, key: str) -> Any:
+    field = reader.get_field(key)
+    assert field is not None, f"missing key {key}"
+    return field.contents()
+
+
+def tensor_ne(reader: Any) -> dict[str, list[int]]:
+    """{name: ggml ne} of every tensor."""
+    return {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+
+
+def types_from_gguf(reader: Any) -> list[str]:
+    """common_speculative_types_from_gguf (speculative.cpp) over gguf-py's reader, statement for statement."""
+    field = reader.get_field("general.architecture")
+    if field is None or field.types != [testmodels.gguf_module().GGUFValueType.STRING]:
+        return []
+    arch = field.contents()
+    names = set(tensor_ne(reader))
+    if arch != "dflash":
+        block_count = kv(reader, f"{arch}.block_count")
+        if f"blk.{block_count - 1}.nextn.eh_proj.weight" in names:
+            return ["draft-mtp"]
+        return []
+    # the Markov head distinguishes draft-dspark from draft-dflash
+    return ["draft-dspark" if "markov_w1.weight" in names else "draft-dflash"]
+
+
+# --- files and cache -------------------------------------------------------
+
+
+def test_makers_write_into_the_cache_folder_once(models: dict[str, Path], cache: Path) -> None:
+    for name in ("cyclic-dflash", "cyclic-dspark"):
+        path = models[name]
+        assert path.parent == cache and path.is_file()
+        assert name in path.name and md.DFLASH_GENERATOR_VERSION in path.name
+        assert testmodels.GENERATOR_VERSION in path.name
+    stamps = {name: models[name].stat().st_mtime_ns for name in ("cyclic-dflash", "cyclic-dspark")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYSPEC_MODEL_CACHE", str(cache))
+        again = md.make_all_dflash()
+    assert {name: again[name].stat().st_mtime_ns for name in stamps} == stamps
+
+
+def test_makers_are_deterministic(models: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYSPEC_MODEL_CACHE", str(tmp_path))
+        md._dflash_tensors.cache_clear()
+        fresh = md.make_all_dflash()
+    for name, path in fresh.items():
+        assert path.read_bytes() == models[name].read_bytes(), name
+
+
+# --- what llama_model_dflash::load_arch_hparams / load_arch_tensors read ------
+
+
+@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+def test_metadata_the_dflash_loader_reads(readers: dict[str, Any], name: str) -> None:
+    r = readers[name]
+    assert kv(r, "general.architecture") == md.DFLASH_ARCH == "dflash"
+    assert kv(r, "dflash.target_layers") == list(md.DFLASH_TARGET_LAYERS)
+    assert r.get_field("dflash.target_layers").types[-1] == testmodels.gguf_module().GGUFValueType.INT32
+    assert kv(r, "dflash.block_size") == md.DFLASH_BLOCK_SIZE
+    assert kv(r, "tokenizer.ggml.mask_token_id") == md.DFLASH_MASK_TOKEN
+    assert kv(r, "dflash.attention.layer_norm_rms_epsilon") > 0
+    # the draft's n_embd must be the target's: the encoder input is n_layers * n_embd of the draft,
+    # the rows speculative.cpp sends are n_layers * n_embd of the target
+    assert kv(r, "dflash.embedding_length") == kv(readers["cyclic-target"], "llama.embedding_length")
+    assert all(0 <= il < kv(readers["cyclic-target"], "llama.block_count") for il in md.DFLASH_TARGET_LAYERS)
+
+
+def test_every_model_shares_the_target_vocabulary(readers: dict[str, Any]) -> None:
+    tokens = kv(readers["cyclic-target"], "tokenizer.ggml.tokens")
+    for name in ("cyclic-dflash", "cyclic-dspark"):
+        assert kv(readers[name], "tokenizer.ggml.tokens") == tokens
+        assert kv(readers[name], "dflash.vocab_size") == len(tokens) == N_VOCAB
+
+
+def test_mask_token_is_a_byte_token_outside_the_cycles(readers: dict[str, Any]) -> None:
+    token_type = kv(readers["cyclic-dflash"], "tokenizer.ggml.token_type")
+    assert token_type[md.DFLASH_MASK_TOKEN] == 6  # LLAMA_TOKEN_TYPE_BYTE
+    _, cycles = testmodels.cyclic_successor()
+    assert all(md.DFLASH_MASK_TOKEN not in cyc for cyc in cycles)
+
+
+@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+def test_dflash_tensors_and_shapes(readers: dict[str, Any], name: str) -> None:
+    ne = tensor_ne(readers[name])
+    n_embd, n_enc = 64, len(md.DFLASH_TARGET_LAYERS) * 64
+    assert ne["token_embd.weight"] == [n_embd, N_VOCAB]
+    assert ne["output.weight"] == [n_embd, N_VOCAB]
+    assert ne["fc.weight"] == [n_enc, n_embd]
+    assert ne["enc.output_norm.weight"] == [n_embd]
+    assert ne["output_norm.weight"] == [n_embd]
+    for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        assert ne[f"blk.0.{t}.weight"] == [n_embd, n_embd]
+    assert ne["blk.0.attn_q_norm.weight"] == ne["blk.0.attn_k_norm.weight"] == [n_embd // 4]
+    assert "d2t" not in ne and "selector_hidden.weight" not in ne  # neither reduced vocab nor DFlash2
+    assert not any(k.startswith("hc_") for k in ne)  # not the DSV4 DSpark backbone
+
+
+def test_dspark_heads_and_shapes(readers: dict[str, Any]) -> None:
+    ne = tensor_ne(readers["cyclic-dspark"])
+    r = md.DSPARK_MARKOV_RANK
+    assert ne["markov_w1.weight"] == [r, N_VOCAB]
+    assert ne["markov_w2.weight"] == [r, N_VOCAB]
+    assert ne["conf_proj.weight"] == [64 + r, 1]
+    assert ne["conf_proj.bias"] == [1]
+    assert kv(readers["cyclic-dspark"], "dflash.sample_from_anchor") is True
+    assert kv(readers["cyclic-dspark"], "dflash.has_confidence_head") is True
+    assert not any(k.startswith(("markov_", "conf_proj")) for k in tensor_ne(readers["cyclic-dflash"]))
+
+
+def test_the_mask_rows_of_the_embedding_are_zero(readers: dict[str, Any]) -> None:
+    # the wiring: a mask position's residual is its attention output alone
+    t = next(t for t in readers["cyclic-dflash"].tensors if t.name == "token_embd.weight")
+    rows = np.asarray(t.data).reshape(N_VOCAB, 64)
+    assert not rows[md.DFLASH_MASK_TOKEN].any()
+    assert rows[md.DFLASH_MASK_TOKEN + 1].any()
+
+
+# --- common_speculative_types_from_gguf ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "types"),
+    [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"]), ("mtp", ["draft-mtp"]),
+     ("cyclic-target", []), ("cyclic-eagle3", [])],
+)
+def test_types_from_gguf_logic_classifies_the_file(readers: dict[str, Any], name: str, types: list[str]) -> None:
+    assert types_from_gguf(readers[name]) == types
+
+
+@pytest.mark.parametrize(("name", "types"), [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"])])
+def test_the_ported_types_from_gguf_agrees(models: dict[str, Path], name: str, types: list[str]) -> None:
+    from pyspec.common import speculative
+
+    port = getattr(speculative, "common_speculative_types_from_gguf", None)
+    if port is None:
+        pytest.skip("common_speculative_types_from_gguf is not ported yet")
+    assert [speculative.common_speculative_type_to_str(t) for t in port(str(models[name]))] == types
+
+
+# --- the pinned llama.cpp loads them ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded(models: dict[str, Path]) -> Any:
+    from pyspec import Model
+
+    opened = {name: Model(models[name]) for name in ("cyclic-dflash", "cyclic-dspark", "cyclic-target")}
+    yield opened
+    for m in opened.values():
+        m.close()
+
+
+@needs_libraries
+@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+def test_llama_cpp_loads_the_drafter(loaded: dict[str, Any], name: str) -> None:
+    m = loaded[name]
+    assert m.meta("general.architecture") == "dflash"
+    assert m.n_embd == loaded["cyclic-target"].n_embd
+    assert m.target_layer_ids().tolist() == list(md.DFLASH_TARGET_LAYERS)
+    assert m.has_encoder  # llama_model_has_encoder: n_outputs_max defaults to n_batch
+    assert m.vocab.mask == md.DFLASH_MASK_TOKEN  # llama_vocab_mask: the draft's mask_token_id
+    # what the constructor of common_speculative_impl_draft_dflash reads through llama_model_meta_val_str
+    assert m.meta("dflash.block_size") == str(md.DFLASH_BLOCK_SIZE)
+    assert m.rope_type == "neox"  # not M-RoPE: the injection batch carries one position row
+    want_anchor = "true" if name == "cyclic-dspark" else None
+    assert m.meta("dflash.sample_from_anchor") == want_anchor
+    assert m.meta("dflash.attention.causal") is None  # non-causal block attention
+
+
+@needs_libraries
+@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+def test_a_context_opens_without_ctx_other(loaded: dict[str, Any], name: str) -> None:
+    from pyspec import Context
+
+    # own token_embd and output: llama_context does not require ctx_other for this drafter
+    with Context(loaded[name], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx:
+        assert ctx.n_ctx >= 256
