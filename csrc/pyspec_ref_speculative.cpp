@@ -149,6 +149,27 @@ static std::string check_spec_params(const common_params_speculative & p) {
     if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3) && d.ctx_dft != nullptr && d.ctx_tgt == nullptr) {
         return "EAGLE3 requires ctx_tgt and ctx_dft to be set";
     }
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3) && d.ctx_dft != nullptr && d.ctx_tgt != nullptr) {
+        const llama_model * m_dft = llama_get_model(d.ctx_dft);
+        const int32_t n_layer_tgt = llama_model_n_layer(llama_get_model(d.ctx_tgt));
+        const int32_t * ids = llama_model_target_layer_ids(m_dft);
+        for (uint32_t k = 0; k < llama_model_target_layer_ids_n(m_dft) && k < 3; ++k) {
+            if (ids[k] > n_layer_tgt) { // the constructor GGML_ABORTs
+                return "EAGLE3: target layer id " + std::to_string(ids[k]) + " exceeds target n_layer " +
+                       std::to_string(n_layer_tgt);
+            }
+        }
+    }
+    for (const auto t : { COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH, COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK }) {
+        if (has_type(p, t) && d.ctx_dft != nullptr) { // the constructor's GGML_ASSERTs
+            if (d.ctx_tgt == nullptr) {
+                return "DFlash requires ctx_tgt and ctx_dft to be set";
+            }
+            if (llama_model_target_layer_ids_n(llama_get_model(d.ctx_dft)) == 0) {
+                return "DFlash model has no target_layer_ids";
+            }
+        }
+    }
     if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_MTP) && d.ctx_dft != nullptr) {
         if (d.ctx_tgt == nullptr) {
             return "MTP requires ctx_tgt and ctx_dft to be set";

@@ -58,7 +58,7 @@ def test_mutated_declarations_are_caught():
                      "    uint32_t n_ubatch;\n    uint32_t n_batch;")
     llama = _replace(llama, "LLAMA_FTYPE_MOSTLY_Q8_0          = 7,", "LLAMA_FTYPE_MOSTLY_Q8_0          = 8,")
     llama = _replace(llama, "void llama_detach_threadpool(struct llama_context * ctx);", "")
-    llama = _replace(llama, "#define LLAMA_SESSION_VERSION 9", "#define LLAMA_SESSION_VERSION 8")
+    llama = _replace(llama, "#define LLAMA_SESSION_VERSION 10", "#define LLAMA_SESSION_VERSION 8")
     backend = _replace(decl.read("ggml-backend.h"),
                        "size_t             ggml_backend_reg_dev_count(ggml_backend_reg_t reg);",
                        "size_t             ggml_backend_reg_dev_count(ggml_backend_reg_t reg, int extra);")
@@ -69,7 +69,7 @@ def test_mutated_declarations_are_caught():
         "enum llama_ftype differs: at #4 declared ('LLAMA_FTYPE_MOSTLY_Q8_0', 8), "
         "header ('LLAMA_FTYPE_MOSTLY_Q8_0', 7)",
         "function llama_detach_threadpool of the header is not declared",
-        "#define LLAMA_SESSION_VERSION is 8, the header has 9",
+        "#define LLAMA_SESSION_VERSION is 8, the header has 10",
         "decl/ggml-backend.h: ggml_backend_reg_dev_count is declared as `size_t (ggml_backend_reg_t, int)`",
     ]
     for text in expected:
@@ -81,7 +81,7 @@ def test_a_field_type_of_the_same_size_is_caught():
     llama = _replace(decl.read("llama.h"), "    float    rope_freq_base;", "    int32_t  rope_freq_base;")
     problems = abi.compare({"llama.h": llama}).problems
     assert len(problems) == 1
-    assert "at #13 declared ('rope_freq_base', 'int32_t'), header ('rope_freq_base', 'float')" in problems[0]
+    assert "at #14 declared ('rope_freq_base', 'int32_t'), header ('rope_freq_base', 'float')" in problems[0]
 
 
 def test_a_declaration_out_of_the_header_order_is_caught():

@@ -45,10 +45,10 @@ def test_a_wider_field_is_caught():
 
 
 def test_swapped_fields_are_caught():
-    f = _mutated("    bool use_mmap;\n    bool use_direct_io;", "    bool use_direct_io;\n    bool use_mmap;")
+    f = _mutated("    bool vocab_only;\n    bool check_tensors;", "    bool check_tensors;\n    bool vocab_only;")
     problems = layout_mismatches(f, ext)
     assert sorted(p.split(":")[0] for p in problems) == [
-        "struct llama_model_params.use_direct_io", "struct llama_model_params.use_mmap"]
+        "struct llama_model_params.check_tensors", "struct llama_model_params.vocab_only"]
 
 
 def test_a_lost_field_is_caught():

@@ -240,6 +240,16 @@ def _chain(gsmpl: CommonSampler):
 
 def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSampler:
     """Mirrors common_sampler_init (sampling.cpp); may set params.backend_sampling = False as it does."""
+    # the C++ std::invalid_argument is ValueError; the penalties are float fields
+    penalty_repeat = np.float32(params.penalty_repeat)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv_repeat = np.float32(1.0) / penalty_repeat if penalty_repeat != 0 else np.float32(np.inf)
+    if not np.isfinite(penalty_repeat) or penalty_repeat <= 0.0 or not np.isfinite(inv_repeat):
+        raise ValueError("penalty_repeat must be finite and greater than 0")
+    if not np.isfinite(np.float32(params.penalty_freq)):
+        raise ValueError("penalty_freq must be finite")
+    if not np.isfinite(np.float32(params.penalty_present)):
+        raise ValueError("penalty_present must be finite")
     vocab = model.vocab
     vptr = vocab.ptr
     check_sampling_params(params, vocab.n_tokens, model.n_ctx_train, vptr)  # as the C++ reference does
@@ -256,20 +266,28 @@ def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSam
     grammar_str = params.grammar
     if grammar_str.startswith("%llguidance"):
         llama.llama_sampler_free(chain)
-        raise SpeculativeError("llguidance (cmake -DLLAMA_LLGUIDANCE=ON) is not enabled")
+        raise SpeculativeError("failed to parse grammar: llguidance is not enabled")
     if grammar_str:
         grmr = llama.llama_sampler_init_grammar(vptr, grammar_str.encode(), b"root")
         if grmr == ffi.NULL:
             llama.llama_sampler_free(chain)
             raise ValueError("failed to parse the grammar (see the pyspec.llama log)")
 
-    if params.has_logit_bias():
-        n_vocab = vocab.n_tokens
-        for tok, _ in params.logit_bias:
-            if not 0 <= tok < n_vocab:
-                raise ValueError(f"logit bias token {tok} is outside the vocabulary (0..{n_vocab - 1})")
-        arr = ffi.new("llama_logit_bias[]", [{"token": t, "bias": b} for t, b in params.logit_bias])
-        samplers.append(llama.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), arr))
+    # logit bias: user biases + model suppress tokens (-INFINITY)
+    n_vocab = vocab.n_tokens
+    for tok, _ in params.logit_bias:
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"logit bias token {tok} is outside the vocabulary (0..{n_vocab - 1})")
+    merged = [(int(t), float(b)) for t, b in params.logit_bias]
+
+    n_suppress = ffi.new("int32_t *")
+    suppress = llama.llama_vocab_get_suppress_tokens(vptr, n_suppress)
+    for i in range(int(n_suppress[0]) if suppress != ffi.NULL else 0):
+        merged.append((int(suppress[i]), float("-inf")))
+
+    if merged:
+        arr = ffi.new("llama_logit_bias[]", [{"token": t, "bias": b} for t, b in merged])
+        samplers.append(llama.llama_sampler_init_logit_bias(n_vocab, len(merged), arr))
 
     seed = params.seed & 0xFFFFFFFF
     if params.mirostat == 0:
@@ -281,7 +299,7 @@ def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSam
                 keep.extend(c_breakers)
                 arr = ffi.new("const char *[]", c_breakers) if c_breakers else ffi.NULL
                 samplers.append(llama.llama_sampler_init_dry(
-                    vptr, model.n_ctx_train, params.dry_multiplier, params.dry_base,
+                    vptr, params.dry_multiplier, params.dry_base,
                     params.dry_allowed_length, params.dry_penalty_last_n, arr, len(c_breakers)))
             elif cnstr == CommonSamplerType.TOP_K:
                 samplers.append(llama.llama_sampler_init_top_k(params.top_k))
@@ -301,7 +319,8 @@ def common_sampler_init(model: Model, params: CommonParamsSampling) -> CommonSam
                 samplers.append(llama.llama_sampler_init_infill(vptr))
             elif cnstr == CommonSamplerType.PENALTIES:
                 samplers.append(llama.llama_sampler_init_penalties(
-                    params.penalty_last_n, params.penalty_repeat, params.penalty_freq, params.penalty_present))
+                    llama.llama_vocab_n_tokens(vptr), params.penalty_last_n, params.penalty_repeat,
+                    params.penalty_freq, params.penalty_present))
             elif cnstr == CommonSamplerType.ADAPTIVE_P:
                 # adaptive-p selects a token like dist, so it goes at the very end instead of dist
                 use_adaptive_p = True
@@ -413,6 +432,8 @@ def common_sampler_sample_and_accept_n(
 
     result: list[int] = []
 
+    vocab = ctx.model.vocab
+
     i = 0
     n_draft = len(draft)
     while i < n_draft:
@@ -422,7 +443,9 @@ def common_sampler_sample_and_accept_n(
 
         result.append(id)
 
-        if draft[i] != id:
+        # do not accept draft tokens after an EOG - they are not output but would stay in the context
+        # on replay the last token is from the target and can be EOG, so a trailing EOG is still accepted
+        if draft[i] != id or (vocab.is_eog(id) and i + 1 < n_draft):
             break
         i += 1
 

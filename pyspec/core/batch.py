@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from pyspec.core.handle import NotCopyable
+from pyspec.core.handle import Handle, NotCopyable, serialized
 from pyspec.errors import BatchFullError
-from pyspec.ffi import ffi
+from pyspec.ffi import ffi, llama
 
-__all__ = ["Batch", "BatchView", "EmbdBatch"]
+__all__ = ["Batch", "BatchExt", "BatchView", "EmbdBatch"]
 
 _MAX_CELLS = 2**31 - 1  # elements of one array: llama_batch counts in int32
 _POS_MAX = 2**31 - 1
@@ -291,3 +291,200 @@ class EmbdBatch(NotCopyable):
     @property
     def n_embd(self) -> int:
         return int(self.rows.shape[1])
+
+
+_I32 = (-(2**31), 2**31 - 1)
+
+
+def _i32(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not _I32[0] <= int(value) <= _I32[1]:
+        raise ValueError(f"{name} must be an int32, got {value!r}")
+    return int(value)
+
+
+class BatchExt(Handle):
+    """Mirrors struct llama_batch_ext and its llama_batch_ext_* functions (llama.h), the batch
+    that llama_process takes (Context.process) and common_batch wraps.
+
+    Made for one context (``BatchExt(ctx)`` / ``BatchExt.init(ctx)``, llama_batch_ext_init):
+    its capacity is that context's n_batch and it checks token ids against its vocabulary,
+    sequence ids against its n_seq_max and embedding widths against its model's input.
+    Every llama_batch_ext_* failure raises: -1 (full) BatchFullError, -2 (invalid token or
+    embedding) and -3 (invalid sequence id) ValueError, a false from a setter ValueError.
+    llama.cpp copies the embedding rows it is given, so the arrays need not outlive the call.
+    The entries' output flags, sequence ids and content are mirrored here (``outputs``,
+    ``seq_ids``, ``has_token`` / ``has_embd``): the opaque C batch cannot be read back, and
+    Context.process needs them for its checks and the output rows.
+    """
+
+    _kind = "llama_batch_ext"
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__()
+        cptr = ctx.ptr  # a pyspec Context (kept alive while this batch lives)
+        ptr = llama.llama_batch_ext_init(cptr)
+        if ptr == ffi.NULL:
+            raise MemoryError("llama_batch_ext_init failed")
+        self.own(ptr, llama.llama_batch_ext_free, (ctx,))
+        self.ctx = ctx
+        self.n_tokens_max = int(llama.llama_n_batch(cptr))
+        self.n_seq_max = int(llama.llama_n_seq_max(cptr))
+        self._outputs: list[bool] = []
+        self._seq_ids: list[set[int]] = []
+        self._token: list[bool] = []  # entry carries a token id
+        self._embd: list[bool] = []  # entry carries an embedding
+
+    @classmethod
+    def init(cls, ctx: Any) -> BatchExt:
+        """Mirrors llama_batch_ext_init."""
+        return cls(ctx)
+
+    def free(self) -> None:
+        """Mirrors llama_batch_ext_free (close())."""
+        self.close()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    @property
+    def outputs(self) -> list[bool]:
+        return list(self._outputs)
+
+    @property
+    def seq_ids(self) -> list[set[int]]:
+        return [set(s) for s in self._seq_ids]
+
+    def has_token(self, idx: int) -> bool:
+        return self._token[self._idx(idx)]
+
+    def has_embd(self, idx: int) -> bool:
+        return self._embd[self._idx(idx)]
+
+    def _idx(self, idx: Any) -> int:
+        i = _i32("idx", idx)
+        if not 0 <= i < len(self._outputs):
+            raise IndexError(f"batch index {i} out of range 0..{len(self._outputs) - 1}")
+        return i
+
+    def _added(self, rc: int, seq_id: int, what: str, token: bool, embd: bool) -> int:
+        if rc == -1:
+            raise BatchFullError(f"llama_batch_ext is full (capacity {self.n_tokens_max})")
+        if rc == -2:  # the entry was added before its token/embedding was refused: it stays, empty
+            self._outputs.append(False)
+            self._seq_ids.append({seq_id})
+            self._token.append(False)
+            self._embd.append(False)
+            raise ValueError(f"{what}: the token id or embedding is invalid for this context (the entry stays in "
+                             f"the batch with neither, as in llama.cpp, which refuses such a batch: clear() it)")
+        if rc == -3:
+            raise ValueError(f"seq_id {seq_id} out of range 0..{self.n_seq_max - 1}")
+        if rc < 0:
+            raise ValueError(f"{what} failed: {rc}")
+        if rc != len(self._outputs):  # the C batch and this mirror went apart: never expected
+            raise RuntimeError(f"{what} returned index {rc}, expected {len(self._outputs)}")
+        self._outputs.append(False)
+        self._seq_ids.append({seq_id})
+        self._token.append(token)
+        self._embd.append(embd)
+        return rc
+
+    @staticmethod
+    def _embd_arg(embd: Any) -> tuple[Any, Any]:
+        """A struct llama_embd over a C-contiguous float32 array (1-D: one row; 2-D: its rows)."""
+        arr = np.ascontiguousarray(embd, dtype=np.float32)
+        if arr.ndim not in (1, 2) or arr.size == 0:
+            raise ValueError("an embedding must be a non-empty 1-D row or 2-D array of rows")
+        keep = ffi.from_buffer("float[]", arr)
+        e = ffi.new("struct llama_embd *")
+        e.data = keep
+        e.n_rows = 1 if arr.ndim == 1 else arr.shape[0]
+        e.n_embd = arr.shape[-1]
+        return e, (arr, keep)
+
+    @serialized
+    def clear(self) -> None:
+        """Mirrors llama_batch_ext_clear."""
+        llama.llama_batch_ext_clear(self.ptr)
+        self._outputs.clear()
+        self._seq_ids.clear()
+        self._token.clear()
+        self._embd.clear()
+
+    @serialized
+    def add(self, seq_id: int) -> int:
+        """Mirrors llama_batch_ext_add: an entry with neither token nor embedding yet; its index."""
+        seq = _i32("seq_id", seq_id)
+        return self._added(int(llama.llama_batch_ext_add(self.ptr, seq)), seq, "llama_batch_ext_add", False, False)
+
+    @serialized
+    def add_token(self, seq_id: int, token: int) -> int:
+        """Mirrors llama_batch_ext_add_token; its index."""
+        seq, tok = _i32("seq_id", seq_id), _i32("token", token)
+        rc = int(llama.llama_batch_ext_add_token(self.ptr, seq, tok))
+        return self._added(rc, seq, f"llama_batch_ext_add_token (token {tok})", True, False)
+
+    @serialized
+    def add_embd(self, seq_id: int, embd: Any) -> int:
+        """Mirrors llama_batch_ext_add_embd (rows x width must be the model's input width); its index."""
+        seq = _i32("seq_id", seq_id)
+        e, _keep = self._embd_arg(embd)
+        rc = int(llama.llama_batch_ext_add_embd(self.ptr, seq, e[0]))
+        return self._added(rc, seq, "llama_batch_ext_add_embd", False, True)
+
+    def _set(self, ok: Any, what: str) -> None:
+        if not bool(ok):
+            raise ValueError(f"{what} refused the entry")
+
+    @serialized
+    def add_seq(self, idx: int, seq_id: int) -> None:
+        """Mirrors llama_batch_ext_add_seq."""
+        i, seq = self._idx(idx), _i32("seq_id", seq_id)
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"seq_id {seq} out of range 0..{self.n_seq_max - 1}")
+        self._set(llama.llama_batch_ext_add_seq(self.ptr, i, seq), "llama_batch_ext_add_seq")
+        self._seq_ids[i].add(seq)
+
+    @serialized
+    def set_embd_token(self, idx: int, embd: Any) -> None:
+        """Mirrors llama_batch_ext_set_embd_token (once per entry; the same width for all entries)."""
+        i = self._idx(idx)
+        e, _keep = self._embd_arg(embd)
+        self._set(llama.llama_batch_ext_set_embd_token(self.ptr, i, e[0]), "llama_batch_ext_set_embd_token")
+        self._embd[i] = True
+
+    @serialized
+    def set_embd_state(self, idx: int, embd: Any) -> None:
+        """Mirrors llama_batch_ext_set_embd_state (not implemented at this pin: it always refuses)."""
+        i = self._idx(idx)
+        e, _keep = self._embd_arg(embd)
+        self._set(llama.llama_batch_ext_set_embd_state(self.ptr, i, e[0]), "llama_batch_ext_set_embd_state")
+
+    @serialized
+    def set_output_logits(self, idx: int, value: bool = True) -> None:
+        """Mirrors llama_batch_ext_set_output_logits."""
+        i = self._idx(idx)
+        ok = llama.llama_batch_ext_set_output_logits(self.ptr, i, bool(value))
+        self._set(ok, "llama_batch_ext_set_output_logits")
+        self._outputs[i] = bool(value)
+
+    @serialized
+    def set_output_embd(self, idx: int, value: bool = True) -> None:
+        """Mirrors llama_batch_ext_set_output_embd (the same flag as the logits at this pin)."""
+        i = self._idx(idx)
+        self._set(llama.llama_batch_ext_set_output_embd(self.ptr, i, bool(value)), "llama_batch_ext_set_output_embd")
+        self._outputs[i] = bool(value)
+
+    @serialized
+    def set_pos(self, idx: int, pos: int | Iterable[int]) -> None:
+        """Mirrors llama_batch_ext_set_pos: one position for a token entry, the model's
+        n_pos_per_embd (M-RoPE sections, up to 4) for an embedding entry; unset positions are 0."""
+        i = self._idx(idx)
+        vals = [pos] if isinstance(pos, (int, np.integer)) else list(pos)
+        if not 1 <= len(vals) <= 4:
+            raise ValueError(f"set_pos takes 1..4 positions, got {len(vals)}")
+        arr = ffi.new("llama_pos[4]", [_i32("pos", v) for v in vals])  # llama.cpp reads up to 4
+        self._set(llama.llama_batch_ext_set_pos(self.ptr, i, arr), "llama_batch_ext_set_pos")

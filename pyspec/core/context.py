@@ -27,7 +27,7 @@ import numpy as np
 from pyspec.core import adapters as _adapters
 from pyspec.core import fork
 from pyspec.core import state as _state
-from pyspec.core.batch import Batch, BatchView, EmbdBatch
+from pyspec.core.batch import Batch, BatchExt, BatchView, EmbdBatch
 from pyspec.core.handle import Handle
 from pyspec.core.memory import Memory
 from pyspec.core.model import Model
@@ -42,6 +42,7 @@ logger = logging.getLogger("pyspec")
 AnyBatch = Batch | BatchView | EmbdBatch
 
 _CTX_TYPES = c_enum("enum llama_context_type", "LLAMA_CONTEXT_TYPE_")
+PROCESS_TYPES = c_enum("enum llama_process_type", "LLAMA_PROCESS_TYPE_")  # {"encode": 0, "decode": 1}
 _FLASH_ATTN: dict[Any, int] = c_enum("enum llama_flash_attn_type", "LLAMA_FLASH_ATTN_TYPE_")
 _FLASH_ATTN.update({False: _FLASH_ATTN["disabled"], True: _FLASH_ATTN["enabled"]})
 # the K/V cache types llama.cpp offers (common/arg.cpp kv_cache_types); the other
@@ -541,6 +542,61 @@ class Context(Handle):
             if rc == 0 and self._retired:
                 self._release_retired()
             return rc
+
+    def process(self, batch: BatchExt, type: int | str = "decode") -> None:
+        """Mirrors llama_process (llama.h) on a BatchExt made for this context; a non-zero result
+        raises DecodeError. ``type`` is LLAMA_PROCESS_TYPE_DECODE / _ENCODE (or "decode" / "encode")."""
+        rc = self.process_rc(batch, type)
+        if rc != 0:
+            raise decode_error(rc, "llama_process")
+
+    def process_rc(self, batch: BatchExt, type: int | str = "decode") -> int:
+        """llama_process returning the code (what it would abort on raises ValueError)."""
+        kind = _convert(PROCESS_TYPES, "type", type)
+        encode = kind == PROCESS_TYPES["encode"]
+        with self.in_use() as ptr:
+            n_out = self._check_batch_ext(batch, encode)
+            if self._rpc is not None:
+                raise ValueError("llama_process is not forwarded over RPC: use decode() with a Batch")
+            if self._threads > 1:
+                fork.note_compute(self._threads)
+            t0 = time.perf_counter_ns()
+            with batch.in_use() as bptr:
+                rc = int(llama.llama_process(ptr, kind, bptr))
+            self.t_decode_ns += time.perf_counter_ns() - t0
+            self._after_compute(batch.n_tokens, n_out, rc)
+            if rc == 0 and self._retired:
+                self._release_retired()
+            return rc
+
+    def _check_batch_ext(self, batch: BatchExt, encode: bool) -> int:
+        """_check_batch for a BatchExt, from the entries it mirrors: the output count, and the
+        output rows left in the spare row buffer."""
+        if not isinstance(batch, BatchExt):
+            raise TypeError(f"expected a pyspec BatchExt, got {type(batch).__name__}")
+        if batch.ctx is not self:  # its capacity, vocabulary and input width are its context's
+            raise ValueError("this BatchExt was made for another context (BatchExt(ctx) for this one)")
+        batch.check_open()
+        n = batch.n_tokens
+        if n <= 0:
+            raise ValueError("batch is empty")
+        if (encode or not self._causal) and n > self.n_ubatch:
+            what = "an encoder batch" if encode else "non-causal attention computes a batch in one ubatch:"
+            raise ValueError(f"{what} of {n} tokens exceeds n_ubatch={self.n_ubatch}")
+        if encode and not self.model.has_encoder:
+            raise ValueError("llama_process(ENCODE) needs a model with an encoder (T5, EAGLE3); use DECODE")
+        outs = np.asarray(batch.outputs, dtype=bool)
+        if encode or self._embeddings:
+            outs[:] = True
+        n_out = int(outs.sum())
+        if n_out > self.n_outputs_max:
+            raise ValueError(f"batch asks for {n_out} outputs, this context allows n_outputs_max={self.n_outputs_max}")
+        if self._samplers and any(len(s) > 1 for s in batch.seq_ids):
+            raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
+        rows = self._row_bufs[self._row_next]
+        rows[:n] = np.where(outs, np.cumsum(outs) - 1, -1)
+        self._scan.has_bad_token = 0  # BatchExt refused invalid token ids when they were added
+        return n_out
 
     def _after_compute(self, n: int, n_out: int, rc: int) -> None:
         """What the output buffers hold now: the rows _check_batch left in the spare buffer."""

@@ -23,13 +23,32 @@ from pyspec.core.model_params import KvValue, kv_override_array, tensor_buft_ove
 from pyspec.core.rpc import RpcLink, RpcServer, connect, device_memory, endpoint_of_device
 from pyspec.core.vocab import Vocab
 from pyspec.errors import ModelLoadError, RpcConnectionError
-from pyspec.ffi import c_enum, ext, ffi, llama
+from pyspec.ffi import c_const, c_enum, ext, ffi, llama
 
 __all__ = ["Model", "ModelPath"]
 
 ModelPath = str | os.PathLike[str]
 
 _SPLIT_MODES = c_enum("enum llama_split_mode", "LLAMA_SPLIT_MODE_")
+# llama_model_params.load_mode by the names of common's --load-mode (common/arg.cpp)
+_LOAD_MODES = {
+    "auto": "LLAMA_LOAD_MODE_AUTO", "none": "LLAMA_LOAD_MODE_NONE", "mmap": "LLAMA_LOAD_MODE_MMAP",
+    "mlock": "LLAMA_LOAD_MODE_MLOCK", "mmap+mlock": "LLAMA_LOAD_MODE_MMAP_MLOCK", "dio": "LLAMA_LOAD_MODE_DIRECT_IO",
+}
+_LAZY_MODES = {"off": "LLAMA_LAZY_MODE_OFF", "auto": "LLAMA_LAZY_MODE_AUTO", "on": "LLAMA_LAZY_MODE_ON"}
+
+
+def load_mode_from_flags(use_mmap: bool, use_mlock: bool) -> str:
+    """The load_mode that the previous pin's (use_mmap, use_mlock) pair meant.
+
+    llama.cpp replaced the two flags (and use_direct_io) by llama_model_params.load_mode;
+    mmap on is "auto" (mmap unless a device cannot, as mmap was dropped before), so the
+    defaults (True, False) keep llama.cpp's default.
+    """
+    if use_mmap:
+        return "mmap+mlock" if use_mlock else "auto"
+    return "mlock" if use_mlock else "none"
+
 # general.file_type of GGUFs whose weights are mostly float: all F32, mostly F16, mostly BF16
 _FLOAT_FILE_TYPES = {"0", "1", "32"}
 _ROPE_TYPES = {v: k for k, v in c_enum("enum llama_rope_type", "LLAMA_ROPE_TYPE_").items()}
@@ -116,6 +135,13 @@ class Model(Handle):
     off the CPU backend's weight repacking, which makes a token's logits depend
     on its batch. ``model.devices`` lists the offload devices used.
 
+    How the file is read: ``load_mode`` (llama_model_params.load_mode, by common's
+    ``--load-mode`` names: "auto", "none", "mmap", "mlock", "mmap+mlock", "dio"); when
+    it is None, ``use_mmap`` / ``use_mlock`` (the fields it replaced) choose it
+    (:func:`load_mode_from_flags`); ``model.load_mode`` is the mode used. ``lazy_mode``
+    ("off", "auto", "on") reads the tensors the architecture marks on demand;
+    ``load_mtp`` loads an MTP head (common sets it for draft-mtp).
+
     ``batch_invariant`` loads the weights in their file layout (no repacking): the
     model's half of batch-invariant mode, which its contexts then take (see
     :func:`pyspec.core.context.batch_invariant_params`).
@@ -139,6 +165,9 @@ class Model(Handle):
         use_extra_bufts: bool = True,
         use_mmap: bool = True,
         use_mlock: bool = False,
+        load_mode: str | None = None,
+        lazy_mode: str = "auto",
+        load_mtp: bool = False,
         vocab_only: bool = False,
         check_tensors: bool = False,
         batch_invariant: bool = False,
@@ -187,8 +216,15 @@ class Model(Handle):
         params.split_mode = _SPLIT_MODES[split_mode]
         # with no offload device there is nothing to choose from (llama.cpp would refuse main_gpu=0)
         params.main_gpu = main_gpu if offload or split_mode != "none" else -1
-        params.use_mmap = use_mmap
-        params.use_mlock = use_mlock
+        mode = load_mode if load_mode is not None else load_mode_from_flags(bool(use_mmap), bool(use_mlock))
+        if mode not in _LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {sorted(_LOAD_MODES)}, not {load_mode!r}")
+        if lazy_mode not in _LAZY_MODES:
+            raise ValueError(f"lazy_mode must be one of {sorted(_LAZY_MODES)}, not {lazy_mode!r}")
+        self.load_mode = mode
+        params.load_mode = c_const(_LOAD_MODES[mode])
+        params.lazy_mode = c_const(_LAZY_MODES[lazy_mode])
+        params.load_mtp = bool(load_mtp)  # common sets it when the speculative types name draft-mtp
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
         # repacked CPU weights (llama.cpp's "extra buffer types") are multiplied by kernels that

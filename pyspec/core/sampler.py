@@ -42,21 +42,18 @@ _INT32_MAX = 2**31 - 1
 MAX_HISTORY = c_const("PYSPEC_MAX_HISTORY")
 
 
-def check_dry_window(n_ctx_train: int, multiplier: float, base: float, penalty_last_n: int) -> None:
+def check_dry_window(multiplier: float, base: float, penalty_last_n: int) -> None:
     """Raise ValueError unless llama_sampler_init_dry gets a usable history window.
 
-    DRY is on when multiplier != 0, base >= 1 and penalty_last_n != 0; its window is then
-    n_ctx_train (penalty_last_n == -1) or max(penalty_last_n, 0). An empty window makes the
-    first accept throw through the C API (the process ends); a huge one is allocated at once.
+    DRY is on when multiplier != 0, base >= 1 and penalty_last_n > 0 (a negative window
+    reads as 0 at this pin: llama_sampler_init_dry lost n_ctx_train, and -1 no longer means
+    the context size); its window is then penalty_last_n, allocated at once.
     """
-    if not (multiplier != 0.0 and base >= 1.0 and penalty_last_n != 0):
+    if not (multiplier != 0.0 and base >= 1.0 and penalty_last_n > 0):
         return
-    window = n_ctx_train if penalty_last_n == -1 else max(penalty_last_n, 0)
-    if not 1 <= window <= MAX_HISTORY:
+    if penalty_last_n > MAX_HISTORY:
         raise ValueError(
-            f"DRY needs a history window in 1..{MAX_HISTORY} tokens (penalty_last_n, or n_ctx_train when it is -1), "
-            f"got {window}"
-        )
+            f"DRY needs a history window in 1..{MAX_HISTORY} tokens (penalty_last_n), got {penalty_last_n}")
 
 
 def _int(name: str, value: Any, lo: int = -(2**31), hi: int = _INT32_MAX) -> int:
@@ -195,22 +192,27 @@ class SamplerChain(Handle):
                                                     _float("tau", tau), _float("eta", eta))
         return self._add(smpl, "mirostat-v2")
 
-    def add_penalties(self, last_n: int, repeat: float, freq: float, present: float) -> SamplerChain:
-        smpl = llama.llama_sampler_init_penalties(_int("last_n", last_n, -1, MAX_HISTORY), _float("repeat", repeat),
-                                                  _float("freq", freq), _float("present", present))
-        return self._add(smpl, "penalties")
+    def add_penalties(self, n_vocab: int, last_n: int, repeat: float, freq: float, present: float) -> SamplerChain:
+        """Mirrors llama_sampler_init_penalties (n_vocab: the vocabulary its backend tensors span)."""
+        n_vocab = self._check_n_vocab(n_vocab)  # its backend_init GGML_ASSERTs n_vocab > 0
+        smpl = llama.llama_sampler_init_penalties(n_vocab, _int("last_n", last_n, hi=MAX_HISTORY),
+                                                  _float("repeat", repeat), _float("freq", freq),
+                                                  _float("present", present))
+        self._add(smpl, "penalties")
+        self._n_vocab = n_vocab
+        return self
 
     def add_dry(
-        self, vocab: Vocab, n_ctx_train: int, multiplier: float, base: float, allowed_length: int,
+        self, vocab: Vocab, multiplier: float, base: float, allowed_length: int,
         penalty_last_n: int, seq_breakers: Sequence[str],
     ) -> SamplerChain:
-        n_ctx_train = _int("n_ctx_train", n_ctx_train)
-        penalty_last_n = _int("penalty_last_n", penalty_last_n, -(2**31))
-        check_dry_window(n_ctx_train, _float("multiplier", multiplier), _float("base", base), penalty_last_n)
+        """Mirrors llama_sampler_init_dry (which lost n_ctx_train at this pin)."""
+        penalty_last_n = _int("penalty_last_n", penalty_last_n)
+        check_dry_window(_float("multiplier", multiplier), _float("base", base), penalty_last_n)
         keep = [ffi.new("char[]", str(s).encode()) for s in seq_breakers]
         arr = ffi.new("const char *[]", keep) if keep else ffi.NULL
         smpl = llama.llama_sampler_init_dry(
-            self._vocab_of(vocab), n_ctx_train, _float("multiplier", multiplier), _float("base", base),
+            self._vocab_of(vocab), _float("multiplier", multiplier), _float("base", base),
             _int("allowed_length", allowed_length), penalty_last_n, arr, len(keep)
         )
         return self._add(smpl, "dry")
@@ -220,10 +222,14 @@ class SamplerChain(Handle):
                                                    _int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF)
         return self._add(smpl, "adaptive-p")
 
-    def add_logit_bias(self, n_vocab: int, biases: Sequence[tuple[int, float]]) -> SamplerChain:
+    def _check_n_vocab(self, n_vocab: Any) -> int:
         n_vocab = _int("n_vocab", n_vocab, 1)
         if self._n_vocab and n_vocab != self._n_vocab:
             raise ValueError(f"this chain's samplers use a vocabulary of {self._n_vocab} tokens, not {n_vocab}")
+        return n_vocab
+
+    def add_logit_bias(self, n_vocab: int, biases: Sequence[tuple[int, float]]) -> SamplerChain:
+        n_vocab = self._check_n_vocab(n_vocab)
         items = [(int(t), _float("bias", b)) for t, b in biases]
         for tok, _ in items:
             if not 0 <= tok < n_vocab:
@@ -695,7 +701,14 @@ _IFACE.apply = _cb_apply
 _IFACE.reset = _cb_reset
 _IFACE.clone = _cb_clone
 _IFACE.free = _cb_free
-# backend_*: NULL, so a chain runs these samplers on the CPU (also under backend sampling)
+# backend_* (backend_reset too) and copy_state: NULL, so a chain runs these samplers on the CPU
+# (also under backend sampling) and llama_sampler_copy leaves their Python state alone
+_IFACE.backend_init = ffi.NULL
+_IFACE.backend_accept = ffi.NULL
+_IFACE.backend_apply = ffi.NULL
+_IFACE.backend_set_input = ffi.NULL
+_IFACE.backend_reset = ffi.NULL
+_IFACE.copy_state = ffi.NULL
 
 
 def _custom_sampler(sampler: Any) -> Any:
