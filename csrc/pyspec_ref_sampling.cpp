@@ -192,13 +192,11 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
             }
             break;
         }
-        // llama_sampler_init_dry: an empty history window throws on the first accept, a huge one is allocated
-        if (has_dry && q.dry_multiplier != 0.0f && q.dry_base >= 1.0f && q.dry_penalty_last_n != 0) {
-            const int32_t window = q.dry_penalty_last_n == -1 ? llama_model_n_ctx_train(model) : std::max(q.dry_penalty_last_n, 0);
-            if (window < 1 || window > max_hist) {
-                return fail("DRY needs a history window in 1.." + std::to_string(max_hist) +
-                            " tokens (penalty_last_n, or n_ctx_train when it is -1), got " + std::to_string(window));
-            }
+        // llama_sampler_init_dry allocates its history window at once (a window <= 0 turns DRY
+        // off at this pin: it lost n_ctx_train, and -1 no longer means the context size)
+        if (has_dry && q.dry_multiplier != 0.0f && q.dry_base >= 1.0f && q.dry_penalty_last_n > max_hist) {
+            return fail("DRY needs a history window in 1.." + std::to_string(max_hist) +
+                        " tokens (penalty_last_n), got " + std::to_string(q.dry_penalty_last_n));
         }
     }
 

@@ -179,3 +179,26 @@ def test_vocab_special_tokens(target_model):
     assert all(t == -1 or 0 <= t < vocab.n_tokens for t in fim.values())
     assert vocab.sep == -1 and vocab.mask == -1  # an SPM vocabulary has neither
     assert isinstance(vocab.add_sep, bool)
+
+
+def test_load_mode_replaces_use_mmap_and_use_mlock(target_path):
+    # llama_model_params lost use_mmap / use_mlock / use_direct_io for load_mode at 0c1e57098
+    from pyspec.core.model import load_mode_from_flags
+
+    assert load_mode_from_flags(True, False) == "auto"  # the defaults keep llama.cpp's default
+    assert load_mode_from_flags(True, True) == "mmap+mlock"
+    assert load_mode_from_flags(False, True) == "mlock"
+    assert load_mode_from_flags(False, False) == "none"
+    want = None
+    for kwargs in ({}, {"use_mmap": False}, {"load_mode": "mmap"}, {"load_mode": "none", "use_mmap": True},
+                   {"lazy_mode": "off"}):
+        with Model(target_path, **kwargs) as m:
+            expected = kwargs.get("load_mode", "none" if kwargs.get("use_mmap") is False else "auto")
+            assert m.load_mode == expected
+            got = greedy_tokens(m)
+        want = want or got
+        assert got == want  # how the file is read changes no weight
+    with pytest.raises(ValueError, match="load_mode must be one of"):
+        Model(target_path, load_mode="mmap-ish")
+    with pytest.raises(ValueError, match="lazy_mode must be one of"):
+        Model(target_path, lazy_mode="sometimes")
