@@ -331,7 +331,7 @@ def test_the_engines_draft_samplers_are_fast_and_draft_what_the_ports_draft(targ
         ctxd = Context(draft_model, n_ctx=256, n_batch=32)
         p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
         p.draft.ctx_tgt, p.draft.ctx_dft, p.draft.n_max = ctx, ctxd, 6
-        req = DraftRequest(seq_id=0, n_max=6, n_past=len(PROMPT) - 1, id_last=PROMPT[-1], prompt=PROMPT[:-1])
+        req = DraftRequest(seq_id=0, n_max=6, pos0=len(PROMPT) - 1, id_last=PROMPT[-1], prompt=PROMPT[:-1])
         if engine:
             backend = PortBackend(target_model, p, GREEDY, 1)
             kinds.append({type(s) for s in backend.spec.impls[0].smpls} | {type(s) for s in backend.smpls})
@@ -343,7 +343,7 @@ def test_the_engines_draft_samplers_are_fast_and_draft_what_the_ports_draft(targ
             impl: Any = spec.impls[0]
             kinds.append({type(s) for s in impl.smpls})
             dp = sp.common_speculative_get_draft_params(spec, 0)
-            dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, req.n_max, req.n_past, req.id_last
+            dp.drafting, dp.n_max, dp.pos0, dp.id_last = True, req.n_max, req.pos0, req.id_last
             dp.prompt, dp.result = req.prompt, []
             sp.common_speculative_draft(spec)
             drafts.append(dp.result)

@@ -39,7 +39,7 @@ def port_init(params: CommonParamsSpeculative) -> sp.CommonSpeculative:
 
 def port_draft(spec: sp.CommonSpeculative, req: DraftRequest) -> list[int]:
     dp = sp.common_speculative_get_draft_params(spec, req.seq_id)
-    dp.drafting, dp.n_max, dp.n_past, dp.id_last, dp.prompt = True, req.n_max, req.n_past, req.id_last, req.prompt
+    dp.drafting, dp.n_max, dp.pos0, dp.id_last, dp.prompt = True, req.n_max, req.pos0, req.id_last, req.prompt
     dp.result = []
     sp.common_speculative_draft(spec)
     return dp.result

@@ -33,7 +33,7 @@ def init(params: CommonParamsSpeculative, n_seq: int) -> sp.CommonSpeculative:
 def draft_once(spec: sp.CommonSpeculative, history: list[int], id_last: int, n_max: int = -1,
                seq_id: int = 0) -> list[int]:
     dp = sp.common_speculative_get_draft_params(spec, seq_id)
-    dp.drafting, dp.n_max, dp.n_past, dp.id_last = True, n_max, len(history), id_last
+    dp.drafting, dp.n_max, dp.pos0, dp.id_last = True, n_max, len(history), id_last
     dp.prompt, dp.result = history, []
     sp.common_speculative_draft(spec)
     return dp.result
@@ -116,10 +116,18 @@ def test_accept_counts_go_to_the_implementation_that_drafted():
     assert (mapk.n_acc_drafts, mapk.n_call_accept) == (0, 0)
 
 
-def test_accept_before_any_draft_raises_instead_of_aborting():
+def test_accept_of_nothing_before_any_draft_is_a_noop():
+    # 0c1e57098: no implementation drafted for the sequence, so nothing can have been accepted
     spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 2)
-    with pytest.raises(SpeculativeError, match="GGML_ASSERT"):
-        sp.common_speculative_accept(spec, 1, 0)
+    sp.common_speculative_accept(spec, 1, 0)
+    assert spec.impls[0].n_call_accept == 0
+    assert spec.impls[0].n_acc_tokens_per_pos == []
+
+
+def test_accept_of_tokens_before_any_draft_raises_instead_of_aborting():
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 2)
+    with pytest.raises(SpeculativeError, match=r"GGML_ASSERT\(n_accepted == 0\)"):
+        sp.common_speculative_accept(spec, 1, 2)
     with pytest.raises(SpeculativeError):
         sp.common_speculative_get_draft_params(spec, 2)
 

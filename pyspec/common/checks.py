@@ -213,7 +213,7 @@ def check_sampling_params(params: CommonParamsSampling, n_vocab: int, n_ctx_trai
             if isinstance(s, bool) or not isinstance(s, int) or int(s) not in valid:
                 raise SpeculativeError(f"unknown sampler type: {s}")
         if CommonSamplerType.DRY in params.samplers:
-            check_dry_window(n_ctx_train, params.dry_multiplier, params.dry_base, params.dry_penalty_last_n)
+            check_dry_window(params.dry_multiplier, params.dry_base, params.dry_penalty_last_n)
         if CommonSamplerType.INFILL in params.samplers:
             first = list(params.samplers).index(CommonSamplerType.INFILL)
             if CommonSamplerType.TOP_K not in params.samplers[:first] or not 0 < params.top_k <= INFILL_MAX_CANDIDATES:

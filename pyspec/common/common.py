@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from pyspec.core.batch import Batch
+import numpy as np
+
+from pyspec.core.batch import Batch, BatchExt, BatchView
+from pyspec.errors import SpeculativeError
+from pyspec.ffi import c_const
 
 if TYPE_CHECKING:
     from pyspec.core.vocab import Vocab
 
 __all__ = [
-    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_TOKEN_NULL", "CommonContextSeqRmType", "CommonPromptCheckpoint",
-    "CommonTimeMeas", "common_batch_add", "common_batch_clear", "common_context_can_seq_rm", "common_context_seq_rm",
-    "common_detokenize", "common_token_to_piece", "common_tokenize", "ggml_time_us",
+    "GGML_MROPE_SECTIONS", "LLAMA_PROCESS_TYPE_DECODE", "LLAMA_PROCESS_TYPE_ENCODE",
+    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_TOKEN_NULL", "CommonBatch", "CommonBatchToken",
+    "CommonContextSeqRmType", "CommonPromptCheckpoint", "CommonTimeMeas", "common_batch_add", "common_batch_clear",
+    "common_batch_get_one", "common_context_can_seq_rm", "common_context_seq_rm", "common_detokenize",
+    "common_token_to_piece", "common_tokenize", "ggml_time_us", "llama_process",
 ]
 
 LLAMA_TOKEN_NULL = -1
+GGML_MROPE_SECTIONS = 4
+
+LLAMA_PROCESS_TYPE_ENCODE = c_const("LLAMA_PROCESS_TYPE_ENCODE")
+LLAMA_PROCESS_TYPE_DECODE = c_const("LLAMA_PROCESS_TYPE_DECODE")
 
 
 def ggml_time_us() -> int:
@@ -57,6 +68,186 @@ def common_batch_add(batch: Batch, id: int, pos: int, seq_ids: Iterable[int] | i
     batch.add(id, pos, seq_ids, logits)
 
 
+def _embd_rows(embd: Any) -> np.ndarray:
+    # a llama_embd {data, n_rows, n_embd} is a float32 [n_rows, n_embd] array here (a 1-D row is one row)
+    rows = np.asarray(embd, dtype=np.float32)
+    return rows.reshape(1, -1) if rows.ndim == 1 else rows
+
+
+@dataclass(slots=True)
+class CommonBatchToken:
+    """Mirrors struct common_batch::token (common.h): one entry of the batch.
+
+    ``embd`` is the non-owning llama_embd view of the C++: the caller's float32 rows
+    (``[n_rows, n_embd]``), or None where the C++ holds data == NULL.
+    """
+
+    id: int
+    pos: list[int]  # GGML_MROPE_SECTIONS positions, only pos[0] is used for text tokens
+    seq_id: int  # the first sequence id, see add_seq()
+    output: bool
+    embd: np.ndarray | None = None
+    seq_ids_extra: list[int] = field(default_factory=list)  # see add_seq()
+
+
+class CommonBatch:
+    """Mirrors struct common_batch (common.h): the entries, and the llama_batch_ext they are rendered into.
+
+    Entries can exceed n_batch; get_sub_batch() renders a range of them for one llama_process.
+    ``CommonBatch()`` without a context (the C++ default constructor) holds entries only:
+    enough for common_speculative_process, whose implementations copy the entries into their own batches.
+    """
+
+    def __init__(self, ctx: Any = None) -> None:
+        self.tokens: list[CommonBatchToken] = []  # mirror of the entries, tokens[i] describes batch index i
+        self.batch: Any = None  # llama_batch_ext_ptr
+        self.n_pos = 1  # positions per embedding entry, GGML_MROPE_SECTIONS for MROPE/IMROPE
+        if ctx is not None:
+            self.batch = BatchExt.init(ctx)
+            rope_type = ctx.model.rope_type
+            self.n_pos = GGML_MROPE_SECTIONS if rope_type in ("mrope", "imrope") else 1
+
+    def close(self) -> None:
+        """Frees the llama_batch_ext (the C++ llama_batch_ext_ptr's deleter)."""
+        if self.batch is not None:
+            self.batch.free()
+            self.batch = None
+
+    def get(self) -> Any:
+        return self.get_sub_batch(0, self.size())
+
+    def get_sub_batch(self, off: int, n: int) -> Any:
+        """Mirrors common_batch::get_sub_batch: renders entries [off, off + n) into the llama_batch_ext."""
+        if self.batch is None:
+            raise SpeculativeError("GGML_ASSERT(batch && \"common_batch was not initialized with a context\") failed")
+        if not (off >= 0 and n >= 0 and off + n <= self.size()):
+            raise SpeculativeError("GGML_ASSERT(off >= 0 && n >= 0 && off + n <= size()) failed")
+
+        res = self.batch
+        res.clear()
+
+        # BatchExt raises where the C++ aborts (a full batch, an invalid token, embedding or
+        # sequence id): BatchFullError / ValueError with llama_batch_ext's reason
+        for i in range(off, off + n):
+            t = self.tokens[i]
+
+            if t.id != LLAMA_TOKEN_NULL:
+                idx = res.add_token(t.seq_id, t.id)
+                res.set_pos(idx, t.pos)
+                if t.embd is not None:
+                    res.set_embd_token(idx, t.embd)
+            else:
+                idx = res.add_embd(t.seq_id, t.embd)
+                res.set_pos(idx, t.pos)
+            if idx != i - off:
+                raise SpeculativeError("GGML_ASSERT(idx == i - off) failed")
+
+            for seq_id in t.seq_ids_extra:
+                res.add_seq(idx, seq_id)
+            if t.output:
+                res.set_output_logits(idx, True)
+
+        return res
+
+    # content type of the batch, all entries carry the same combination
+    def has_token(self) -> bool:
+        return len(self.tokens) > 0 and self.tokens[0].id != LLAMA_TOKEN_NULL
+
+    def has_embd(self) -> bool:
+        return len(self.tokens) > 0 and self.tokens[0].embd is not None
+
+    def clear(self) -> None:
+        self.tokens.clear()
+
+    def add(self, id: int, pos: int, seq_id: int | Sequence[int], output: bool) -> int:
+        """Mirrors both common_batch::add overloads; returns the batch index."""
+        if not isinstance(seq_id, (int, np.integer)):
+            seq_ids = list(seq_id)
+            if not seq_ids:
+                raise SpeculativeError("GGML_ASSERT(!seq_ids.empty()) failed")
+            idx = self.add(id, pos, int(seq_ids[0]), output)
+            for s in seq_ids[1:]:
+                self.add_seq(idx, int(s))
+            return idx
+        self.tokens.append(CommonBatchToken(int(id), [int(pos), 0, 0, 0], int(seq_id), bool(output)))
+        return self.size() - 1
+
+    def add_seq(self, idx: int, seq_id: int) -> bool:
+        """Add the entry at idx to another sequence; tokens[idx].seq_id keeps the first one."""
+        if idx < 0 or idx >= self.size():
+            return False
+        self.tokens[idx].seq_ids_extra.append(seq_id)
+        return True
+
+    def set_output(self, idx: int, value: bool) -> bool:
+        if idx < 0 or idx >= self.size():
+            return False
+        self.tokens[idx].output = value
+        return True
+
+    def set_embd(self, idx: int, embd: Any) -> bool:
+        """Attach a token embedding to the entry at idx; can only be set once per entry."""
+        if idx < 0 or idx >= self.size() or self.tokens[idx].embd is not None:
+            return False
+        self.tokens[idx].embd = _embd_rows(embd)
+        return True
+
+    def add_embd(self, embd: Any, pos: Sequence[int], seq_id: int, output: bool) -> int:
+        """Add an embedding-only entry (no token id); pos holds n_pos positions."""
+        t = CommonBatchToken(LLAMA_TOKEN_NULL, [0, 0, 0, 0], seq_id, output, _embd_rows(embd))
+        for j in range(self.n_pos):
+            t.pos[j] = int(pos[j])
+        self.tokens.append(t)
+        return self.size() - 1
+
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_llama_batch(cls, batch: Batch | BatchView, ctx: Any = None) -> CommonBatch:
+        """The entries of a llama_batch as a common_batch (not in the C++: the loop that builds a
+        llama_batch for the target hands the same rows to common_speculative_process)."""
+        out = cls(ctx)
+        n = batch.n_tokens
+        token, embd = batch.token, batch.embd
+        pos, n_seq_id, seq_id, logits = batch.pos, batch.n_seq_id, batch.seq_id, batch.logits
+        for k in range(n):
+            seqs = [int(s) for s in seq_id[k, : int(n_seq_id[k])]]
+            if token is not None:
+                idx = out.add(int(token[k]), int(pos[k]), seqs[0], bool(logits[k]))
+                if embd is not None:
+                    out.set_embd(idx, embd[k : k + 1])
+            else:
+                assert embd is not None
+                idx = out.add_embd(embd[k : k + 1], [int(pos[k])] * out.n_pos, seqs[0], bool(logits[k]))
+            out.tokens[idx].seq_ids_extra = seqs[1:]
+        return out
+
+
+def common_batch_get_one(ctx: Any, tokens: Sequence[int]) -> CommonBatch:
+    """Mirrors common_batch_get_one (common.cpp): positions continue from the memory, the last token is output."""
+    batch = CommonBatch(ctx)
+
+    pos = ctx.memory.seq_pos_max(0) + 1  # -1 + 1 == 0 when the memory is empty
+
+    n_tokens = len(tokens)
+    for i in range(n_tokens):
+        output = i == n_tokens - 1
+        batch.add(tokens[i], pos, 0, output)
+        pos += 1
+
+    return batch
+
+
+def llama_process(ctx: Any, type: int, batch: Any) -> int:
+    """llama_process (llama.h) on a pyspec Context: the one place the port calls it, returns its status."""
+    rc: int = ctx.process_rc(batch, type)
+    return rc
+
+
 def common_tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool = False) -> list[int]:
     """Mirrors common_tokenize (common.cpp)."""
     return vocab.tokenize(text, add_special, parse_special)
@@ -81,22 +272,30 @@ class CommonContextSeqRmType:
     RS = 3    # can seq_rm partial sequences, bounded by n_rs_seq
 
 
-def common_context_can_seq_rm(ctx) -> int:
+def common_context_can_seq_rm(ctx: Any) -> int:
     """Mirrors common_context_can_seq_rm (common.cpp). Clears the context's memory, as the C++ does."""
     mem = ctx.memory
+    if mem is None:
+        return CommonContextSeqRmType.NO
+
+    if ctx.n_rs_seq > 0:
+        # the context supports bounded partial sequence removal
+        return CommonContextSeqRmType.RS
+
     res = CommonContextSeqRmType.PART
 
     mem.clear(True)
 
     # eval 2 tokens to check if the context is compatible
-    batch = Batch(2, 0, 1)
-    batch.add(0, 0, 0, False)
-    batch.add(0, 1, 0, True)
-    ret = ctx.decode_rc(batch)
+    tmp = [0, 0]
+
+    batch = common_batch_get_one(ctx, tmp)
+    try:
+        ret = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch.get())
+    finally:
+        batch.close()
     if ret != 0:
         res = CommonContextSeqRmType.NO
-    elif ctx.n_rs_seq > 0:
-        res = CommonContextSeqRmType.RS
     elif not mem.seq_rm(0, 1, -1):
         # the context does not support partial sequence removal
         res = CommonContextSeqRmType.FULL
@@ -107,11 +306,9 @@ def common_context_can_seq_rm(ctx) -> int:
     return res
 
 
-def common_context_seq_rm(ctx, seq_id: int, p0: int, p1: int) -> None:
+def common_context_seq_rm(ctx: Any, seq_id: int, p0: int, p1: int) -> None:
     """Mirrors common_context_seq_rm (common.cpp); the reference's abort becomes an exception."""
     if not ctx.memory.seq_rm(seq_id, p0, p1):
-        from pyspec.errors import SpeculativeError
-
         raise SpeculativeError(f"failed to remove sequence {seq_id} with p0={p0}, p1={p1}")
 
 
@@ -122,10 +319,11 @@ class CommonPromptCheckpoint:
     """Mirrors struct common_prompt_checkpoint (common.h): per-sequence state of the target and draft."""
 
     def __init__(self) -> None:
+        self.id_task = -1  # (optional) id of the task that created the checkpoint
         self.clear()
 
     def size(self) -> int:
-        return len(self.data_tgt) + len(self.data_dft)
+        return len(self.data_tgt) + len(self.data_dft) + len(self.data_spec)
 
     def empty(self) -> bool:
         return len(self.data_tgt) == 0
@@ -136,6 +334,9 @@ class CommonPromptCheckpoint:
         self.pos_max = 0
         self.data_tgt = b""
         self.data_dft = b""
+        # (optional) speculative-decoding implementation state stashed with the checkpoint
+        # (e.g. eagle3's deferred-boundary g_embd row)
+        self.data_spec = b""
 
     def update_pos(self, n_tokens: int, pos_min: int, pos_max: int) -> None:
         self.n_tokens = n_tokens
@@ -161,3 +362,10 @@ class CommonPromptCheckpoint:
         if ctx is None or not self.data_dft:
             return
         ctx.state_seq_set(seq_id, self.data_dft, flags)
+
+    def clear_tgt(self) -> None:
+        self.data_tgt = b""
+
+    def clear_dft(self) -> None:
+        self.data_dft = b""
+        self.data_spec = b""

@@ -104,6 +104,8 @@ class CommonSpeculativeType(enum.IntEnum):
     DRAFT_SIMPLE = _c("COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE")
     DRAFT_EAGLE3 = _c("COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3")
     DRAFT_MTP = _c("COMMON_SPECULATIVE_TYPE_DRAFT_MTP")
+    DRAFT_DFLASH = _c("COMMON_SPECULATIVE_TYPE_DRAFT_DFLASH")  # DFlash speculative decoding
+    DRAFT_DSPARK = _c("COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK")  # DSpark speculative decoding (DFlash + Markov head)
     NGRAM_SIMPLE = _c("COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE")
     NGRAM_MAP_K = _c("COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K")
     NGRAM_MAP_K4V = _c("COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K4V")
@@ -164,14 +166,14 @@ class CommonParamsSampling:
     temp: float = 0.80
     dynatemp_range: float = 0.00
     dynatemp_exponent: float = 1.00
-    penalty_last_n: int = 64
+    penalty_last_n: int = 64  # last n tokens to penalize (0 = disable penalty)
     penalty_repeat: float = 1.00
     penalty_freq: float = 0.00
     penalty_present: float = 0.00
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    dry_penalty_last_n: int = 64  # how many tokens to scan for repetitions (0 = disable penalty)
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.90
     mirostat: int = 0
@@ -279,14 +281,25 @@ class CommonParamsSpeculative:
     ngram_map_k4v: CommonParamsSpeculativeNgramMap = field(default_factory=CommonParamsSpeculativeNgramMap)
     ngram_cache: CommonParamsSpeculativeNgramCache = field(default_factory=CommonParamsSpeculativeNgramCache)
 
+    # synthetic acceptance for benchmarking (common_speculative_synth_rates_resolve): a mean
+    # acceptance length, or the unconditional acceptance rate of each draft position
+    synth_len: float = -1.0
+    synth_rates: list[float] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         # the names of the CLI's --types ("ngram-map-k") work here too, as in llama.cpp's
         # common_speculative_type_from_name; a Python-side convenience, the C++ struct holds enums
         self.types = _speculative_types(self.types)
 
+    def has_synth(self) -> bool:
+        """Mirrors common_params_speculative::has_synth (common.h)."""
+        return self.synth_len != -1.0 or len(self.synth_rates) > 0
+
     def need_n_rs_seq(self) -> int:
         """Mirrors common_params_speculative::need_n_rs_seq (common.h): the int32_t n_max as uint32_t."""
-        needs_rs_seq = any(t == CommonSpeculativeType.DRAFT_MTP for t in self.types)
+        needs_rs_seq = any(t in (CommonSpeculativeType.DRAFT_MTP, CommonSpeculativeType.DRAFT_EAGLE3,
+                                 CommonSpeculativeType.DRAFT_DFLASH, CommonSpeculativeType.DRAFT_DSPARK)
+                           for t in self.types)
         return c_uint32(c_int32(self.draft.n_max)) if needs_rs_seq else 0
 
     def c_copy(self) -> CommonParamsSpeculative:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +22,14 @@ import numpy as np
 
 from pyspec.common.checks import check_llama_token, check_n_accepted, check_speculative_params, token_array
 from pyspec.common.common import (
+    LLAMA_PROCESS_TYPE_DECODE,
+    LLAMA_PROCESS_TYPE_ENCODE,
+    LLAMA_TOKEN_NULL,
+    CommonBatch,
     CommonTimeMeas,
-    common_batch_add,
-    common_batch_clear,
     common_token_to_piece,
     ggml_time_us,
+    llama_process,
 )
 from pyspec.common.ngram_cache import (
     LLAMA_NGRAM_MAX,
@@ -60,26 +64,27 @@ from pyspec.common.sampling import (
     common_sampler_reset,
     common_sampler_sample,
 )
-from pyspec.core.batch import Batch, BatchView
-from pyspec.core.batch import EmbdBatch as _EmbdBatch
+from pyspec.core.backend import ensure_backend
 from pyspec.core.context import Context
 from pyspec.core.model import Model
 from pyspec.core.sampler import SamplerChain
 from pyspec.errors import SpeculativeError
-from pyspec.ffi import ffi, llama
+from pyspec.ffi import c_const, ffi, ggml, llama
 
 __all__ = [
     "SPEC_VOCAB_CHECK_START_TOKEN_ID", "SPEC_VOCAB_MAX_SIZE_DIFFERENCE", "CommonSpeculative",
     "CommonSpeculativeConfig", "CommonSpeculativeDraftParams", "CommonSpeculativeImpl",
     "CommonSpeculativeImplDraftEagle3", "CommonSpeculativeImplDraftMtp", "CommonSpeculativeImplDraftSimple",
     "CommonSpeculativeImplNgramCache", "CommonSpeculativeImplNgramMapK", "CommonSpeculativeImplNgramMod",
-    "CommonSpeculativeImplNgramSimple", "DraftRequest", "SamplerInit", "common_get_enabled_speculative_configs",
-    "common_speculative_accept", "common_speculative_all_types_str", "common_speculative_are_compatible",
-    "common_speculative_begin", "common_speculative_draft", "common_speculative_free",
-    "common_speculative_get_draft_params", "common_speculative_init", "common_speculative_n_max",
-    "common_speculative_need_embd", "common_speculative_need_embd_nextn", "common_speculative_print_stats",
-    "common_speculative_process", "common_speculative_type_from_name", "common_speculative_type_from_name_map", "common_speculative_type_name_str",
-    "common_speculative_type_to_str", "common_speculative_types_from_names", "create_state_ngram_cache",
+    "CommonSpeculativeImplNgramSimple", "CommonSpeculativeOutputLimits", "DraftRequest", "SamplerInit",
+    "common_get_enabled_speculative_configs", "common_speculative_accept", "common_speculative_all_types_str",
+    "common_speculative_are_compatible", "common_speculative_begin", "common_speculative_draft",
+    "common_speculative_free", "common_speculative_get_draft_params", "common_speculative_get_output_limits",
+    "common_speculative_get_state", "common_speculative_get_synth_probs", "common_speculative_init",
+    "common_speculative_n_max", "common_speculative_print_stats", "common_speculative_process",
+    "common_speculative_set_state", "common_speculative_synth_rates_resolve", "common_speculative_type_from_name",
+    "common_speculative_type_from_name_map", "common_speculative_type_name_str", "common_speculative_type_to_str",
+    "common_speculative_types_from_gguf", "common_speculative_types_from_names", "create_state_ngram_cache",
     "get_common_ngram_map",
 ]
 
@@ -95,6 +100,8 @@ common_speculative_type_from_name_map: dict[str, T] = {
     "draft-simple": T.DRAFT_SIMPLE,
     "draft-eagle3": T.DRAFT_EAGLE3,
     "draft-mtp": T.DRAFT_MTP,
+    "draft-dflash": T.DRAFT_DFLASH,
+    "draft-dspark": T.DRAFT_DSPARK,
     "ngram-simple": T.NGRAM_SIMPLE,
     "ngram-map-k": T.NGRAM_MAP_K,
     "ngram-map-k4v": T.NGRAM_MAP_K4V,
@@ -179,7 +186,7 @@ class CommonSpeculativeDraftParams:
     # overrides the implementations' n_max (-1 disabled), e.g. to fit the remaining context
     n_max: int = -1
 
-    n_past: int = 0
+    pos0: int = 0
     id_last: int = 0
 
     prompt: Sequence[int] = field(default_factory=list)
@@ -190,24 +197,49 @@ class CommonSpeculativeDraftParams:
     checked_prompt: Sequence[int] | None = field(default=None, repr=False, compare=False)
     n_checked: int = field(default=0, repr=False, compare=False)
 
+    # n_past is pos0's name before 0c1e57098: kept for callers written against it
+    @property
+    def n_past(self) -> int:
+        return self.pos0
 
-@dataclass(frozen=True, slots=True)
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.pos0 = value
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class DraftRequest:
     """What a caller sets in one sequence's draft params before common_speculative_draft.
 
     Not a C++ type: the one description of a draft request shared by the port,
-    the C++ reference wrapper and the generation loop.
+    the C++ reference wrapper and the generation loop. ``pos0`` is the draft
+    params' position of id_last (``n_past`` before 0c1e57098: the keyword and the
+    attribute of that name are kept for callers written against it).
     """
 
     seq_id: int
     n_max: int  # -1: no per-call limit
-    n_past: int
+    pos0: int
     id_last: int
     prompt: Sequence[int]
 
+    def __init__(self, seq_id: int, n_max: int, pos0: int | None = None, id_last: int = 0,
+                 prompt: Sequence[int] = (), *, n_past: int | None = None) -> None:
+        if (pos0 is None) == (n_past is None):
+            raise TypeError("DraftRequest needs exactly one of pos0 and n_past (its old name)")
+        for name, v in (("seq_id", seq_id), ("n_max", n_max), ("pos0", pos0 if n_past is None else n_past),
+                        ("id_last", id_last), ("prompt", prompt)):
+            object.__setattr__(self, name, v)
+        self.__post_init__()
+
+    @property
+    def n_past(self) -> int:
+        """The old name of pos0."""
+        return self.pos0
+
     def __post_init__(self) -> None:
         # int32 fields in the C++ (llama_seq_id, int32_t, llama_pos, llama_token)
-        for name, v in (("seq_id", self.seq_id), ("n_max", self.n_max), ("n_past", self.n_past),
+        for name, v in (("seq_id", self.seq_id), ("n_max", self.n_max), ("pos0", self.pos0),
                         ("id_last", self.id_last)):
             if type(v) is int and _INT32_MIN <= v <= _INT32_MAX:
                 continue
@@ -218,9 +250,10 @@ class DraftRequest:
 class CommonSpeculativeImpl:
     """Mirrors struct common_speculative_impl (speculative.cpp): the interface and counters."""
 
-    def __init__(self, type: T, n_seq: int) -> None:
+    def __init__(self, type: T, n_seq: int, n_max: int) -> None:
         self.type = type
         self.n_seq = n_seq
+        self.n_max = n_max  # maximum draft length after implementation-specific limits
 
         self.n_call_begin = 0   # number of times this implementation was called for refresh.
         self.n_call_draft = 0   # number of times this implementation was called for generation.
@@ -231,6 +264,8 @@ class CommonSpeculativeImpl:
         self.n_gen_tokens = 0  # number of tokens generated by this implementation.
         self.n_acc_tokens = 0  # number of tokens accepted by the target model.
 
+        self.n_acc_tokens_per_pos: list[int] = []  # number of tokens accepted per draft position.
+
         self.gen_perf = True  # whether to generate performance stats.
 
         self.t_begin_us = 0   # total time spent in refresh of this implementation in microseconds.
@@ -240,7 +275,7 @@ class CommonSpeculativeImpl:
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         raise NotImplementedError
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         raise NotImplementedError
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
@@ -249,13 +284,13 @@ class CommonSpeculativeImpl:
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         raise NotImplementedError
 
-    # true if this implementation requires the target context to extract post-norm embeddings
-    def need_embd(self) -> bool:
-        raise NotImplementedError
+    # (optional) serialize/restore per-seq internal state (e.g. eagle3's deferred boundary).
+    def get_state(self, seq_id: int) -> bytes | None:
+        """Mirrors common_speculative_impl::get_state: the state, or None where the C++ returns false."""
+        return None
 
-    # true if this implementation requires the target context to extract pre-norm embeddings
-    def need_embd_nextn(self) -> bool:
-        return False
+    def set_state(self, seq_id: int, data: bytes) -> None:
+        pass
 
     def close(self) -> None:
         """Frees what the C++ destructor frees."""
@@ -288,6 +323,20 @@ def _draft_sampler(ctx_dft: Context, sampler_init: SamplerInit) -> CommonSampler
     return sampler_init(ctx_dft.model, params)
 
 
+def _embd_view(rows: np.ndarray) -> np.ndarray:
+    # llama_embd { data, n_rows, n_embd }: a float32 [n_rows, n_embd] view of the caller's rows
+    return rows.reshape(1, -1) if rows.ndim == 1 else rows
+
+
+def _set_nextn_layer_offset(ctx: Context, offset: int) -> None:
+    # llama_set_nextn_layer_offset (llama-ext.h, staging API): only MTP drafts with chained heads call it
+    setter = getattr(ctx, "set_nextn_layer_offset", None)
+    if setter is None:
+        raise SpeculativeError("draft-mtp with chained heads needs llama_set_nextn_layer_offset, "
+                               "which pyspec.core.Context does not bind yet")
+    setter(offset)
+
+
 def _require_ctx(ctx: Any, what: str) -> Context:
     if not isinstance(ctx, Context):
         raise SpeculativeError(f"{what} must be a pyspec Context, got {type(ctx).__name__}")
@@ -299,16 +348,24 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int,
                  sampler_init: SamplerInit = common_sampler_init) -> None:
-        super().__init__(T.DRAFT_SIMPLE, n_seq)
+        super().__init__(T.DRAFT_SIMPLE, n_seq, c_copy(params.draft).n_max)
         self.params = c_copy(params.draft)
+        self.smpls: list[CommonSampler] = []
+        self.batch = CommonBatch()
 
+        if self.params.ctx_dft is None:
+            raise SpeculativeError("draft-simple requires a draft context")
         ctx_dft = _require_ctx(self.params.ctx_dft, "draft-simple ctx_dft")
         ctx_tgt = _require_ctx(self.params.ctx_tgt, "draft-simple ctx_tgt")
 
-        logger.info("adding speculative implementation 'draft-simple'")
-        logger.info("- n_max=%d, n_min=%d, p_min=%f", self.params.n_max, self.params.n_min, self.params.p_min)
+        # zero row at the draft input width, stands in for target embeddings the draft cannot read
+        self.zeros = np.zeros((1, ctx_dft.model.n_embd_inp), dtype=np.float32)
+        self.zeros_warned = False  # the substitution is reported once
 
-        self.batch = Batch(ctx_dft.n_batch, 0, 1)
+        logger.debug("adding speculative implementation 'draft-simple'")
+        logger.debug("- n_max=%d, n_min=%d, p_min=%f", self.params.n_max, self.params.n_min, self.params.p_min)
+
+        self.batch = CommonBatch(ctx_dft)
 
         self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
@@ -328,14 +385,44 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
     def close(self) -> None:
         for s in self.smpls:
             s.close()
+        self.batch.close()
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         pass  # noop
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch_in: CommonBatch) -> bool:
         ctx_dft = self.params.ctx_dft
+        batch = self.batch
 
-        ret = ctx_dft.decode_rc(batch)
+        # copy the entries to a batch owned by the draft context, only the last token is output
+        batch.clear()
+        n_tokens = batch_in.size()
+        for k in range(n_tokens):
+            t = batch_in.tokens[k]
+            output = k == n_tokens - 1
+            if t.id != LLAMA_TOKEN_NULL:
+                idx = batch.add(t.id, t.pos[0], t.seq_id, output)
+                if t.embd is not None:
+                    batch.set_embd(idx, t.embd)
+            else:
+                # mtmd input is projected by the target encoder, a draft with a different width cannot
+                # read it: it gets zeros instead, keeping its positions contiguous
+                # ref: https://github.com/ggml-org/llama.cpp/pull/29385#discussion_r4124743243
+                assert t.embd is not None
+                n_embd = t.embd.size
+                same_width = n_embd == self.zeros.size
+                if not same_width and not self.zeros_warned:
+                    logger.warning("target embeddings of size %d do not fit the draft input width %d, "
+                                   "the draft receives zero rows for them and drafts after multimodal input will be poor",
+                                   n_embd, self.zeros.size)
+                    self.zeros_warned = True
+                embd = t.embd if same_width else self.zeros
+                batch.add_embd(embd, t.pos, t.seq_id, output)
+
+        if batch.size() == 0:
+            return True
+
+        ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
 
         if ret != 0:
             logger.error("failed to decode draft batch, ret = %d", ret)
@@ -348,7 +435,7 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
         ctx_dft = self.params.ctx_dft
         batch = self.batch
 
-        common_batch_clear(batch)
+        batch.clear()
 
         # keep track of which sequences are still drafting
         n_drafting = 0
@@ -364,11 +451,11 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
             drafting[seq_id] = True
             common_sampler_reset(self.smpls[seq_id])
 
-            common_batch_add(batch, dp.id_last, dp.n_past, seq_id, True)
+            batch.add(dp.id_last, dp.pos0, seq_id, True)
 
-        ret = ctx_dft.decode_rc(batch)
+        ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
         if ret != 0:
-            logger.warning("llama_decode returned %d", ret)
+            logger.error("llama_process returned %d", ret)
             return
 
         i = 0
@@ -376,7 +463,7 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
         while n_drafting > 0:
             i_batch = 0
 
-            common_batch_clear(batch)
+            batch.clear()
 
             for seq_id in range(self.n_seq):
                 if not drafting[seq_id]:
@@ -411,15 +498,15 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
                     n_drafting -= 1
                     continue
 
-                common_batch_add(batch, id, dp.n_past + i + 1, seq_id, True)
+                batch.add(id, dp.pos0 + i + 1, seq_id, True)
 
-            if batch.n_tokens == 0:
+            if batch.size() == 0:
                 break
 
             # evaluate the drafted tokens on the draft model
-            ret = ctx_dft.decode_rc(batch)
+            ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
             if ret != 0:
-                logger.warning("llama_decode[%d] returned %d", i, ret)
+                logger.error("llama_process[%d] returned %d", i, ret)
                 break
 
             i += 1
@@ -433,9 +520,6 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         pass  # noop
-
-    def need_embd(self) -> bool:
-        return False
 
 
 # EAGLE3 speculative decoding state
@@ -469,10 +553,15 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int,
                  sampler_init: SamplerInit = common_sampler_init) -> None:
-        super().__init__(T.DRAFT_EAGLE3, n_seq)
+        super().__init__(T.DRAFT_EAGLE3, n_seq, c_copy(params.draft).n_max)
         self.params = c_copy(params.draft)
-        logger.info("adding speculative implementation 'draft-eagle3'")
-        logger.info("- n_max=%d, n_min=%d, p_min=%f", params.draft.n_max, params.draft.n_min, params.draft.p_min)
+        self.smpls: list[CommonSampler] = []
+        self.batch = CommonBatch()
+        self.batch_enc = CommonBatch()
+        self.backend_chains: list[SamplerChain | None] = []
+        logger.debug("adding speculative implementation 'draft-eagle3'")
+        logger.debug("- n_max=%d, n_min=%d, p_min=%f, backend_sampling=%d", params.draft.n_max, params.draft.n_min,
+                     params.draft.p_min, int(params.draft.backend_sampling))
 
         ctx_tgt = self.params.ctx_tgt
         ctx_dft = self.params.ctx_dft
@@ -489,29 +578,42 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         if self.target_layer_ids_n != 3:
             raise SpeculativeError(
                 f"draft model is not eagle3 (expected 3 extract layers, got {self.target_layer_ids_n})")
-        for lid in self.target_layer_ids:
-            if not 0 <= lid < model_tgt.n_layer:
-                raise SpeculativeError(f"EAGLE3 extract layer {lid} is not a layer of the target model")
-
         self.n_embd_tgt = model_tgt.n_embd                                  # target model hidden size
         self.n_embd_dec = model_dft.n_embd                                  # draft hidden size
         self.n_embd_enc = self.target_layer_ids_n * self.n_embd_tgt         # target_layer_ids_n * target_hidden_size
+        self.n_layer_tgt = model_tgt.n_layer                                # target model layer count
 
-        n_b = ctx_dft.n_batch
-        # llama_batch_init allocates one of token/embd; the eagle3 decoder needs both.
-        # Upstream finding (kept for parity): llama_context::decode strides embedding rows by
-        # n_embd_inp (3 x n_embd_tgt for eagle3), not by the decoder's n_embd, once a draft
-        # decode splits into several ubatches (n_batch > n_ubatch, or several sequences in
-        # separate KV streams); later ubatches then read rows from the wrong place, in the C++
-        # past the end of the batch. The reference's drafts degrade there; give the draft
-        # context n_ubatch >= n_batch. Here the buffer is over-allocated so such reads stay in it.
-        self.batch = Batch(n_b, self.n_embd_dec, 1, tokens=True, embd_row_alloc=model_dft.n_embd_inp)
+        # a layer id past the target's layers aborts in the C++ below: refused before anything is set
+        for lid in self.target_layer_ids:
+            if not 0 <= lid <= self.n_layer_tgt:
+                raise SpeculativeError(
+                    f"EAGLE3: target layer id {lid} exceeds target n_layer {self.n_layer_tgt}")
+
+        self.batch = CommonBatch(ctx_dft)      # decoder input, (token, g_embd) pairs
+        self.batch_enc = CommonBatch(ctx_dft)  # encoder input, built from the extracted target features
 
         self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
-        # turn on extraction of the target layers' input embeddings
+        # offload draft sampling to the backend: one sampler chain per seq, attached to ctx_dft
+        self.backend_chains = [None] * n_seq
+        if self.params.backend_sampling:
+            for seq_id in range(n_seq):
+                chain = SamplerChain(no_perf=True)
+                chain.add_top_k(10)
+
+                if not ctx_dft.set_sampler(seq_id, chain):
+                    logger.warning("backend offload failed for seq_id=%d; using CPU sampler", seq_id)
+                    chain.close()
+                    continue  # chain = nullptr
+                self.backend_chains[seq_id] = chain
+
+        # turn on extraction of the target layers' hidden states
         for k in range(self.target_layer_ids_n):
-            ctx_tgt.set_embeddings_layer_inp(int(self.target_layer_ids[k]), True)
+            lid = int(self.target_layer_ids[k])
+            if lid < self.n_layer_tgt:
+                ctx_tgt.set_embeddings_layer_inp(lid, True)
+            else:  # lid == n_layer_tgt (checked above)
+                ctx_tgt.set_embeddings_nextn(True, False)
 
         # turn on extraction of the draft model's pre-norm hidden state
         # (used both for the encoder output g_embd and the decoder pre-norm output).
@@ -529,11 +631,20 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         # scratch buffers for the concatenated target features [n_tokens, n_embd_enc] and g_embd
         self.features_buf = np.zeros((0, self.n_embd_enc), dtype=np.float32)
         self.g_embd_buf = np.zeros((0, self.n_embd_dec), dtype=np.float32)
-        self._enc_batch = _EmbdBatch()
 
     def close(self) -> None:
+        ctx_dft = self.params.ctx_dft
+        for seq_id, chain in enumerate(self.backend_chains):
+            if chain is None:
+                continue
+            if ctx_dft is not None and not ctx_dft.closed:
+                ctx_dft.set_sampler(seq_id, None)
+            chain.close()
+        self.backend_chains = []
         for s in self.smpls:
             s.close()
+        self.batch.close()
+        self.batch_enc.close()
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         N = len(prompt)
@@ -547,29 +658,29 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
             logger.warning("ctx_dft pos_max=%d < N-2=%d - process() did not run on every prefill ubatch. "
                            "Drafts may degrade.", pos_max, N - 2)
 
-    def process(self, batch_in: Batch | BatchView) -> bool:
-        if batch_in.n_tokens <= 0:
+    def process(self, batch_in: CommonBatch) -> bool:
+        if batch_in.size() <= 0:
             return True
 
-        if batch_in.token is None or batch_in.embd is not None:
+        if not batch_in.has_token() or batch_in.has_embd():
             return True
 
-        n_tokens = batch_in.n_tokens
+        n_tokens = batch_in.size()
         n_seq = self.n_seq
+        tokens_in = batch_in.tokens
 
         # i_batch_beg[seq] / i_batch_end[seq]: inclusive batch indices of this seq's first/last
         # token in batch_in. Assumes per-seq tokens are contiguous within the ubatch (the
         # server's default ordering).
-        if int(batch_in.n_seq_id[:n_tokens].max()) != 1 or int(batch_in.n_seq_id[:n_tokens].min()) != 1:
-            raise SpeculativeError("GGML_ASSERT(batch_in.n_seq_id[k] == 1) failed")
-        seqs = batch_in.seq_id[:n_tokens, 0]
         i_batch_beg = [-1] * n_seq
         i_batch_end = [-1] * n_seq
-        for seq_id in range(n_seq):
-            hits = np.flatnonzero(seqs == seq_id)
-            if hits.size:
-                i_batch_beg[seq_id] = int(hits[0])
-                i_batch_end[seq_id] = int(hits[-1])
+        for k in range(n_tokens):
+            seq_id = tokens_in[k].seq_id
+            if seq_id < 0 or seq_id >= n_seq:
+                continue
+            if i_batch_beg[seq_id] < 0:
+                i_batch_beg[seq_id] = k
+            i_batch_end[seq_id] = k
 
         ctx_tgt = self.params.ctx_tgt
         ctx_dft = self.params.ctx_dft
@@ -586,7 +697,8 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         for k in range(self.target_layer_ids_n):
             lid = int(self.target_layer_ids[k])
             try:
-                layer = ctx_tgt.get_embeddings_layer_inp(lid, n_tokens)
+                layer = (ctx_tgt.get_embeddings_layer_inp(lid, n_tokens) if lid < self.n_layer_tgt
+                         else ctx_tgt.get_embeddings_nextn(n_tokens))
             except IndexError:
                 raise SpeculativeError(f"EAGLE3: target layer {lid} input not extracted.") from None
             features_buf[:, k * n_embd_tgt : (k + 1) * n_embd_tgt] = layer
@@ -595,16 +707,23 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
             self.g_embd_buf = np.zeros((n_tokens, n_embd_dec), dtype=np.float32)
         g_embd_buf = self.g_embd_buf[:n_tokens]
 
-        # llama_encode() requires the full encoder batch to fit in n_ubatch; the eagle3
+        # llama_process() requires the full encoder batch to fit in n_ubatch; the eagle3
         # per-token encoder can be chunked safely, which allows batch > ubatch.
         n_ubatch_dft = ctx_dft.n_ubatch
+        batch_enc = self.batch_enc
         for i in range(0, n_tokens, n_ubatch_dft):
             n_chunk = min(n_ubatch_dft, n_tokens - i)
 
-            enc_batch = self._enc_batch.set(features_buf[i : i + n_chunk])
-            rc = ctx_dft.encode_rc(enc_batch)
+            # the per-token encoder does not use positions, generate placeholder ones from the memory state
+            batch_enc.clear()
+            pos = ctx_dft.memory.seq_pos_max(0) + 1
+            for j in range(n_chunk):
+                batch_enc.add_embd(features_buf[i + j : i + j + 1], [pos], 0, True)
+                pos += 1
+
+            rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_ENCODE, batch_enc.get())
             if rc != 0:
-                logger.error("llama_encode(ctx_dft) failed rc=%d (n_tokens=%d, offset=%d)", rc, n_chunk, i)
+                logger.error("llama_process(ctx_dft) failed rc=%d (n_tokens=%d, offset=%d)", rc, n_chunk, i)
                 return False
 
             # g_embd has shape [n_chunk, n_embd_dec] in ctx_dft's pre-norm embeddings buffer.
@@ -628,7 +747,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         #   (c) refresh the deferred state: stash this ubatch's g_embd rows into verify_g and
         #       set pending_g_last / pending_pos_last to the last row.
         batch = self.batch
-        common_batch_clear(batch)
+        batch.clear()
 
         for seq_id in range(n_seq):
             beg = i_batch_beg[seq_id]
@@ -642,27 +761,31 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
             #   2) pending_pos_last + 1 == pos[beg]
             #   3) pending_pos_last > dft_pos_max (the reference asks itself whether this is needed)
             pending_pos = self.pending_pos_last[seq_id]
-            if pending_pos >= 0 and pending_pos + 1 == int(batch_in.pos[beg]):
+            if pending_pos >= 0 and pending_pos + 1 == tokens_in[beg].pos[0]:
                 dft_pos_max = ctx_dft.memory.seq_pos_max(seq_id)
                 if pending_pos > dft_pos_max:
-                    batch.add(int(batch_in.token[beg]), pending_pos, seq_id, False, self.pending_g_last[seq_id])
+                    idx = batch.add(tokens_in[beg].id, pending_pos, seq_id, False)
+                    # a view, as the C++ llama_embd: the batch is rendered at the decode below, after
+                    # the refresh further down rewrote this row (the reference reads the new row too)
+                    batch.set_embd(idx, self.pending_g_last[seq_id : seq_id + 1])
 
-            # for k in [beg, end): (token[k+1], pos[k], g_embd[k])
-            batch.add_rows(batch_in.token[beg + 1 : end + 1], batch_in.pos[beg:end], seq_id, False, g_embd[beg:end])
+            for k in range(beg, end):
+                idx = batch.add(tokens_in[k + 1].id, tokens_in[k].pos[0], seq_id, False)
+                batch.set_embd(idx, g_embd[k : k + 1])
 
             # refresh deferred state
             n_rows = end - beg + 1
-            self.verify_pos_first[seq_id] = int(batch_in.pos[beg])
-            self.pending_pos_last[seq_id] = int(batch_in.pos[end])
+            self.verify_pos_first[seq_id] = tokens_in[beg].pos[0]
+            self.pending_pos_last[seq_id] = tokens_in[end].pos[0]
             self.verify_g_rows[seq_id] = n_rows
             self.verify_g[seq_id] = g_embd[beg : end + 1].copy()
             self.pending_g_last[seq_id] = g_embd[end]
 
-        if batch.n_tokens > 0:
-            rc = ctx_dft.decode_rc(batch)
+        if batch.size() > 0:
+            rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
             if rc != 0:
-                logger.error("llama_decode(ctx_dft) failed rc=%d (n_tokens=%d, ubatch_pos[0]=%d)",
-                             rc, batch.n_tokens, int(batch_in.pos[0]))
+                logger.error("llama_process(ctx_dft) failed rc=%d (n_tokens=%d, ubatch_pos[0]=%d)",
+                             rc, batch.size(), tokens_in[0].pos[0])
                 return False
 
         return True
@@ -671,7 +794,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         ctx_dft = self.params.ctx_dft
         batch = self.batch
 
-        common_batch_clear(batch)
+        batch.clear()
 
         # keep track of which sequences are still drafting
         n_drafting = 0
@@ -695,14 +818,15 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
 
             ctx_dft.memory.seq_rm(seq_id, self.pending_pos_last[seq_id], -1)
 
-            batch.add(dp.id_last, self.pending_pos_last[seq_id], seq_id, True, self.pending_g_last[seq_id])
+            idx = batch.add(dp.id_last, self.pending_pos_last[seq_id], seq_id, True)
+            batch.set_embd(idx, self.pending_g_last[seq_id : seq_id + 1])
 
-        if batch.n_tokens == 0:
+        if batch.size() == 0:
             return
 
-        ret = ctx_dft.decode_rc(batch)
+        ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
         if ret != 0:
-            logger.warning("llama_decode returned %d", ret)
+            logger.error("llama_process returned %d", ret)
             return
 
         i = 0
@@ -710,7 +834,7 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         while n_drafting > 0:
             i_batch = 0
 
-            common_batch_clear(batch)
+            batch.clear()
 
             for seq_id in range(self.n_seq):
                 if not drafting[seq_id]:
@@ -747,14 +871,15 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
                     n_drafting -= 1
                     continue
 
-                batch.add(id, self.pending_pos_last[seq_id] + (i + 1), seq_id, True, prenorm)
+                idx = batch.add(id, self.pending_pos_last[seq_id] + (i + 1), seq_id, True)
+                batch.set_embd(idx, _embd_view(prenorm))
 
-            if batch.n_tokens == 0:
+            if batch.size() == 0:
                 break
 
-            ret = ctx_dft.decode_rc(batch)
+            ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
             if ret != 0:
-                logger.warning("llama_decode[%d] returned %d", i, ret)
+                logger.error("llama_process[%d] returned %d", i, ret)
                 break
 
             i += 1
@@ -779,8 +904,37 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
         self.pending_pos_last[seq_id] = self.verify_pos_first[seq_id] + i_g
         self.pending_g_last[seq_id] = self.verify_g[seq_id][i_g]
 
-    def need_embd(self) -> bool:
-        return False
+    # we only need to stash the deferred boundary's g_embd row for recurrent/hybrid targets:
+    # their single-position checkpoints drop it on restore
+    def need_boundary_stash(self) -> bool:
+        model_tgt = self.params.ctx_tgt.model
+        return bool(model_tgt.is_recurrent or model_tgt.is_hybrid)
+
+    def get_state(self, seq_id: int) -> bytes | None:
+        """Mirrors common_speculative_impl_draft_eagle3::get_state: int32 pos, then the float32 g row."""
+        if not self.need_boundary_stash():
+            return None
+        if seq_id < 0 or seq_id >= self.n_seq or self.pending_pos_last[seq_id] < 0:
+            return None
+
+        pos = self.pending_pos_last[seq_id]
+        g = self.pending_g_last[seq_id]
+
+        return np.int32(pos).tobytes() + g.astype(np.float32).tobytes()
+
+    def set_state(self, seq_id: int, data: bytes) -> None:
+        """Mirrors common_speculative_impl_draft_eagle3::set_state."""
+        if not self.need_boundary_stash():
+            return
+        if seq_id < 0 or seq_id >= self.n_seq:
+            return
+        if len(data) != 4 + self.n_embd_dec * 4:
+            return
+
+        pos = int(np.frombuffer(data, dtype=np.int32, count=1)[0])
+
+        self.pending_pos_last[seq_id] = pos
+        self.pending_g_last[seq_id] = np.frombuffer(data, dtype=np.float32, offset=4, count=self.n_embd_dec)
 
 
 class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
@@ -791,15 +945,20 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
     NEXT call to pair with; it is stashed in ``pending_h`` until then.
     ``verify_h`` keeps the hidden rows of the most recent target verification
     batch per sequence: row 0 is the sampled token, row N the Nth accepted draft.
-    ``last_n_drafted`` is the draft length of the last draft() call per sequence
-    (the reference keeps it to roll back ctx_dft's recurrent state past the
-    autoregressive draft's pre-advancement).
+
+    One MTP draft driver, three modes (set once in the constructor):
+    ``is_mem_shared`` (gemma4) shares the target KV and runs all heads in one graph;
+    ``chain_heads`` (step35) has n_mtp_layers trained heads, one per draft step;
+    neither (qwen35 / qwen35moe): a single trained MTP head.
     """
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int,
                  sampler_init: SamplerInit = common_sampler_init) -> None:
-        super().__init__(T.DRAFT_MTP, n_seq)
+        super().__init__(T.DRAFT_MTP, n_seq, c_copy(params.draft).n_max)
         self.params = c_copy(params.draft)  # reuses the draft-model params slot (ctx_tgt/ctx_dft)
+        self.smpls: list[CommonSampler] = []
+        self.batch = CommonBatch()
+        self.backend_chains: list[SamplerChain | None] = []
 
         ctx_tgt = self.params.ctx_tgt
         ctx_dft = self.params.ctx_dft
@@ -809,21 +968,21 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
         _require_ctx(ctx_dft, "MTP ctx_dft")
 
         self.n_embd = ctx_dft.model.n_embd_out
-        if self.n_embd != ctx_tgt.model.n_embd:
+        if self.n_embd != ctx_tgt.model.n_embd_out:
             raise SpeculativeError("MTP input row width must match the target h_nextn width")
+        self.n_mtp_layers = max(1, int(llama.llama_model_n_layer_nextn(ctx_dft.model.ptr)))
 
-        logger.info("adding speculative implementation 'draft-mtp'")
-        logger.info("- n_max=%d, n_min=%d, p_min=%.2f, n_embd=%d, backend_sampling=%d",
-                    self.params.n_max, self.params.n_min, self.params.p_min, self.n_embd, int(self.params.backend_sampling))
+        logger.debug("adding speculative implementation 'draft-mtp'")
+        logger.debug("- n_max=%d, n_min=%d, p_min=%.2f, n_embd=%d, backend_sampling=%d",
+                     self.params.n_max, self.params.n_min, self.params.p_min, self.n_embd,
+                     int(self.params.backend_sampling))
 
-        n_b = ctx_dft.n_batch
-        # llama_batch_init allocates one of token/embd; MTP needs both
-        self.batch = Batch(n_b, self.n_embd, 1, tokens=True)
+        self.batch = CommonBatch(ctx_dft)
 
         self.smpls = [_draft_sampler(ctx_dft, sampler_init) for _ in range(n_seq)]
 
         # offload draft sampling to the backend: one sampler chain per seq, attached to ctx_dft
-        self.backend_chains: list[SamplerChain | None] = [None] * n_seq
+        self.backend_chains = [None] * n_seq
         if self.params.backend_sampling:
             for seq_id in range(n_seq):
                 chain = SamplerChain(no_perf=True)
@@ -840,16 +999,23 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
         other = ctx_dft.get_ctx_other_ptr()
         self.is_mem_shared = other != ffi.NULL and other == ctx_tgt.ptr
+        self.chain_heads = self.n_mtp_layers > 1 and not self.is_mem_shared
+
+        self.chain_h: list[list[np.ndarray]] = []
+        if self.chain_heads:
+            self.params.n_max = min(self.params.n_max, self.n_mtp_layers)
+
+            self.chain_h = [[] for _ in range(n_seq)]
+        self.n_max = self.params.n_max
 
         self.pending_h = np.zeros((n_seq, self.n_embd), dtype=np.float32)
 
+        self.i_last = [-1] * n_seq
         self.i_batch_beg = [-1] * n_seq
         self.i_batch_end = [-1] * n_seq
 
         self.verify_h: list[np.ndarray] = [np.zeros((0, self.n_embd), dtype=np.float32) for _ in range(n_seq)]
         self.verify_h_rows = [0] * n_seq
-
-        self.last_n_drafted = [0] * n_seq
 
     def close(self) -> None:
         ctx_dft = self.params.ctx_dft
@@ -862,6 +1028,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
         self.backend_chains = []
         for s in self.smpls:
             s.close()
+        self.batch.close()
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         N = len(prompt)
@@ -873,61 +1040,76 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
         if pos_max < N - 1 and not self.is_mem_shared:
             logger.warning("ctx_dft pos_max=%d < N-1=%d - process() hook may not have run on every prefill ubatch "
-                           "(need_embd / logits=1 on every prompt position?). Drafts may degrade.", pos_max, N - 1)
+                           "(need_embd / output flag on every prompt position?). Drafts may degrade.", pos_max, N - 1)
 
-    def process(self, batch_in: Batch | BatchView) -> bool:
-        if batch_in.n_tokens <= 0:
+    def process(self, batch_in: CommonBatch) -> bool:
+        if batch_in.size() <= 0:
             return True
 
-        # vision tokens are not handled (as in the reference)
-        if batch_in.token is None or batch_in.embd is not None:
+        # TODO (the reference's): how to make it work with vision tokens?
+        if not batch_in.has_token() or batch_in.has_embd():
             return True
 
-        n_tokens = batch_in.n_tokens
+        n_tokens = batch_in.size()
         n_seq = self.n_seq
+        tokens_in = batch_in.tokens
 
         # remember the first and last batch index for each sequence
-        if int(batch_in.n_seq_id[:n_tokens].max()) != 1 or int(batch_in.n_seq_id[:n_tokens].min()) != 1:
-            raise SpeculativeError("GGML_ASSERT(batch_in.n_seq_id[k] == 1) failed")
-        seqs = batch_in.seq_id[:n_tokens, 0]
-        for seq_id in range(n_seq):
-            hits = np.flatnonzero(seqs == seq_id)
-            self.i_batch_beg[seq_id] = int(hits[0]) if hits.size else -1
-            self.i_batch_end[seq_id] = int(hits[-1]) if hits.size else -1
+        self.i_batch_beg = [-1] * n_seq
+        self.i_batch_end = [-1] * n_seq
+
+        for k in range(n_tokens):
+            seq_id = tokens_in[k].seq_id
+            if 0 <= seq_id < n_seq:
+                self.i_batch_end[seq_id] = k
+                if self.i_batch_beg[seq_id] < 0:
+                    self.i_batch_beg[seq_id] = k
 
         ctx_tgt = self.params.ctx_tgt
         ctx_dft = self.params.ctx_dft
 
-        # if the KV is shared with the target (e.g. Gemma4), this catch-up decode is skipped
+        # if kv is shared with target (e.g Gemma4), then we can skip this catch-up decode
         if not self.is_mem_shared:
             batch = self.batch
-            common_batch_clear(batch)
+            batch.clear()
 
-            if n_tokens > batch.n_tokens_max:
-                raise SpeculativeError(f"llama_batch size exceeded ({n_tokens} > {batch.n_tokens_max})")
-            assert batch.token is not None and batch_in.token is not None and batch.embd is not None
-            batch.token[:n_tokens] = batch_in.token[:n_tokens]
-            batch.pos[:n_tokens] = batch_in.pos[:n_tokens]
-            batch.n_seq_id[:n_tokens] = 1
-            batch.seq_id[:n_tokens, 0] = seqs
-            batch.logits[:n_tokens] = 0
-            batch.n_tokens = n_tokens
-
-            # shift the tgt embeddings to the right by one position; assumes the tokens of each
-            # sequence are contiguous in the batch (not [0, 0, 0, 1, 1, 0, 1, 1])
+            # pair each token with the tgt embedding shifted right by one position, and
+            # the first token of each sequence with the pending embedding from a previous run
+            # assumes that the tokens in the batch are sequential for each sequence
+            # i.e. we cannot have seq_id like this: [0, 0, 0, 1, 1, 0, 1, 1]
             h_tgt = ctx_tgt.get_embeddings_nextn(n_tokens)
-            batch.embd[1:n_tokens] = h_tgt[: n_tokens - 1]
 
-            # fill the pending embeddings from a previous run
-            for seq_id in range(n_seq):
-                if self.i_batch_beg[seq_id] < 0:
-                    continue
+            for k in range(n_tokens):
+                seq_id = tokens_in[k].seq_id
 
-                batch.embd[self.i_batch_beg[seq_id]] = self.pending_h[seq_id]
+                idx = batch.add(tokens_in[k].id, tokens_in[k].pos[0], seq_id, False)
 
-            rc = ctx_dft.decode_rc(batch)
-            if rc != 0:
-                logger.error("llama_decode(ctx_dft) failed rc=%d (pos=%d)", rc, int(batch_in.pos[0]))
+                h_row = (self.pending_h[seq_id : seq_id + 1] if k == self.i_batch_beg[seq_id]
+                         else h_tgt[k - 1 : k])
+
+                batch.set_embd(idx, h_row)
+
+            mem_dft = ctx_dft.memory
+
+            ok = True
+            for head in range(self.n_mtp_layers):
+                if self.chain_heads:
+                    # ref: https://github.com/ggml-org/llama.cpp/pull/24340/changes#r3413498544
+                    for seq_id in range(n_seq):
+                        if self.i_batch_beg[seq_id] < 0:
+                            continue
+                        mem_dft.seq_rm(seq_id, tokens_in[self.i_batch_beg[seq_id]].pos[0], -1)
+                    _set_nextn_layer_offset(ctx_dft, head)
+
+                rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
+                if rc != 0:
+                    logger.error("llama_process(ctx_dft) head=%d failed rc=%d (pos=%d)", head, rc, tokens_in[0].pos[0])
+                    ok = False
+                    break
+
+            if self.chain_heads:
+                _set_nextn_layer_offset(ctx_dft, 0)  # restore default for non-draft decodes
+            if not ok:
                 return False
 
         for seq_id in range(n_seq):
@@ -950,8 +1132,9 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
         ctx_dft = self.params.ctx_dft
         batch = self.batch
+        i_last = self.i_last
 
-        common_batch_clear(batch)
+        batch.clear()
 
         # keep track of which sequences are still drafting
         n_drafting = 0
@@ -967,19 +1150,39 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
             drafting[seq_id] = True
             common_sampler_reset(self.smpls[seq_id])
 
-            batch.add(dp.id_last, dp.n_past, seq_id, True, self.pending_h[seq_id])
+            idx = batch.add(dp.id_last, dp.pos0, seq_id, True)
+            batch.set_embd(idx, self.pending_h[seq_id : seq_id + 1])
 
-        ret = ctx_dft.decode_rc(batch)
-        if ret != 0:
-            logger.warning("llama_decode returned %d", ret)
-            return
+            i_last[seq_id] = idx
+
+            if self.chain_heads:
+                self.chain_h[seq_id] = [self.pending_h[seq_id].copy()]
 
         i = 0
 
         while n_drafting > 0:
-            i_batch = 0
+            # each step decodes under a different head, i.e. a different decoder layer, and
+            # KV is per layer. process() filled this layer's KV only for positions < pos0
+            # (prompt + accepted prefix) - nothing in the draft region yet. so reset the
+            # draft region (the seq_rm lower bound is pos0, leaving the prompt KV intact)
+            # and select head i so it rebuilds its own layer's KV there; decoding just the
+            # latest token would leave its attention reading cells only another head wrote.
+            if self.chain_heads:
+                mem_dft = ctx_dft.memory
+                for seq_id in range(self.n_seq):
+                    if drafting[seq_id]:
+                        mem_dft.seq_rm(seq_id, dparams[seq_id].pos0, -1)
+                _set_nextn_layer_offset(ctx_dft, i)
 
-            common_batch_clear(batch)
+            ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
+            if ret != 0:
+                logger.error("llama_process[%d] returned %d", i, ret)
+                break
+
+            # rebuild the batch for the next step: the growing-KV paths re-add only the
+            # new token (the KV already holds the prefix), while chained heads re-add the
+            # whole prefix at the next head. dropped sequences are simply not re-added.
+            batch.clear()
 
             for seq_id in range(self.n_seq):
                 if not drafting[seq_id]:
@@ -987,9 +1190,8 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
                 smpl = self.smpls[seq_id]
 
-                common_sampler_sample(smpl, ctx_dft, i_batch, True)
-                h_row = ctx_dft.get_embeddings_nextn_ith(i_batch)
-                i_batch += 1
+                common_sampler_sample(smpl, ctx_dft, i_last[seq_id], True)
+                h_row = _embd_view(ctx_dft.get_embeddings_nextn_ith(i_last[seq_id]))
 
                 cur_p = common_sampler_get_candidates(smpl, True)
 
@@ -1015,22 +1217,34 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
                     n_drafting -= 1
                     continue
 
-                if self.is_mem_shared:
-                    # with shared memory (e.g. Gemma4 assistants) all draft tokens use the same position
-                    batch.add(id, dp.n_past, seq_id, True, h_row)
+                if self.chain_heads:
+                    # ref: https://github.com/ggml-org/llama.cpp/pull/24340#discussion_r3448031546
+                    self.chain_h[seq_id].append(h_row[0].copy())
+
+                    n_rows = len(result) + 1  # id_last + tokens drafted so far
+                    for t in range(n_rows):
+                        tok = dp.id_last if t == 0 else result[t - 1]
+                        idx = batch.add(tok, dp.pos0 + t, seq_id, t == n_rows - 1)
+                        batch.set_embd(idx, self.chain_h[seq_id][t])
+                        i_last[seq_id] = idx
+                elif self.is_mem_shared:
+                    # note: with shared memory (e.g. Gemma4 assistants) we use the same position for all draft tokens
+                    # ref: https://github.com/huggingface/transformers/blob/effde20942e3f82a1b97449f60b3a48c5ff96145/docs/source/en/model_doc/gemma4_assistant.md?plain=1#L36-L37
+                    idx = batch.add(id, dp.pos0, seq_id, True)
+                    batch.set_embd(idx, h_row)
+                    i_last[seq_id] = idx
                 else:
-                    batch.add(id, dp.n_past + i + 1, seq_id, True, h_row)
+                    idx = batch.add(id, dp.pos0 + i + 1, seq_id, True)
+                    batch.set_embd(idx, h_row)
+                    i_last[seq_id] = idx
 
-            if batch.n_tokens == 0:
-                break
-
-            # evaluate the drafted tokens on the draft model
-            ret = ctx_dft.decode_rc(batch)
-            if ret != 0:
-                logger.warning("llama_decode[%d] returned %d", i, ret)
+            if batch.size() == 0:
                 break
 
             i += 1
+
+        if self.chain_heads:
+            _set_nextn_layer_offset(ctx_dft, 0)  # restore default for non-draft decodes
 
         for seq_id in range(self.n_seq):
             dp = dparams[seq_id]
@@ -1039,8 +1253,6 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
 
             if len(dp.result) < c_size_t(self.params.n_min):  # (size_t) n_min: a negative one is huge
                 dp.result.clear()
-
-            self.last_n_drafted[seq_id] = len(dp.result) & 0xFFFF
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         if seq_id < 0 or seq_id >= self.n_seq:
@@ -1053,30 +1265,24 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
         i_h = min(n_accepted, n_rows - 1)
         self.pending_h[seq_id] = self.verify_h[seq_id][i_h]
 
-    def need_embd(self) -> bool:
-        return False
-
-    def need_embd_nextn(self) -> bool:
-        return True
-
 
 class CommonSpeculativeImplNgramSimple(CommonSpeculativeImpl):
     """Mirrors struct common_speculative_impl_ngram_simple (speculative.cpp): self-speculation, not ngram-map."""
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int, config: CommonNgramSimpleConfig) -> None:
-        super().__init__(T.NGRAM_SIMPLE, n_seq)
+        super().__init__(T.NGRAM_SIMPLE, n_seq, c_copy(params.ngram_simple).size_m)
         self.params = c_copy(params.ngram_simple)
 
         # shared across all sequences
         self.config = config
 
-        logger.info("adding speculative implementation 'ngram-simple'")
-        logger.info("- size_n=%d, size_m=%d, min_hits=%d", self.params.size_n, self.params.size_m, self.params.min_hits)
+        logger.debug("adding speculative implementation 'ngram-simple'")
+        logger.debug("- size_n=%d, size_m=%d, min_hits=%d", self.params.size_n, self.params.size_m, self.params.min_hits)
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         pass  # noop
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         return True  # the reference has a TODO here
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
@@ -1090,20 +1296,18 @@ class CommonSpeculativeImplNgramSimple(CommonSpeculativeImpl):
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         pass  # noop
 
-    def need_embd(self) -> bool:
-        return False
 
 
 class CommonSpeculativeImplNgramMapK(CommonSpeculativeImpl):
     """Mirrors struct common_speculative_impl_ngram_map_k (speculative.cpp): ngram-map-k and ngram-map-k4v."""
 
     def __init__(self, config: CommonNgramMap, n_seq: int) -> None:
-        super().__init__(T.NGRAM_MAP_K if config.key_only else T.NGRAM_MAP_K4V, n_seq)
+        super().__init__(T.NGRAM_MAP_K if config.key_only else T.NGRAM_MAP_K4V, n_seq, config.size_value)
         # n_seq configs, each a copy
         self.config = [copy.deepcopy(config) for _ in range(n_seq)]
 
-        logger.info("adding speculative implementation '%s'", common_speculative_type_to_str(self.type))
-        logger.info("- size_key=%d, size_value=%d, key_only=%d, min_hits=%d",
+        logger.debug("adding speculative implementation '%s'", common_speculative_type_to_str(self.type))
+        logger.debug("- size_key=%d, size_value=%d, key_only=%d, min_hits=%d",
                     config.size_key, config.size_value, config.key_only, config.min_hits)
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
@@ -1112,7 +1316,7 @@ class CommonSpeculativeImplNgramMapK(CommonSpeculativeImpl):
 
         common_ngram_map_begin(self.config[seq_id], prompt)
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         return True  # the reference has a TODO here
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
@@ -1132,8 +1336,6 @@ class CommonSpeculativeImplNgramMapK(CommonSpeculativeImpl):
 
         common_ngram_map_accept(self.config[seq_id], n_accepted)
 
-    def need_embd(self) -> bool:
-        return False
 
 
 @dataclass
@@ -1149,7 +1351,7 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
     """Mirrors struct common_speculative_impl_ngram_mod (speculative.cpp)."""
 
     def __init__(self, params: CommonParamsSpeculative, n_seq: int) -> None:
-        super().__init__(T.NGRAM_MOD, n_seq)
+        super().__init__(T.NGRAM_MOD, n_seq, c_copy(params.ngram_mod).n_max)
         self.params = c_copy(params.ngram_mod)
         # the constructor takes n_match as uint16_t; 0 would index before the buffer in draft_one
         if c_uint16(self.params.n_match) == 0:
@@ -1159,9 +1361,9 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
         # enable trace logging if LLAMA_TRACE is set
         self.verbose = os.environ.get("LLAMA_TRACE") is not None
 
-        logger.info("adding speculative implementation 'ngram-mod'")
-        logger.info("- n_match=%d, n_max=%d, n_min=%d", self.params.n_match, self.params.n_max, self.params.n_min)
-        logger.info("- mod size=%d (%.3f MB)", self.mod.size(), self.mod.size_bytes() / 1024 / 1024)
+        logger.debug("adding speculative implementation 'ngram-mod'")
+        logger.debug("- n_match=%d, n_max=%d, n_min=%d", self.params.n_match, self.params.n_max, self.params.n_min)
+        logger.debug("- mod size=%d (%.3f MB)", self.mod.size(), self.mod.size_bytes() / 1024 / 1024)
 
         if self.params.n_match < 16:
             logger.warning("ngram_mod n_match=%d is too small - poor quality is possible, "
@@ -1185,7 +1387,7 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
         sinfo.i_last = len(prompt) - n
 
         f = mod.get_used() / mod.size()
-        logger.info("ngram_mod occupancy = %d/%d (%.2f)", mod.get_used(), mod.size(), f)
+        logger.debug("ngram_mod occupancy = %d/%d (%.2f)", mod.get_used(), mod.size(), f)
 
         f_thold = 0.25
         if f > f_thold:
@@ -1237,7 +1439,7 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
         # store length of drafted n-gram for later acceptance analysis
         sinfo.n_draft_last = len(result)
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         return True  # the reference has a TODO here
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
@@ -1261,7 +1463,7 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
                 sinfo.n_low += 1
                 if sinfo.n_low >= 5:
                     if self.verbose:
-                        logger.warning("low acceptance streak (%d) - resetting ngram_mod", sinfo.n_low)
+                        logger.debug("low acceptance streak (%d) - resetting ngram_mod", sinfo.n_low)
 
                     self.mod.reset()
                     sinfo.n_low = 0
@@ -1269,8 +1471,6 @@ class CommonSpeculativeImplNgramMod(CommonSpeculativeImpl):
             else:
                 sinfo.n_low = 0
 
-    def need_embd(self) -> bool:
-        return False
 
 
 @dataclass
@@ -1297,14 +1497,14 @@ class CommonSpeculativeImplNgramCache(CommonSpeculativeImpl):
         save_dynamic: bool,
         save_static: bool,
     ) -> None:
-        super().__init__(T.NGRAM_CACHE, n_seq)
+        super().__init__(T.NGRAM_CACHE, n_seq, n_draft)
         self.params = c_copy(params.ngram_cache)
         self.n_draft = n_draft
         self.save_dynamic = save_dynamic
         self.save_static = save_static
 
-        logger.info("adding speculative implementation 'ngram-cache'")
-        logger.info("- n_draft=%d, cache_static=%s, cache_dynamic=%s",
+        logger.debug("adding speculative implementation 'ngram-cache'")
+        logger.debug("- n_draft=%d, cache_static=%s, cache_dynamic=%s",
                     n_draft, path_static or "none", path_dynamic or "none")
 
         self.sinfos = [_NgramCacheSeqInfo() for _ in range(n_seq)]
@@ -1358,7 +1558,7 @@ class CommonSpeculativeImplNgramCache(CommonSpeculativeImpl):
             # delete the first token in result (which is the id_last token)
             del result[0]
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         return True  # the reference has a TODO here
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
@@ -1372,8 +1572,6 @@ class CommonSpeculativeImplNgramCache(CommonSpeculativeImpl):
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         pass  # noop
 
-    def need_embd(self) -> bool:
-        return False
 
 
 class CommonSpeculative:
@@ -1387,6 +1585,8 @@ class CommonSpeculative:
 
         # which implementation was used for a given seq_id
         self.impl_last: list[CommonSpeculativeImpl | None] = [None] * len(dparams)
+
+        self.synth_probs: list[float] = []
 
     def close(self) -> None:
         """Mirrors common_speculative_free (speculative.cpp)."""
@@ -1472,13 +1672,68 @@ def common_get_enabled_speculative_configs(configs: Sequence[T]) -> int:
     return result
 
 
-def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
-    """Mirrors common_speculative_n_max (speculative.cpp)."""
+def common_speculative_types_from_gguf(path: str | os.PathLike[str]) -> list[T]:
+    """Mirrors common_speculative_types_from_gguf (speculative.cpp): infer the spec types from the GGUF
+    metadata of a draft model; empty if unknown (or the file does not open as GGUF)."""
+    ensure_backend()
+    gguf_params = ffi.new("struct gguf_init_params *", {"no_alloc": True, "ctx": ffi.NULL})
+
+    gguf_ctx = ggml.gguf_init_from_file(os.fsencode(os.fspath(path)), gguf_params[0])
+    if gguf_ctx == ffi.NULL:
+        return []
+
+    try:
+        arch_id = ggml.gguf_find_key(gguf_ctx, b"general.architecture")
+        if arch_id < 0 or ggml.gguf_get_kv_type(gguf_ctx, arch_id) != c_const("GGUF_TYPE_STRING"):
+            return []
+
+        arch = ffi.string(ggml.gguf_get_val_str(gguf_ctx, arch_id)).decode("utf-8", "replace")
+        if arch != "dflash":
+            # gguf_get_val_u32 asserts on a missing key or another type: checked before the call
+            key_id = ggml.gguf_find_key(gguf_ctx, (arch + ".block_count").encode())
+            if key_id < 0 or ggml.gguf_get_kv_type(gguf_ctx, key_id) != c_const("GGUF_TYPE_UINT32"):
+                raise SpeculativeError(f"GGML_ASSERT(gguf_get_kv_type(ctx, key_id) == GGUF_TYPE_UINT32) failed: "
+                                       f"{arch}.block_count")
+            block_count = int(ggml.gguf_get_val_u32(gguf_ctx, key_id))
+
+            # uint32_t arithmetic: a block count of 0 names blk.4294967295
+            name = f"blk.{(block_count - 1) & 0xFFFFFFFF}.nextn.eh_proj.weight"
+            if ggml.gguf_find_tensor(gguf_ctx, name.encode()) >= 0:
+                return [T.DRAFT_MTP]
+
+            return []
+
+        # the Markov head distinguishes draft-dspark from draft-dflash
+        type = T.DRAFT_DSPARK if ggml.gguf_find_tensor(gguf_ctx, b"markov_w1.weight") >= 0 else T.DRAFT_DFLASH
+    finally:
+        ggml.gguf_free(gguf_ctx)
+
+    logger.info("auto-detected speculative type '%s' from the draft model metadata",
+                common_speculative_type_to_str(type))
+
+    return [type]
+
+
+def common_speculative_n_max(spec: CommonParamsSpeculative | CommonSpeculative | None) -> int:
+    """Mirrors both common_speculative_n_max overloads (speculative.cpp): from the parameters, the
+    max number of draft tokens they allow; from an initialized common_speculative, the max of its
+    implementations' n_max (after their own limits, e.g. MTP's chained heads)."""
+    if spec is None or isinstance(spec, CommonSpeculative):
+        n_max_impls = 0
+
+        if spec is None:
+            return n_max_impls
+
+        for impl in spec.impls:
+            n_max_impls = max(n_max_impls, max(0, impl.n_max))
+
+        return n_max_impls
+
     spec = spec.c_copy()  # the C++ reads its fields as they are typed (uint16_t sizes)
     n_max = 0
 
     for type in spec.types:
-        if type in (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP):
+        if type in (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP, T.DRAFT_DFLASH, T.DRAFT_DSPARK):
             n_max = max(n_max, max(0, spec.draft.n_max))
         elif type == T.NGRAM_SIMPLE:
             n_max = max(n_max, spec.ngram_simple.size_m)
@@ -1494,6 +1749,95 @@ def common_speculative_n_max(spec: CommonParamsSpeculative) -> int:
     return n_max
 
 
+def common_speculative_synth_rates_resolve(spec: CommonParamsSpeculative, n_max: int) -> list[float]:
+    """Mirrors common_speculative_synth_rates_resolve (speculative.cpp): validate and resolve the
+    unconditional synthetic acceptance rates; the C++ std::invalid_argument is ValueError."""
+    has_length = spec.synth_len != -1.0
+    has_rates = len(spec.synth_rates) > 0
+
+    if not has_length and not has_rates:
+        return []
+    if has_length and has_rates:
+        raise ValueError("synthetic acceptance length and rates are mutually exclusive")
+
+    if n_max <= 0:
+        raise ValueError("synthetic acceptance requires at least one speculative token")
+
+    if has_rates:
+        rates = [float(r) for r in spec.synth_rates]
+        if len(rates) != n_max:
+            raise ValueError(f"synthetic acceptance rates must contain {n_max} values, got {len(rates)}")
+
+        for i in range(len(rates)):
+            if not math.isfinite(rates[i]) or rates[i] < 0.0 or rates[i] > 1.0:
+                raise ValueError("synthetic acceptance rates must be finite and within [0, 1]")
+            if i > 0 and rates[i] > rates[i - 1]:
+                raise ValueError("synthetic acceptance rates must be monotonically non-increasing")
+
+        return rates
+
+    length = float(spec.synth_len)
+    length_max = float(n_max) + 1.0
+    if not math.isfinite(length) or length < 1.0 or length > length_max:
+        raise ValueError(f"synthetic acceptance length must be finite and within [1, {length_max:.0f}]")
+
+    p = 0.0
+    if length == length_max:
+        p = 1.0
+    elif length > 1.0:
+        p_min = 0.0
+        p_max = 1.0
+        for _ in range(32):
+            p_mid = 0.5 * (p_min + p_max)
+            sum = 0.0
+            term = p_mid
+            for _ in range(n_max):
+                sum += term
+                term *= p_mid
+
+            if sum < length - 1.0:
+                p_min = p_mid
+            else:
+                p_max = p_mid
+        p = 0.5 * (p_min + p_max)
+
+    rates = []
+    rate = p
+    for _ in range(n_max):
+        rates.append(rate)
+        rate *= p
+
+    return rates
+
+
+def common_speculative_get_synth_probs(spec: CommonSpeculative) -> list[float]:
+    """Mirrors common_speculative_get_synth_probs (speculative.cpp): the conditional synthetic
+    acceptance probabilities (empty unless synth_len / synth_rates are set)."""
+    if spec is None:
+        raise SpeculativeError("GGML_ASSERT(spec) failed")
+    return spec.synth_probs
+
+
+@dataclass(frozen=True, slots=True)
+class CommonSpeculativeOutputLimits:
+    """Mirrors struct common_speculative_output_limits (speculative.h)."""
+
+    total: int
+    per_seq: int
+
+
+def common_speculative_get_output_limits(n_batch: int, n_parallel: int, n_draft: int) -> CommonSpeculativeOutputLimits:
+    """Mirrors common_speculative_get_output_limits (speculative.cpp): the output limits needed for
+    speculative decoding (a context's n_outputs_max / n_outputs_max_per_seq)."""
+    per_seq = 1 + max(0, n_draft)
+    total = n_parallel * per_seq
+
+    return CommonSpeculativeOutputLimits(
+        total=min(n_batch, total),
+        per_seq=min(n_batch, per_seq),
+    )
+
+
 def common_speculative_init(params: CommonParamsSpeculative, n_seq: int,
                             sampler_init: SamplerInit = common_sampler_init) -> CommonSpeculative | None:
     """Mirrors common_speculative_init (speculative.cpp): None when no implementation is selected.
@@ -1505,35 +1849,26 @@ def common_speculative_init(params: CommonParamsSpeculative, n_seq: int,
     configs: list[CommonSpeculativeConfig] = []
     enabled_configs = common_get_enabled_speculative_configs(params.types)
 
-    has_draft_simple = bool(enabled_configs & (1 << T.DRAFT_SIMPLE))
-    has_draft_eagle3 = bool(enabled_configs & (1 << T.DRAFT_EAGLE3)) and params.draft.ctx_dft is not None
-    has_mtp = bool(enabled_configs & (1 << T.DRAFT_MTP)) and params.draft.ctx_dft is not None
+    def add_config_if_enabled(type: T, available: bool = True) -> None:
+        if available and (enabled_configs & (1 << type)):
+            configs.append(CommonSpeculativeConfig(type, params))
 
-    has_ngram_cache = bool(enabled_configs & (1 << T.NGRAM_CACHE))
-    has_ngram_simple = bool(enabled_configs & (1 << T.NGRAM_SIMPLE))
-    has_ngram_map_k = bool(enabled_configs & (1 << T.NGRAM_MAP_K))
-    has_ngram_map_k4v = bool(enabled_configs & (1 << T.NGRAM_MAP_K4V))
-    has_ngram_mod = bool(enabled_configs & (1 << T.NGRAM_MOD))
+    # when adding a new type - update here the logic above (static_assert(COMMON_SPECULATIVE_TYPE_COUNT == 11))
+    assert T.COUNT == 11
 
-    # this list defines the priority of the speculators: highest first
-    if has_ngram_simple:
-        # this implementation can guess a lot of tokens without any draft model
-        configs.append(CommonSpeculativeConfig(T.NGRAM_SIMPLE, params))
-    if has_ngram_map_k:
-        configs.append(CommonSpeculativeConfig(T.NGRAM_MAP_K, params))
-    if has_ngram_map_k4v:
-        # this implementation can guess tokens with a high acceptance rate but is more expensive
-        configs.append(CommonSpeculativeConfig(T.NGRAM_MAP_K4V, params))
-    if has_ngram_mod:
-        configs.append(CommonSpeculativeConfig(T.NGRAM_MOD, params))
-    if has_ngram_cache:
-        configs.append(CommonSpeculativeConfig(T.NGRAM_CACHE, params))
-    if has_draft_simple:
-        configs.append(CommonSpeculativeConfig(T.DRAFT_SIMPLE, params))
-    if has_draft_eagle3:
-        configs.append(CommonSpeculativeConfig(T.DRAFT_EAGLE3, params))
-    if has_mtp:
-        configs.append(CommonSpeculativeConfig(T.DRAFT_MTP, params))
+    # this list here defines the priority of the speculators
+    # the one with highest priority are listed first
+    add_config_if_enabled(T.NGRAM_SIMPLE)
+    add_config_if_enabled(T.NGRAM_MAP_K)
+    add_config_if_enabled(T.NGRAM_MAP_K4V)
+    add_config_if_enabled(T.NGRAM_MOD)
+    add_config_if_enabled(T.NGRAM_CACHE)
+
+    add_config_if_enabled(T.DRAFT_SIMPLE)
+    add_config_if_enabled(T.DRAFT_EAGLE3, params.draft.ctx_dft is not None)
+    add_config_if_enabled(T.DRAFT_MTP, params.draft.ctx_dft is not None)
+    add_config_if_enabled(T.DRAFT_DFLASH, params.draft.ctx_dft is not None)
+    add_config_if_enabled(T.DRAFT_DSPARK, params.draft.ctx_dft is not None)
 
     impls: list[CommonSpeculativeImpl] = []
 
@@ -1545,6 +1880,13 @@ def common_speculative_init(params: CommonParamsSpeculative, n_seq: int,
                 impls.append(CommonSpeculativeImplDraftEagle3(config.params, n_seq, sampler_init))
             elif config.type == T.DRAFT_MTP:
                 impls.append(CommonSpeculativeImplDraftMtp(config.params, n_seq, sampler_init))
+            elif config.type == T.DRAFT_DFLASH:
+                # PORT-TODO(draft-dflash): upstream creates common_speculative_impl_draft_dflash(config.params, n_seq)
+                raise NotImplementedError("draft-dflash: not ported yet")
+            elif config.type == T.DRAFT_DSPARK:
+                # PORT-TODO(draft-dspark): upstream creates common_speculative_impl_draft_dflash(
+                #         config.params, n_seq, COMMON_SPECULATIVE_TYPE_DRAFT_DSPARK)
+                raise NotImplementedError("draft-dspark: not ported yet")
             elif config.type == T.NGRAM_SIMPLE:
                 ngram_map = get_common_ngram_map(config.type, config.params.ngram_simple)
 
@@ -1572,13 +1914,39 @@ def common_speculative_init(params: CommonParamsSpeculative, n_seq: int,
         raise
 
     if not impls:
-        logger.warning("no implementations specified for speculative decoding")
+        logger.debug("no implementations specified for speculative decoding")
         return None
 
-    return CommonSpeculative(
+    result = CommonSpeculative(
         dparams=[CommonSpeculativeDraftParams() for _ in range(n_seq)],
         impls=impls,
     )
+
+    try:
+        n_max_configured = common_speculative_n_max(params)
+        n_max_effective = common_speculative_n_max(result)
+        rates = common_speculative_synth_rates_resolve(params, n_max_effective)
+    except Exception:
+        result.close()  # the C++ common_speculative_ptr frees it when the throw unwinds
+        raise
+
+    rates_str: list[str] = []
+    rate_prev = 1.0
+    acceptance_length = 1.0
+    for rate in rates:
+        result.synth_probs.append(rate / rate_prev if rate_prev > 0.0 else 0.0)
+        rates_str.append(f"{rate:.6g}")
+        rate_prev = rate
+        acceptance_length += rate
+    if result.synth_probs:
+        logger.warning("synthetic speculative acceptance is enabled for benchmarking; generated output is not valid")
+        if n_max_effective != n_max_configured:
+            logger.warning("synthetic acceptance draft limit was reduced from %d to %d by the initialized speculative "
+                           "implementations", n_max_configured, n_max_effective)
+        logger.info("synthetic acceptance: n_max = %d, mean length = %.6f, rates = [%s]",
+                    len(rates), acceptance_length, ", ".join(rates_str))
+
+    return result
 
 
 def common_speculative_free(spec: CommonSpeculative | None) -> None:
@@ -1613,7 +1981,7 @@ def common_speculative_begin(spec: CommonSpeculative | None, seq_id: int, prompt
             impl.n_call_begin += 1
 
 
-def common_speculative_process(spec: CommonSpeculative | None, batch: Batch | BatchView) -> bool:
+def common_speculative_process(spec: CommonSpeculative | None, batch: CommonBatch) -> bool:
     """Mirrors common_speculative_process (speculative.cpp)."""
     result = True
 
@@ -1624,22 +1992,6 @@ def common_speculative_process(spec: CommonSpeculative | None, batch: Batch | Ba
         result = result and impl.process(batch)
 
     return result
-
-
-def common_speculative_need_embd(spec: CommonSpeculative | None) -> bool:
-    """Mirrors common_speculative_need_embd (speculative.cpp)."""
-    if spec is None:
-        return False
-
-    return any(impl.need_embd() for impl in spec.impls)
-
-
-def common_speculative_need_embd_nextn(spec: CommonSpeculative | None) -> bool:
-    """Mirrors common_speculative_need_embd_nextn (speculative.cpp)."""
-    if spec is None:
-        return False
-
-    return any(impl.need_embd_nextn() for impl in spec.impls)
 
 
 def common_speculative_draft(spec: CommonSpeculative | None) -> None:
@@ -1674,6 +2026,9 @@ def common_speculative_draft(spec: CommonSpeculative | None) -> None:
         n_drafting = 0
 
         for seq_id, dp in enumerate(dparams):
+            if not dp.drafting:
+                continue
+
             result = dp.result
 
             # a new draft has been sampled
@@ -1736,9 +2091,17 @@ def common_speculative_accept(spec: CommonSpeculative, seq_id: int, n_accepted: 
     impl = spec.impl_last[seq_id]
 
     if impl is None:
-        raise SpeculativeError("GGML_ASSERT(impl) failed: no draft was made for this sequence")
+        if n_accepted != 0:
+            raise SpeculativeError("GGML_ASSERT(n_accepted == 0) failed: no draft was made for this sequence")
+        return
 
     with CommonTimeMeas(impl, "t_accept_us", not impl.gen_perf):
+        if len(impl.n_acc_tokens_per_pos) < n_accepted:
+            impl.n_acc_tokens_per_pos.extend([0] * (n_accepted - len(impl.n_acc_tokens_per_pos)))
+
+        for i in range(n_accepted):
+            impl.n_acc_tokens_per_pos[i] += 1
+
         if n_accepted > 0:
             impl.n_acc_drafts += 1
             impl.n_acc_tokens += n_accepted
@@ -1750,6 +2113,30 @@ def common_speculative_accept(spec: CommonSpeculative, seq_id: int, n_accepted: 
     for impl_other in spec.impls:
         if impl_other is not impl:
             impl_other.accept(seq_id, n_accepted, True)
+
+
+# TODO (the reference's): support the case of more than one speculative implementations having a state
+def common_speculative_get_state(spec: CommonSpeculative | None, seq_id: int) -> bytes | None:
+    """Mirrors common_speculative_get_state (speculative.cpp): the first implementation's state, or
+    None where the C++ returns false (the C++ fills the caller's vector)."""
+    if spec is None:
+        return None
+
+    for impl in spec.impls:
+        data = impl.get_state(seq_id)
+        if data is not None:
+            return data
+
+    return None
+
+
+def common_speculative_set_state(spec: CommonSpeculative | None, seq_id: int, data: bytes) -> None:
+    """Mirrors common_speculative_set_state (speculative.cpp)."""
+    if spec is None:
+        return
+
+    for impl in spec.impls:
+        impl.set_state(seq_id, data)
 
 
 def common_speculative_print_stats(spec: CommonSpeculative | None) -> list[str]:
@@ -1765,10 +2152,16 @@ def common_speculative_print_stats(spec: CommonSpeculative | None) -> list[str]:
         else:
             str_perf = ""
 
+        str_stats = ""
+        if impl.n_call_accept > 0:
+            mean = 1.0 + impl.n_acc_tokens / impl.n_call_accept
+            tmp = ", ".join(f"{n / impl.n_call_accept:.3f}" for n in impl.n_acc_tokens_per_pos)
+            str_stats = f", #mean acc len = {mean:.2f}, #acc rate/pos = ({tmp})"
+
         line = (f"statistics {common_speculative_type_to_str(impl.type):>16}: "
                 f"#calls(b,g,a) = {impl.n_call_begin:4d} {impl.n_call_draft:6d} {impl.n_call_accept:6d}, "
                 f"#gen drafts = {impl.n_gen_drafts:6d}, #acc drafts = {impl.n_acc_drafts:5d}, "
-                f"#gen tokens = {impl.n_gen_tokens:6d}, #acc tokens = {impl.n_acc_tokens:5d}{str_perf}")
-        logger.info("%s", line)
+                f"#gen tokens = {impl.n_gen_tokens:6d}, #acc tokens = {impl.n_acc_tokens:5d}{str_stats}{str_perf}")
+        logger.debug("%s", line)
         lines.append(line)
     return lines

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from pyspec.common import sampling as smp
 from pyspec.common import speculative as sp
+from pyspec.common.common import CommonBatch
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative, CommonSpeculativeType
 from pyspec.common.speculative import DraftRequest
 from pyspec.core.batch import Batch
@@ -34,7 +35,11 @@ class SpeculativeBackend(Protocol):
         """Whether any speculative implementation is active."""
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None: ...
-    def process(self, batch: Batch) -> bool: ...
+    def process(self, batch: Batch) -> bool:
+        """common_speculative_process on the rows of the batch the target just decoded."""
+    def get_state(self, seq_id: int) -> bytes | None:
+        """common_speculative_get_state: the implementation state a prompt checkpoint stashes (None: none)."""
+    def set_state(self, seq_id: int, data: bytes) -> None: ...
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]: ...
     def accept(self, seq_id: int, n_accepted: int) -> None: ...
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int: ...
@@ -126,7 +131,16 @@ class PortBackend(_SamplerSlots):
         sp.common_speculative_begin(self.spec, seq_id, prompt)
 
     def process(self, batch: Batch) -> bool:
-        return sp.common_speculative_process(self.spec, batch)
+        if self.spec is None:
+            return True
+        # the port takes a common_batch since 0c1e57098: the same rows, as its entries
+        return sp.common_speculative_process(self.spec, CommonBatch.from_llama_batch(batch))
+
+    def get_state(self, seq_id: int) -> bytes | None:
+        return sp.common_speculative_get_state(self.spec, seq_id)
+
+    def set_state(self, seq_id: int, data: bytes) -> None:
+        sp.common_speculative_set_state(self.spec, seq_id, data)
 
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         spec = self.spec
@@ -137,7 +151,7 @@ class PortBackend(_SamplerSlots):
             dp = sp.common_speculative_get_draft_params(spec, r.seq_id)
             dp.drafting = True
             dp.n_max = r.n_max
-            dp.n_past = r.n_past
+            dp.pos0 = r.pos0
             dp.id_last = r.id_last
             dp.prompt = r.prompt
             dp.result = out[r.seq_id] = []
@@ -196,6 +210,13 @@ class RefBackend(_SamplerSlots):
 
     def process(self, batch: Batch) -> bool:
         return True if self.spec is None else bool(self.spec.process(batch))
+
+    def get_state(self, seq_id: int) -> bytes | None:
+        return None if self.spec is None else self.spec.get_state(seq_id)
+
+    def set_state(self, seq_id: int, data: bytes) -> None:
+        if self.spec is not None:
+            self.spec.set_state(seq_id, data)
 
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         result: dict[int, list[int]] = self.spec.draft(requests)

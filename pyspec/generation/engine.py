@@ -149,6 +149,8 @@ class Engine(EngineQueue):
             raise PyspecError("speculative decoding is not supported by this target context")
 
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
+        if self.backend.has_spec:
+            self.slot_memory.spec_state = self.backend
         wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
         if wants_spec and not self.backend.has_spec:
             self.backend.close()

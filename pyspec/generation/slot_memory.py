@@ -11,6 +11,7 @@ this module knows how each kind of memory (part, full, recurrent-state, sliding-
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from pyspec.common.common import (
     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
@@ -24,7 +25,14 @@ from pyspec.core.slot_file import read_slot_file, write_slot_file
 from pyspec.ffi import llama
 from pyspec.generation.slots import Job, Slot, common_prefix
 
-__all__ = ["CKPT_MAX", "CKPT_TAIL", "SlotMemory", "window_kept"]
+__all__ = ["CKPT_MAX", "CKPT_TAIL", "SlotMemory", "SpecState", "window_kept"]
+
+
+class SpecState(Protocol):
+    """common_speculative_get_state / set_state of the speculative side (a backend)."""
+
+    def get_state(self, seq_id: int) -> bytes | None: ...
+    def set_state(self, seq_id: int, data: bytes) -> None: ...
 
 # prompt checkpoints (recurrent / hybrid targets): the last tokens of a prompt are decoded in a
 # step of their own so that the state before them can be kept (the server's checkpoint offset 4)
@@ -48,9 +56,11 @@ class SlotMemory:
     as the server's start-up does.
     """
 
-    def __init__(self, ctx_tgt: Context, ctx_dft: Context | None) -> None:
+    def __init__(self, ctx_tgt: Context, ctx_dft: Context | None, spec_state: SpecState | None = None) -> None:
         self.ctx_tgt = ctx_tgt
         self.ctx_dft = ctx_dft
+        # the speculative implementations' state a prompt checkpoint stashes (the server's data_spec)
+        self.spec_state = spec_state
         # how each context can roll back (clears their memory, as the server's start-up does)
         self.ctx_tgt_seq_rm_type = common_context_can_seq_rm(ctx_tgt)
         self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
@@ -82,6 +92,9 @@ class SlotMemory:
         if self.ctx_dft is not None:
             ckpt.load_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
             common_context_seq_rm(self.ctx_dft, s.id, ckpt.pos_max + 1, -1)
+        if self.spec_state is not None:
+            # restore the draft's speculative state
+            self.spec_state.set_state(s.id, ckpt.data_spec)
 
     def clear(self, s: Slot) -> None:
         """Forget everything the slot holds: both memories, its tokens, its prompt checkpoints."""
@@ -146,6 +159,9 @@ class SlotMemory:
         ckpt.update_pos(len(s.tokens), *mem.seq_pos_range(s.id))
         ckpt.update_tgt(self.ctx_tgt, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
         ckpt.update_dft(self.ctx_dft, s.id, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if self.spec_state is not None:
+            # stash the draft's speculative state with the checkpoint
+            ckpt.data_spec = self.spec_state.get_state(s.id) or b""
         s.checkpoints.append(ckpt)
         del s.checkpoints[:-CKPT_MAX]
 
