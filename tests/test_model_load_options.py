@@ -202,3 +202,15 @@ def test_load_mode_replaces_use_mmap_and_use_mlock(target_path):
         Model(target_path, load_mode="mmap-ish")
     with pytest.raises(ValueError, match="lazy_mode must be one of"):
         Model(target_path, lazy_mode="sometimes")
+
+
+def test_an_mtp_context_needs_the_nextn_layers_loaded():
+    from pyspec.testing import models as tm
+
+    path = tm.make_mtp()
+    with Model(path, load_mtp=False) as m:
+        assert m.load_mtp is False
+        with pytest.raises(ValueError, match="load_mtp=True"):  # its graph would GGML_ASSERT
+            Context(m, n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1, ctx_type="mtp")
+    with Model(path) as m, Context(m, n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1, ctx_type="mtp"):
+        assert m.load_mtp is True  # the default: the previous pin always loaded them

@@ -197,6 +197,8 @@ class Context(Handle):
                     f"ctx_type='mtp' needs a model with MTP (NextN) layers; this {arch} model has none "
                     f"({arch}.nextn_predict_layers is absent or 0)"
                 )
+            if not model.load_mtp:  # its graph GGML_ASSERTs on the skipped NextN tensors
+                raise ValueError("ctx_type='mtp' needs the model loaded with Model(..., load_mtp=True)")
 
         self.model = model
         self.other: Context | None = params.get("ctx_other")

@@ -140,7 +140,8 @@ class Model(Handle):
     it is None, ``use_mmap`` / ``use_mlock`` (the fields it replaced) choose it
     (:func:`load_mode_from_flags`); ``model.load_mode`` is the mode used. ``lazy_mode``
     ("off", "auto", "on") reads the tensors the architecture marks on demand;
-    ``load_mtp`` loads an MTP head (common sets it for draft-mtp).
+    ``load_mtp`` (default on) loads the NextN (MTP) layers a file has, which an MTP context needs
+    (common sets it only for draft-mtp; off saves their memory).
 
     ``batch_invariant`` loads the weights in their file layout (no repacking): the
     model's half of batch-invariant mode, which its contexts then take (see
@@ -167,7 +168,7 @@ class Model(Handle):
         use_mlock: bool = False,
         load_mode: str | None = None,
         lazy_mode: str = "auto",
-        load_mtp: bool = False,
+        load_mtp: bool = True,
         vocab_only: bool = False,
         check_tensors: bool = False,
         batch_invariant: bool = False,
@@ -224,7 +225,10 @@ class Model(Handle):
         self.load_mode = mode
         params.load_mode = c_const(_LOAD_MODES[mode])
         params.lazy_mode = c_const(_LAZY_MODES[lazy_mode])
-        params.load_mtp = bool(load_mtp)  # common sets it when the speculative types name draft-mtp
+        # common sets it only when the speculative types name draft-mtp; on by default here, as the
+        # previous pin always loaded the NextN layers (an MTP context of a model without them asserts)
+        self.load_mtp = bool(load_mtp)
+        params.load_mtp = self.load_mtp
         params.vocab_only = vocab_only
         params.check_tensors = check_tensors
         # repacked CPU weights (llama.cpp's "extra buffer types") are multiplied by kernels that
