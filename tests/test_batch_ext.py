@@ -94,3 +94,30 @@ def test_an_embedding_entry_goes_through(target_ctx) -> None:
         assert be.has_embd(1) and not be.has_token(1)
         target_ctx.process(be)
         assert np.isfinite(target_ctx.get_logits_ith(1)).all()
+
+
+def test_backend_sampling_outputs_per_sequence_are_checked_before_the_call(target_model) -> None:
+    from pyspec.core.sampler import SamplerChain
+
+    tokens = [1, 5, 9, 13]
+    for per_seq, ok in ((0, True), (1, False), (4, True)):  # 0: n_outputs_max; 1: llama.cpp's default
+        chain = SamplerChain().add_top_k(4).add_greedy()
+        with Context(target_model, n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1, samplers={0: chain},
+                     n_outputs_max_per_seq=per_seq) as ctx:
+            b = Batch(8, 0, 1)
+            for i, t in enumerate(tokens):
+                b.add(t, i, 0, True)
+            be = BatchExt(ctx)
+            for i, t in enumerate(tokens):
+                be.set_output_logits(be.add_token(0, t))
+                be.set_pos(i, i)
+            if ok:
+                ctx.decode(b)
+                ctx.memory.seq_rm(0, 0, -1)
+                ctx.process(be)
+            else:
+                with pytest.raises(ValueError, match="n_outputs_max_per_seq=1 outputs per sequence"):
+                    ctx.decode(b)
+                with pytest.raises(ValueError, match="n_outputs_max_per_seq=1 outputs per sequence"):
+                    ctx.process(be)
+            be.close()

@@ -279,6 +279,9 @@ class Context(Handle):
         # the most outputs one decode may ask for (llama.cpp asserts beyond it)
         self.n_outputs_max = self.n_batch if cparams.n_outputs_max == 0 or model.has_encoder else min(
             int(cparams.n_outputs_max), self.n_batch)
+        # llama_context's clamp (0: n_outputs_max); backend sampling refuses more outputs per sequence
+        per_seq = int(cparams.n_outputs_max_per_seq)
+        self.n_outputs_max_per_seq = self.n_outputs_max if per_seq == 0 else min(per_seq, self.n_outputs_max)
         self._causal = self._is_causal(model, int(cparams.attention_type))
         self._threads = max(int(cparams.n_threads), int(cparams.n_threads_batch))
         self.memory = Memory(self)
@@ -510,7 +513,20 @@ class Context(Handle):
         if self._samplers and scan.max_n_seq_id > 1:
             # backend sampling counts outputs per sequence id and expects one id per output token
             raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
+        if self._samplers and not isinstance(batch, EmbdBatch):
+            outs = (batch.logits[:n] != 0) | all_outputs
+            self._check_outputs_per_seq(batch.seq_id[:n, 0][outs])
         return n_out
+
+    def _check_outputs_per_seq(self, seqs: np.ndarray) -> None:
+        """llama_decode's -1 where a sequence with a backend sampler asks for more outputs than
+        n_outputs_max_per_seq (1 by default at this pin), said before the call."""
+        for seq in self._samplers:
+            k = int(np.count_nonzero(seqs == seq))
+            if k > self.n_outputs_max_per_seq:
+                raise ValueError(
+                    f"backend sampling gives at most n_outputs_max_per_seq={self.n_outputs_max_per_seq} outputs per "
+                    f"sequence, seq_id {seq} asks for {k} (make the context with a larger n_outputs_max_per_seq)")
 
     def decode(self, batch: AnyBatch) -> None:
         """Mirrors llama_decode (llama.h); a non-zero result raises DecodeError, a token outside
@@ -595,6 +611,8 @@ class Context(Handle):
             raise ValueError(f"batch asks for {n_out} outputs, this context allows n_outputs_max={self.n_outputs_max}")
         if self._samplers and any(len(s) > 1 for s in batch.seq_ids):
             raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
+        if self._samplers:
+            self._check_outputs_per_seq(np.array([min(s) for s in batch.seq_ids], np.int32)[outs])
         rows = self._row_bufs[self._row_next]
         rows[:n] = np.where(outs, np.cumsum(outs) - 1, -1)
         self._scan.has_bad_token = 0  # BatchExt refused invalid token ids when they were added
