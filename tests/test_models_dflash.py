@@ -241,3 +241,117 @@ def test_a_context_opens_without_ctx_other(loaded: dict[str, Any], name: str) ->
     # own token_embd and output: llama_context does not require ctx_other for this drafter
     with Context(loaded[name], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx:
         assert ctx.n_ctx >= 256
+
+
+# --- what the drafters draft (the staged port of common_speculative_impl_draft_dflash) ---------
+
+
+def _impl_class() -> Any:
+    from pyspec.common import speculative
+
+    cls = getattr(speculative, "CommonSpeculativeImplDraftDflash", None)
+    if cls is None:  # still staged beside speculative.py
+        from pyspec.common._dflash_draft import CommonSpeculativeImplDraftDflash as cls
+    return cls
+
+
+def _causal_setter(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama_set_causal_attn, until pyspec.core.Context binds it: the context's batch checks follow it
+    if hasattr(ctx, "set_causal_attn"):
+        return
+    from pyspec.ffi import llama
+
+    def set_causal_attn(value: bool) -> None:
+        llama.llama_set_causal_attn(ctx.ptr, bool(value))
+        ctx._causal = bool(value)
+
+    monkeypatch.setattr(ctx, "set_causal_attn", set_causal_attn, raising=False)
+
+
+@pytest.fixture
+def drafting(loaded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``drafting(name, p_min=0.0, n_ubatch=64)``: (impl, ctx_dft, dparams, successor map) after a two-sequence
+    prefill of the cyclic target, process() and draft() with n_max 8."""
+    from pyspec import Context
+    from pyspec.common.common import LLAMA_PROCESS_TYPE_DECODE, CommonBatch, llama_process
+    from pyspec.common.params import CommonParamsSpeculative
+    from pyspec.common.params import CommonSpeculativeType as T
+    from pyspec.common.speculative import CommonSpeculativeDraftParams
+
+    opened: list[Any] = []
+
+    def run(name: str, p_min: float = 0.0, n_ubatch: int = 64) -> tuple[Any, Any, list[Any], np.ndarray]:
+        succ, cycles = testmodels.cyclic_successor()
+        ctx_tgt = Context(loaded["cyclic-target"], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
+        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=n_ubatch, n_seq_max=2)
+        opened.extend((ctx_tgt, ctx_dft))
+        _causal_setter(ctx_dft, monkeypatch)
+        params = CommonParamsSpeculative()
+        params.draft.n_max = 8
+        params.draft.p_min = p_min
+        params.draft.backend_sampling = False
+        params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
+        impl = _impl_class()(params, 2, type=T.DRAFT_DSPARK if name == "cyclic-dspark" else T.DRAFT_DFLASH)
+        opened.append(impl)
+        prompts = [[1] + [cycles[s][i % len(cycles[s])] for i in range(10 + s)] for s in range(2)]
+        batch = CommonBatch(ctx_tgt)
+        opened.append(batch)
+        for s, prompt in enumerate(prompts):
+            for i, t in enumerate(prompt):
+                batch.add(t, i, s, i == len(prompt) - 1)
+        assert llama_process(ctx_tgt, LLAMA_PROCESS_TYPE_DECODE, batch.get()) == 0
+        assert impl.process(batch)
+        dparams = [CommonSpeculativeDraftParams(drafting=True, pos0=len(p), id_last=int(succ[p[-1]]), prompt=p)
+                   for p in prompts]
+        impl.draft(dparams)
+        return impl, ctx_dft, dparams, succ
+
+    yield run
+    for obj in reversed(opened):
+        obj.close()
+
+
+def _cycle_from(succ: np.ndarray, token: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        token = int(succ[token])
+        out.append(token)
+    return out
+
+
+@needs_libraries
+def test_dflash_drafts_the_successor_of_the_last_token_first(drafting: Any) -> None:
+    impl, _, dparams, succ = drafting("cyclic-dflash")
+    assert impl.n_max == md.DFLASH_BLOCK_SIZE - 1  # n_max 8 clamped to block_size - 1
+    for dp in dparams:
+        assert len(dp.result) == impl.n_max
+        assert dp.result[0] == succ[dp.id_last]
+        assert dp.result != _cycle_from(succ, dp.id_last, impl.n_max)  # the later tokens repeat the first
+
+
+@needs_libraries
+def test_dspark_drafts_the_whole_cycle(drafting: Any) -> None:
+    impl, _, dparams, succ = drafting("cyclic-dspark")
+    assert impl.n_max == md.DFLASH_BLOCK_SIZE  # anchor-first: a full block of draft tokens
+    for dp in dparams:
+        assert dp.result == _cycle_from(succ, dp.id_last, md.DFLASH_BLOCK_SIZE)
+
+
+@needs_libraries
+def test_dspark_p_min_cuts_each_block_at_its_first_low_confidence(drafting: Any) -> None:
+    impl, ctx_dft, dparams, succ = drafting("cyclic-dspark", p_min=0.75)
+    conf = ctx_dft.get_embeddings_nextn(2 * impl.n_max)[:, 0].reshape(2, impl.n_max)
+    for s, dp in enumerate(dparams):
+        below = np.flatnonzero(conf[s] < np.float32(0.75))
+        n = int(below[0]) if below.size else impl.n_max
+        assert dp.result == _cycle_from(succ, dp.id_last, n)
+    assert {len(dp.result) for dp in dparams} != {impl.n_max}  # the threshold cut at least one block
+
+
+@needs_libraries
+def test_a_draft_context_whose_ubatch_cannot_hold_the_blocks_is_refused(drafting: Any) -> None:
+    from pyspec.errors import SpeculativeError
+
+    # non-causal attention computes all blocks (2 x 8 tokens) in one ubatch: llama.cpp would abort
+    with pytest.raises(SpeculativeError, match="n_ubatch"):
+        drafting("cyclic-dflash", n_ubatch=8)
