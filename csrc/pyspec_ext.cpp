@@ -71,6 +71,7 @@ uint32_t pyspec_model_target_layer_ids_n(const llama_model * model) {
 // the MTP graphs GGML_ASSERT 0 <= offset < n_layer_nextn when they are built: refused here
 // (-1, message in pyspec_ext_last_error), where Python can still be told
 int32_t pyspec_set_nextn_layer_offset(llama_context * ctx, int32_t offset) {
+    pyspec::last_error().clear();
     const int32_t n = (int32_t) llama_get_model(ctx)->hparams.n_layer_nextn;
     if (offset < 0 || (offset > 0 && offset >= n)) {
         return pyspec::fail(-1, "nextn layer offset %d out of range [0, %d)", (int) offset, (int) std::max(n, 1));
@@ -86,6 +87,7 @@ int32_t pyspec_model_dflash_selector_top_k(const llama_model * model) {
 // llama_model_get_tok_embd, without its aborts (more than UINT32_MAX elements, a tensor
 // type it cannot dequantize): 0 with the message in pyspec_ext_last_error instead
 uint32_t pyspec_model_get_tok_embd(const llama_model * model, float * out) {
+    pyspec::last_error().clear();
     const ggml_tensor * t = model->tok_embd;
     if (t != nullptr && model->vocab.n_tokens() != 0) {
         if ((uint64_t) ggml_nelements(t) > UINT32_MAX) {

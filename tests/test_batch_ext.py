@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyspec import Context
+from pyspec import Context, Model
 from pyspec.core.batch import Batch, BatchExt
 from pyspec.errors import BatchFullError, ClosedError, DecodeError
 
@@ -121,3 +121,17 @@ def test_backend_sampling_outputs_per_sequence_are_checked_before_the_call(targe
                 with pytest.raises(ValueError, match="n_outputs_max_per_seq=1 outputs per sequence"):
                     ctx.process(be)
             be.close()
+
+
+def test_the_new_staging_api(target_model) -> None:
+    from pyspec.testing import models as tm
+
+    emb = target_model.get_tok_embd()  # llama_model_get_tok_embd
+    assert emb.shape == (target_model.vocab.n_tokens, target_model.n_embd) and np.isfinite(emb).all()
+    assert isinstance(target_model.dflash_selector_top_k(), int)
+    with Model(tm.make_mtp()) as m, Context(m, n_ctx=64, n_batch=8, n_ubatch=8, n_seq_max=1, ctx_type="mtp") as c:
+        c.set_nextn_layer_offset(0)
+        with pytest.raises(ValueError, match="out of range"):
+            c.set_nextn_layer_offset(-1)  # the MTP graph would GGML_ASSERT
+        with pytest.raises(ValueError, match="out of range"):
+            c.set_nextn_layer_offset(64)

@@ -28,6 +28,7 @@ from pyspec.core import adapters as _adapters
 from pyspec.core import fork
 from pyspec.core import state as _state
 from pyspec.core.batch import Batch, BatchExt, BatchView, EmbdBatch
+from pyspec.core.ext_error import last_error
 from pyspec.core.handle import Handle
 from pyspec.core.memory import Memory
 from pyspec.core.model import Model
@@ -750,6 +751,15 @@ class Context(Handle):
             ext.pyspec_set_embeddings_nextn(ptr, bool(value), bool(masked))
             self._nextn_on = bool(value)
             self._nextn_masked = bool(masked)
+
+    def set_nextn_layer_offset(self, offset: int) -> None:
+        """Mirrors llama_set_nextn_layer_offset (llama-ext.h): the NextN head the MTP graph runs
+        (layer n_layer + offset); an offset outside [0, n_layer_nextn) raises ValueError (its graph
+        would GGML_ASSERT)."""
+        with self.in_use() as ptr:
+            off = int(offset)
+            if not -(2**31) <= off < 2**31 or ext.pyspec_set_nextn_layer_offset(ptr, off) != 0:
+                raise ValueError(last_error() or f"nextn layer offset {offset!r} out of range")
 
     def get_embeddings_nextn(self, n_rows: int, out: np.ndarray | None = None) -> np.ndarray:
         with self.in_use() as ptr:

@@ -441,6 +441,22 @@ class Model(Handle):
         ids = ext.pyspec_model_target_layer_ids(self.ptr)
         return np.array(ffi.unpack(ids, n), dtype=np.int32)
 
+    def dflash_selector_top_k(self) -> int:
+        """Mirrors llama_model_dflash_selector_top_k (llama-ext.h)."""
+        return int(ext.pyspec_model_dflash_selector_top_k(self.ptr))
+
+    def get_tok_embd(self) -> np.ndarray:
+        """Mirrors llama_model_get_tok_embd (llama-ext.h): the token embedding matrix in float32,
+        shape (n_vocab, n_embd); a matrix it cannot read raises ValueError (it would abort)."""
+        ptr = self.ptr
+        n = int(ext.pyspec_model_get_tok_embd(ptr, ffi.NULL))
+        if n == 0:
+            raise ValueError(last_error() or "this model has no token embedding matrix")
+        out = np.empty(n, dtype=np.float32)
+        if int(ext.pyspec_model_get_tok_embd(ptr, ffi.cast("float *", ffi.from_buffer(out)))) != n:
+            raise ValueError(last_error() or "llama_model_get_tok_embd failed")
+        return out.reshape(-1, self.n_embd)
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else self.desc
         return f"Model({str(self.path)!r}, {state})"
