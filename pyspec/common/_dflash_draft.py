@@ -72,11 +72,12 @@ def _stoi_positive(text: str | None) -> bool:
 
 
 def _dflash_selector_top_k(model: Model) -> int:
-    # llama_model_dflash_selector_top_k (llama-ext.h, staging API, no shim yet) returns
-    # hparams.dflash_selector_top_k, which the loader read from this optional u32 key (default 0)
+    # llama_model_dflash_selector_top_k (llama-ext.h, staging API: Model.dflash_selector_top_k() through
+    # the shim); without it, the value it returns: hparams.dflash_selector_top_k, which the loader read
+    # from this optional u32 key (default 0)
     getter = getattr(model, "dflash_selector_top_k", None)
-    if getter is not None:
-        return int(getter)
+    if callable(getter):
+        return int(getter())
     text = model.meta("dflash.selector_top_k")
     return 0 if text is None else _atoi(text)  # the int32_t return of a uint32_t
 
