@@ -228,7 +228,7 @@ class RefSpeculative(Handle):
             r = reqs[k]
             r.seq_id = self._seq(int(req.seq_id))
             r.n_max = int(req.n_max)
-            r.pos0 = int(getattr(req, "pos0", getattr(req, "n_past", 0)))  # the port names it pos0 at this pin
+            r.pos0 = int(req.pos0)
             r.id_last = int(req.id_last)
             r.prompt = token_ptr(toks)
             r.n_prompt = toks.size
