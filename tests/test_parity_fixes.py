@@ -17,6 +17,7 @@ import pytest
 
 from pyspec import Context, Model
 from pyspec.common import speculative as sp
+from pyspec.common.common import CommonBatch
 from pyspec.common.params import CommonParamsSpeculative, c_float, c_int32, c_uint16
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
@@ -124,10 +125,13 @@ def test_changing_the_draft_parameters_and_context_after_init_changes_neither_si
     assert draft_simple_side(draft_pair, False, mutate) == cpp
 
 
-# --- (b) a failed draft decode stops drafting ------------------------------------------
+# --- (b) a token the draft vocabulary lacks ----------------------------------------------
 
 
-def test_a_draft_decode_that_llama_refuses_stops_drafting_on_both_sides(draft_pair):
+def test_a_token_the_draft_vocabulary_lacks_is_refused_before_the_draft_decode(draft_pair):
+    # 0c1e57098: draft-simple renders a common_batch into a llama_batch_ext, whose add_token
+    # refuses the token (-2) and common_batch::get_sub_batch aborts; the port raises instead
+    # (the reference's half needs its check before the call, see the bump report)
     mt, md = draft_pair
     n_vocab = md.vocab.n_tokens  # a target token the draft vocabulary lacks (are_compatible allows 128 more)
     with Context(mt, n_ctx=128, n_batch=32, n_threads=1) as ctx_tgt, \
@@ -138,12 +142,11 @@ def test_a_draft_decode_that_llama_refuses_stops_drafting_on_both_sides(draft_pa
         bad = Batch(4)
         bad.add(CYCLE[0], 0, 0, False)
         bad.add(n_vocab + 5, 1, 0, True)
-        with RefSpeculative(params, 1) as cpp:
-            assert cpp.process(bad) is False  # LOG_ERR, false
-            assert cpp.draft([req]) == {0: []}  # LOG_WRN, no draft
         port = port_init(params)
-        assert sp.common_speculative_process(port, bad) is False
-        assert port_draft(port, req) == []
+        with pytest.raises(ValueError, match="token id or embedding is invalid"):
+            sp.common_speculative_process(port, CommonBatch.from_llama_batch(bad))
+        with pytest.raises(ValueError, match="token id or embedding is invalid"):
+            port_draft(port, req)
         port.close()
         with pytest.raises(ValueError, match="outside the vocabulary"):
             ctx_dft.decode(bad)  # the Python API itself still refuses the batch
