@@ -355,3 +355,76 @@ def test_a_draft_context_whose_ubatch_cannot_hold_the_blocks_is_refused(drafting
     # non-causal attention computes all blocks (2 x 8 tokens) in one ubatch: llama.cpp would abort
     with pytest.raises(SpeculativeError, match="n_ubatch"):
         drafting("cyclic-dflash", n_ubatch=8)
+
+
+def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: int, seed: int,
+                        monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[int]]]:
+    """The drafts of the staged port and of the C++ reference (libpyspec_ref), each on its own pair of
+    contexts, after the same two-sequence prefill."""
+    from pyspec import Context
+    from pyspec.common.common import LLAMA_PROCESS_TYPE_DECODE, CommonBatch, llama_process
+    from pyspec.common.params import CommonParamsSpeculative
+    from pyspec.common.params import CommonSpeculativeType as T
+    from pyspec.common.speculative import CommonSpeculativeDraftParams, DraftRequest
+    from pyspec.core.batch import Batch
+    from pyspec.reference.speculative import RefSpeculative
+
+    typ = T.DRAFT_DSPARK if name == "cyclic-dspark" else T.DRAFT_DFLASH
+    succ, cycles = testmodels.cyclic_successor()
+    rng = np.random.default_rng(seed)
+    prompts = [[1] + [int(t) for t in rng.choice(cycles[s], 6 + 3 * s)] for s in range(2)]
+    opened: list[Any] = []
+
+    def setup() -> tuple[Any, Any, CommonParamsSpeculative]:
+        ctx_tgt = Context(loaded["cyclic-target"], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
+        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
+        opened.extend((ctx_tgt, ctx_dft))
+        params = CommonParamsSpeculative()
+        params.types = [typ]
+        params.draft.n_max, params.draft.p_min, params.draft.backend_sampling = n_max, p_min, False
+        params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
+        return ctx_tgt, ctx_dft, params
+
+    try:
+        ctx_tgt, ctx_dft, params = setup()
+        _causal_setter(ctx_dft, monkeypatch)
+        impl = _impl_class()(params, 2, type=typ)
+        opened.append(impl)
+        batch = CommonBatch(ctx_tgt)
+        opened.append(batch)
+        for s, prompt in enumerate(prompts):
+            for i, t in enumerate(prompt):
+                batch.add(t, i, s, i == len(prompt) - 1)
+        assert llama_process(ctx_tgt, LLAMA_PROCESS_TYPE_DECODE, batch.get()) == 0
+        assert impl.process(batch)
+        dparams = [CommonSpeculativeDraftParams(drafting=True, pos0=len(p), id_last=int(succ[p[-1]]), prompt=p)
+                   for p in prompts]
+        impl.draft(dparams)
+
+        ctx_tgt, _, params = setup()
+        ref = RefSpeculative(params, 2)
+        opened.append(ref)
+        lbatch = Batch(64, 0, 2)
+        for s, prompt in enumerate(prompts):
+            for i, t in enumerate(prompt):
+                lbatch.add(t, i, s, i == len(prompt) - 1)
+        ctx_tgt.decode(lbatch)
+        assert ref.process(lbatch)
+        out = ref.draft([DraftRequest(s, -1, len(p), int(succ[p[-1]]), p) for s, p in enumerate(prompts)])
+        return [dp.result for dp in dparams], [out[s] for s in range(2)]
+    finally:
+        for obj in reversed(opened):
+            obj.close()
+
+
+@needs_libraries
+@pytest.mark.parametrize(
+    ("name", "p_min", "n_max", "seed"),
+    [("cyclic-dflash", 0.0, 8, 0), ("cyclic-dflash", 0.6, 5, 3), ("cyclic-dspark", 0.0, 8, 0),
+     ("cyclic-dspark", 0.75, 8, 0), ("cyclic-dspark", 0.78, 6, 5)],
+)
+def test_the_port_drafts_what_the_reference_drafts(loaded: dict[str, Any], name: str, p_min: float, n_max: int,
+                                                   seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    port, reference = _twin_and_reference(loaded, name, p_min, n_max, seed, monkeypatch)
+    assert port == reference
+    assert any(port)  # the case drafts something
