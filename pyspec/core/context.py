@@ -612,7 +612,7 @@ class Context(Handle):
             raise ValueError(f"batch asks for {n_out} outputs, this context allows n_outputs_max={self.n_outputs_max}")
         if self._samplers and any(len(s) > 1 for s in batch.seq_ids):
             raise ValueError("with backend samplers attached, each token needs exactly one sequence id")
-        if self._samplers:
+        if self._samplers and not encode:  # llama_context::encode does not count them
             self._check_outputs_per_seq(np.array([min(s) for s in batch.seq_ids], np.int32)[outs])
         rows = self._row_bufs[self._row_next]
         rows[:n] = np.where(outs, np.cumsum(outs) - 1, -1)
