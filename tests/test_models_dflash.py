@@ -91,13 +91,16 @@ def types_from_gguf(reader: Any) -> list[str]:
 # --- files and cache -------------------------------------------------------
 
 
+DRAFTERS = ("cyclic-dflash", "cyclic-dspark", "cyclic-dflash-shared")
+
+
 def test_makers_write_into_the_cache_folder_once(models: dict[str, Path], cache: Path) -> None:
-    for name in ("cyclic-dflash", "cyclic-dspark"):
+    for name in DRAFTERS:
         path = models[name]
         assert path.parent == cache and path.is_file()
         assert name in path.name and md.DFLASH_GENERATOR_VERSION in path.name
         assert testmodels.GENERATOR_VERSION in path.name
-    stamps = {name: models[name].stat().st_mtime_ns for name in ("cyclic-dflash", "cyclic-dspark")}
+    stamps = {name: models[name].stat().st_mtime_ns for name in DRAFTERS}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYSPEC_MODEL_CACHE", str(cache))
         again = md.make_all_dflash()
@@ -116,7 +119,7 @@ def test_makers_are_deterministic(models: dict[str, Path], tmp_path: Path) -> No
 # --- what llama_model_dflash::load_arch_hparams / load_arch_tensors read ------
 
 
-@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+@pytest.mark.parametrize("name", DRAFTERS)
 def test_metadata_the_dflash_loader_reads(readers: dict[str, Any], name: str) -> None:
     r = readers[name]
     assert kv(r, "general.architecture") == md.DFLASH_ARCH == "dflash"
@@ -133,7 +136,7 @@ def test_metadata_the_dflash_loader_reads(readers: dict[str, Any], name: str) ->
 
 def test_every_model_shares_the_target_vocabulary(readers: dict[str, Any]) -> None:
     tokens = kv(readers["cyclic-target"], "tokenizer.ggml.tokens")
-    for name in ("cyclic-dflash", "cyclic-dspark"):
+    for name in DRAFTERS:
         assert kv(readers[name], "tokenizer.ggml.tokens") == tokens
         assert kv(readers[name], "dflash.vocab_size") == len(tokens) == N_VOCAB
 
@@ -161,6 +164,12 @@ def test_dflash_tensors_and_shapes(readers: dict[str, Any], name: str) -> None:
     assert not any(k.startswith("hc_") for k in ne)  # not the DSV4 DSpark backbone
 
 
+def test_the_shared_drafter_borrows_embeddings_and_head(readers: dict[str, Any]) -> None:
+    ne = tensor_ne(readers["cyclic-dflash-shared"])
+    assert "token_embd.weight" not in ne and "output.weight" not in ne
+    assert set(tensor_ne(readers["cyclic-dflash"])) - set(ne) == {"token_embd.weight", "output.weight"}
+
+
 def test_dspark_heads_and_shapes(readers: dict[str, Any]) -> None:
     ne = tensor_ne(readers["cyclic-dspark"])
     r = md.DSPARK_MARKOV_RANK
@@ -186,7 +195,8 @@ def test_the_mask_rows_of_the_embedding_are_zero(readers: dict[str, Any]) -> Non
 
 @pytest.mark.parametrize(
     ("name", "types"),
-    [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"]), ("mtp", ["draft-mtp"]),
+    [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"]),
+     ("cyclic-dflash-shared", ["draft-dflash"]), ("mtp", ["draft-mtp"]),
      ("cyclic-target", []), ("cyclic-eagle3", [])],
 )
 def test_types_from_gguf_logic_classifies_the_file(readers: dict[str, Any], name: str, types: list[str]) -> None:
@@ -210,14 +220,14 @@ def test_the_ported_types_from_gguf_agrees(models: dict[str, Path], name: str, t
 def loaded(models: dict[str, Path]) -> Any:
     from pyspec import Model
 
-    opened = {name: Model(models[name]) for name in ("cyclic-dflash", "cyclic-dspark", "cyclic-target")}
+    opened = {name: Model(models[name]) for name in (*DRAFTERS, "cyclic-target")}
     yield opened
     for m in opened.values():
         m.close()
 
 
 @needs_libraries
-@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+@pytest.mark.parametrize("name", DRAFTERS)
 def test_llama_cpp_loads_the_drafter(loaded: dict[str, Any], name: str) -> None:
     m = loaded[name]
     assert m.meta("general.architecture") == "dflash"
@@ -241,6 +251,22 @@ def test_a_context_opens_without_ctx_other(loaded: dict[str, Any], name: str) ->
     # own token_embd and output: llama_context does not require ctx_other for this drafter
     with Context(loaded[name], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx:
         assert ctx.n_ctx >= 256
+
+
+@needs_libraries
+def test_the_shared_drafter_needs_the_target_as_ctx_other(loaded: dict[str, Any],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    from pyspec import Context
+    from pyspec.errors import ContextError
+
+    # llama_context's constructor throws "dflash requires ctx_other to be set" (logged by llama.cpp)
+    with caplog.at_level("ERROR", logger="pyspec.llama"), pytest.raises(ContextError):
+        Context(loaded["cyclic-dflash-shared"], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1)
+    assert "dflash requires ctx_other to be set" in caplog.text
+    with (Context(loaded["cyclic-target"], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as ctx_tgt,
+          Context(loaded["cyclic-dflash-shared"], n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1,
+                  ctx_other=ctx_tgt) as ctx):
+        assert ctx.get_ctx_other_ptr() == ctx_tgt.ptr
 
 
 # --- what the drafters draft (the staged port of common_speculative_impl_draft_dflash) ---------
@@ -283,7 +309,8 @@ def drafting(loaded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
     def run(name: str, p_min: float = 0.0, n_ubatch: int = 64) -> tuple[Any, Any, list[Any], np.ndarray]:
         succ, cycles = testmodels.cyclic_successor()
         ctx_tgt = Context(loaded["cyclic-target"], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
-        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=n_ubatch, n_seq_max=2)
+        other = {"ctx_other": ctx_tgt} if name == "cyclic-dflash-shared" else {}
+        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=n_ubatch, n_seq_max=2, **other)
         opened.extend((ctx_tgt, ctx_dft))
         _causal_setter(ctx_dft, monkeypatch)
         params = CommonParamsSpeculative()
@@ -320,8 +347,9 @@ def _cycle_from(succ: np.ndarray, token: int, n: int) -> list[int]:
 
 
 @needs_libraries
-def test_dflash_drafts_the_successor_of_the_last_token_first(drafting: Any) -> None:
-    impl, _, dparams, succ = drafting("cyclic-dflash")
+@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dflash-shared"])
+def test_dflash_drafts_the_successor_of_the_last_token_first(drafting: Any, name: str) -> None:
+    impl, _, dparams, succ = drafting(name)
     assert impl.n_max == md.DFLASH_BLOCK_SIZE - 1  # n_max 8 clamped to block_size - 1
     for dp in dparams:
         assert len(dp.result) == impl.n_max
@@ -377,7 +405,8 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
 
     def setup() -> tuple[Any, Any, CommonParamsSpeculative]:
         ctx_tgt = Context(loaded["cyclic-target"], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
-        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2)
+        other = {"ctx_other": ctx_tgt} if name == "cyclic-dflash-shared" else {}
+        ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2, **other)
         opened.extend((ctx_tgt, ctx_dft))
         params = CommonParamsSpeculative()
         params.types = [typ]
@@ -420,7 +449,8 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
 @needs_libraries
 @pytest.mark.parametrize(
     ("name", "p_min", "n_max", "seed"),
-    [("cyclic-dflash", 0.0, 8, 0), ("cyclic-dflash", 0.6, 5, 3), ("cyclic-dspark", 0.0, 8, 0),
+    [("cyclic-dflash", 0.0, 8, 0), ("cyclic-dflash", 0.6, 5, 3), ("cyclic-dflash-shared", 0.0, 8, 1),
+     ("cyclic-dspark", 0.0, 8, 0),
      ("cyclic-dspark", 0.75, 8, 0), ("cyclic-dspark", 0.78, 6, 5)],
 )
 def test_the_port_drafts_what_the_reference_drafts(loaded: dict[str, Any], name: str, p_min: float, n_max: int,

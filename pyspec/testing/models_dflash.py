@@ -12,10 +12,12 @@ them apart by the tensor ``markov_w1.weight``.
   reads the inputs of target layers 1, 2, 3, block size 8, mask token 3.
 - ``cyclic-dspark``: the same drafter plus a Markov head (rank 32) and a
   confidence head.
+- ``cyclic-dflash-shared``: ``cyclic-dflash`` without ``token_embd`` and
+  ``output``: like the published DFlash drafters it borrows the target's through
+  ``ctx_other`` (a context on it needs ``ctx_other=`` the cyclic target's context).
 
-Both carry their own ``token_embd`` and ``output`` (the ``dflash`` graph would
-borrow the target's through ``ctx_other`` otherwise), so a context on them needs
-no ``ctx_other``; their n_embd is the target's (64), as it must be: the encoder
+The first two carry their own ``token_embd`` and ``output``, so a context on them
+needs no ``ctx_other``; all have the target's n_embd (64), as they must: the encoder
 input width is ``n_target_layers * n_embd`` of the *draft*, while speculative.cpp
 sends rows of ``n_target_layers * n_embd`` of the *target*.
 
@@ -50,6 +52,7 @@ from pyspec.testing.models import (
     cyclic_successor,
     gguf_module,
     llama_vocab_kv,
+    make_cyclic_target,
 )
 
 __all__ = [
@@ -61,6 +64,7 @@ __all__ = [
     "DSPARK_MARKOV_RANK",
     "make_all_dflash",
     "make_cyclic_dflash",
+    "make_cyclic_dflash_shared",
     "make_cyclic_dspark",
 ]
 
@@ -98,6 +102,7 @@ DFLASH_EMBD_NOISE = 0.3  # models.CYCLIC_EMBD_NOISE
 # FFN (DFLASH_FFN_SCALE) must stay far below it for n up to the training context
 DFLASH_ATTN_OUT_GAIN = 64.0
 DFLASH_FFN_SCALE = 1e-3
+DFLASH_SHARED_ATTN_OUT_GAIN = 512.0  # cyclic-dflash-shared: the anchor against the target's mask embedding
 DFLASH_FEATURE_GAIN = 0.01  # enc.output_norm gain: the injected V rows stay small against the anchor's
 DSPARK_MARKOV_PEAK = 12.0  # Markov bias of succ(prev); other cycle tokens get about N(0, (peak / sqrt(rank))^2)
 DSPARK_CONF_BIAS = 1.0  # sigmoid(1) = 0.73: confidences around it, spread by small random weights
@@ -298,6 +303,38 @@ def make_cyclic_dspark() -> Path:
     return _make("cyclic-dspark", fill)
 
 
+def make_cyclic_dflash_shared() -> Path:
+    """``cyclic-dflash`` without ``token_embd`` and ``output``: the decoder borrows the cyclic target's
+    (``ctx_other``), as the published DFlash drafters do.
+
+    The target's mask row is not zero: ``attn_v`` projects its direction out (the
+    mask positions add nothing to the attention output) and ``attn_output`` has the
+    larger gain DFLASH_SHARED_ATTN_OUT_GAIN, so that the anchor's share of the
+    attention output outweighs the mask embedding in a mask position's residual for
+    caches up to a few hundred cells: the first draft token is then succ(id_last).
+    """
+    gguf = gguf_module()
+    reader = gguf.GGUFReader(make_cyclic_target())
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    u = np.asarray(embd.data, dtype=np.float32).reshape(-1, N_EMBD)[DFLASH_MASK_TOKEN]
+    u = u / np.linalg.norm(u)
+    eye = np.eye(N_EMBD, dtype=np.float32)
+    own = {
+        "blk.0.attn_v.weight": (eye - np.outer(u, u)).astype(np.float16),
+        "blk.0.attn_output.weight": (DFLASH_SHARED_ATTN_OUT_GAIN * eye).astype(np.float16),
+    }
+
+    def fill(writer: Any) -> None:
+        _add_kv(writer, "pyspec-tiny-cyclic-dflash-shared")
+        _add_tensors(writer, ((n, own.get(n, t)) for n, t in _dflash_tensors() if n not in _BORROWED))
+
+    return _make("cyclic-dflash-shared", fill)
+
+
+_BORROWED = ("token_embd.weight", "output.weight")  # what a drafter may take from the target (ctx_other)
+
+
 def make_all_dflash() -> dict[str, Path]:
     """Every model of this module, by name."""
-    return {"cyclic-dflash": make_cyclic_dflash(), "cyclic-dspark": make_cyclic_dspark()}
+    return {"cyclic-dflash": make_cyclic_dflash(), "cyclic-dspark": make_cyclic_dspark(),
+            "cyclic-dflash-shared": make_cyclic_dflash_shared()}
