@@ -12,6 +12,7 @@ from pyspec import Batch, Context
 from pyspec.common import sampling as smp
 from pyspec.common.params import CommonParamsSampling
 from pyspec.common.params import CommonSamplerType as S
+from pyspec.errors import SpeculativeError
 from pyspec.ffi import llama
 from pyspec.reference.sampling import RefSampler
 
@@ -152,3 +153,36 @@ def test_clone_continues_identically(target_model):
     b = smp.common_sampler_sample(clone, side.ctx, -1)
     assert a == b
     clone.close()
+
+
+# --- common_sampler_copy (0c1e57098) -----------------------------------------------------
+
+
+def test_copy_gives_the_destination_the_source_state(target_model):
+    # a seeded chain with penalties: the rng state and the penalty history both travel
+    params = CommonParamsSampling(seed=99, temp=1.0, penalty_repeat=1.5, penalty_last_n=8)
+    src, dst, twin = (Side(target_model, params, False) for _ in range(3))
+    generated = src.generate(6)
+    assert twin.generate(6) == generated  # the same calls as src: the state dst should end up with
+    assert list(dst.s.prev) == []
+    smp.common_sampler_copy(src.s, dst.s)
+    assert list(dst.s.prev) == list(src.s.prev) == generated
+    assert dst.s.cur_p.size == src.s.cur_p.size
+    # the next tokens from the same rows (twin's context) agree
+    for _ in range(4):
+        tok = smp.common_sampler_sample(twin.s, twin.ctx, -1)
+        assert smp.common_sampler_sample(dst.s, twin.ctx, -1) == tok
+        smp.common_sampler_accept(twin.s, tok, True)
+        smp.common_sampler_accept(dst.s, tok, True)
+        twin.feed([tok])
+
+
+def test_copy_between_different_chains_is_refused(target_model):
+    a = smp.common_sampler_init(target_model, CommonParamsSampling(top_k=1, samplers=[S.TOP_K]))
+    b = smp.common_sampler_init(target_model, CommonParamsSampling(seed=1))
+    with pytest.raises(SpeculativeError, match="different sampler types"):
+        smp.common_sampler_copy(a, b)
+    smp.common_sampler_copy(a, a)  # the same sampler: nothing to do
+    smp.common_sampler_copy(None, b)
+    a.close()
+    b.close()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TOKEN_DATA", "CommonSampler", "candidates_array", "common_sampler_accept", "common_sampler_clone",
-    "common_sampler_free", "common_sampler_get", "common_sampler_get_candidates", "common_sampler_get_seed",
+    "common_sampler_copy", "common_sampler_free", "common_sampler_get", "common_sampler_get_candidates", "common_sampler_get_seed",
     "common_sampler_init", "common_sampler_last", "common_sampler_prev", "common_sampler_reset",
     "common_sampler_sample", "common_sampler_sample_and_accept_n", "grammar_should_apply",
 ]
@@ -398,6 +398,48 @@ def common_sampler_reset(gsmpl: CommonSampler | None) -> None:
 def common_sampler_clone(gsmpl: CommonSampler) -> CommonSampler:
     """Mirrors common_sampler_clone (sampling.cpp); the body is CommonSampler.clone."""
     return gsmpl.clone()
+
+
+def _sampler_names(smpl: Any) -> list[bytes]:
+    # a chain's samplers by name (llama_sampler_copy asserts on different sampler types)
+    if smpl == ffi.NULL:
+        return []
+    names = [ffi.string(llama.llama_sampler_name(smpl))]
+    if names[0] == b"chain":
+        names += [ffi.string(llama.llama_sampler_name(llama.llama_sampler_chain_get(smpl, i)))
+                  for i in range(int(llama.llama_sampler_chain_n(smpl)))]
+    return names
+
+
+def common_sampler_copy(src: CommonSampler | None, dst: CommonSampler | None) -> None:
+    """Mirrors common_sampler_copy (sampling.cpp): dst takes src's state (its samplers', the history,
+    the candidates). The C++ asserts (and llama_sampler_copy's type asserts) are checked first."""
+    if src is None or dst is None or src is dst:
+        return
+
+    if (src.grmr == ffi.NULL) != (dst.grmr == ffi.NULL):
+        raise SpeculativeError("GGML_ASSERT((src->grmr == nullptr) == (dst->grmr == nullptr)) failed")
+    if (src.rbudget == ffi.NULL) != (dst.rbudget == ffi.NULL):
+        raise SpeculativeError("GGML_ASSERT((src->rbudget == nullptr) == (dst->rbudget == nullptr)) failed")
+    if _sampler_names(_chain(src)) != _sampler_names(_chain(dst)):
+        raise SpeculativeError("llama_sampler_copy: cannot copy between different sampler types")
+    if src.n_vocab != dst.n_vocab:
+        raise ValueError(f"common_sampler_copy: vocabularies of {src.n_vocab} and {dst.n_vocab} tokens")
+
+    llama.llama_sampler_copy(src.grmr, dst.grmr)
+    llama.llama_sampler_copy(src.rbudget, dst.rbudget)
+    llama.llama_sampler_copy(_chain(src), _chain(dst))
+
+    dst.params = src.params
+    dst.prev = deque(src.prev, maxlen=src.prev.maxlen)
+    n = int(src.cur.size)
+    ffi.memmove(dst._cur_ptr, src._cur_ptr, n * TOKEN_DATA.itemsize)
+    dst.cur = dst._cur_buf[:n]
+    dst.cur_p.size = src.cur_p.size
+    dst.cur_p.selected = src.cur_p.selected
+    dst.cur_p.sorted = src.cur_p.sorted
+    dst.cur_p.data = dst._cur_ptr if src.cur_p.data != ffi.NULL else ffi.NULL  # re-point to dst's buffer
+    dst.t_total_us = src.t_total_us
 
 
 def common_sampler_get(gsmpl: CommonSampler | None):
