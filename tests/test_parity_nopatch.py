@@ -29,7 +29,7 @@ from pyspec.testing import models as tm
 
 print(json.dumps({"patches": ffi.string(ref.pyspec_ref_patches()).decode()}), flush=True)
 cycle = list(tm.cyclic_successor()[1][0])
-for t in [t for t in T if t not in (T.NONE, T.COUNT)]:
+for t in [t for t in T if t not in (T.NONE, T.COUNT, T.DRAFT_DFLASH, T.DRAFT_DSPARK)]:  # dflash: not ported yet
     target, draft = tm.tiny_model_paths([t])
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[t], n_seq=2,
                         prompts=[cycle * 3, "def fib(n): return fib(n-1) + fib(n-2)\n" * 2], n_predict=24,
@@ -41,7 +41,8 @@ for t in [t for t in T if t not in (T.NONE, T.COUNT)]:
 
 
 def test_the_default_reference_names_its_patches():
-    assert ffi.string(ref.pyspec_ref_patches()).decode() == "eagle3-batch-rows"
+    # none at 0c1e57098 (csrc/pyspec_ref_speculative.cpp: eagle3-batch-rows is gone with llama_batch_init)
+    assert ffi.string(ref.pyspec_ref_patches()).decode() == ""
 
 
 def test_the_port_equals_the_unpatched_reference_with_one_ubatch_per_decode():
