@@ -91,7 +91,8 @@ def types_from_gguf(reader: Any) -> list[str]:
 # --- files and cache -------------------------------------------------------
 
 
-DRAFTERS = ("cyclic-dflash", "cyclic-dspark", "cyclic-dflash-shared")
+DRAFTERS = ("cyclic-dflash", "cyclic-dspark", "cyclic-dspark-bonus", "cyclic-dflash-shared")
+DSPARKS = ("cyclic-dspark", "cyclic-dspark-bonus")
 
 
 def test_makers_write_into_the_cache_folder_once(models: dict[str, Path], cache: Path) -> None:
@@ -148,7 +149,7 @@ def test_mask_token_is_a_byte_token_outside_the_cycles(readers: dict[str, Any]) 
     assert all(md.DFLASH_MASK_TOKEN not in cyc for cyc in cycles)
 
 
-@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+@pytest.mark.parametrize("name", ["cyclic-dflash", *DSPARKS])
 def test_dflash_tensors_and_shapes(readers: dict[str, Any], name: str) -> None:
     ne = tensor_ne(readers[name])
     n_embd, n_enc = 64, len(md.DFLASH_TARGET_LAYERS) * 64
@@ -196,14 +197,16 @@ def test_the_mask_rows_of_the_embedding_are_zero(readers: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     ("name", "types"),
     [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"]),
-     ("cyclic-dflash-shared", ["draft-dflash"]), ("mtp", ["draft-mtp"]),
+     ("cyclic-dspark-bonus", ["draft-dspark"]), ("cyclic-dflash-shared", ["draft-dflash"]), ("mtp", ["draft-mtp"]),
      ("cyclic-target", []), ("cyclic-eagle3", [])],
 )
 def test_types_from_gguf_logic_classifies_the_file(readers: dict[str, Any], name: str, types: list[str]) -> None:
     assert types_from_gguf(readers[name]) == types
 
 
-@pytest.mark.parametrize(("name", "types"), [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"])])
+@pytest.mark.parametrize(("name", "types"), [("cyclic-dflash", ["draft-dflash"]), ("cyclic-dspark", ["draft-dspark"]),
+                                             ("cyclic-dspark-bonus", ["draft-dspark"]),
+                                             ("cyclic-dflash-shared", ["draft-dflash"])])
 def test_the_ported_types_from_gguf_agrees(models: dict[str, Path], name: str, types: list[str]) -> None:
     from pyspec.common import speculative
 
@@ -238,13 +241,13 @@ def test_llama_cpp_loads_the_drafter(loaded: dict[str, Any], name: str) -> None:
     # what the constructor of common_speculative_impl_draft_dflash reads through llama_model_meta_val_str
     assert m.meta("dflash.block_size") == str(md.DFLASH_BLOCK_SIZE)
     assert m.rope_type == "neox"  # not M-RoPE: the injection batch carries one position row
-    want_anchor = "true" if name == "cyclic-dspark" else None
+    want_anchor = {"cyclic-dspark": "true", "cyclic-dspark-bonus": "false"}.get(name)
     assert m.meta("dflash.sample_from_anchor") == want_anchor
     assert m.meta("dflash.attention.causal") is None  # non-causal block attention
 
 
 @needs_libraries
-@pytest.mark.parametrize("name", ["cyclic-dflash", "cyclic-dspark"])
+@pytest.mark.parametrize("name", ["cyclic-dflash", *DSPARKS])
 def test_a_context_opens_without_ctx_other(loaded: dict[str, Any], name: str) -> None:
     from pyspec import Context
 
@@ -318,7 +321,7 @@ def drafting(loaded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
         params.draft.p_min = p_min
         params.draft.backend_sampling = False
         params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
-        impl = _impl_class()(params, 2, type=T.DRAFT_DSPARK if name == "cyclic-dspark" else T.DRAFT_DFLASH)
+        impl = _impl_class()(params, 2, type=T.DRAFT_DSPARK if name in DSPARKS else T.DRAFT_DFLASH)
         opened.append(impl)
         prompts = [[1] + [cycles[s][i % len(cycles[s])] for i in range(10 + s)] for s in range(2)]
         batch = CommonBatch(ctx_tgt)
@@ -366,6 +369,14 @@ def test_dspark_drafts_the_whole_cycle(drafting: Any) -> None:
 
 
 @needs_libraries
+def test_bonus_anchor_dspark_drafts_the_cycle_after_the_anchor_slot(drafting: Any) -> None:
+    impl, _, dparams, succ = drafting("cyclic-dspark-bonus")
+    assert impl.n_max == md.DFLASH_BLOCK_SIZE - 1  # the anchor slot is no prediction
+    for dp in dparams:
+        assert dp.result == _cycle_from(succ, dp.id_last, impl.n_max)
+
+
+@needs_libraries
 def test_dspark_p_min_cuts_each_block_at_its_first_low_confidence(drafting: Any) -> None:
     impl, ctx_dft, dparams, succ = drafting("cyclic-dspark", p_min=0.75)
     conf = ctx_dft.get_embeddings_nextn(2 * impl.n_max)[:, 0].reshape(2, impl.n_max)
@@ -397,7 +408,7 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
     from pyspec.core.batch import Batch
     from pyspec.reference.speculative import RefSpeculative
 
-    typ = T.DRAFT_DSPARK if name == "cyclic-dspark" else T.DRAFT_DFLASH
+    typ = T.DRAFT_DSPARK if name in DSPARKS else T.DRAFT_DFLASH
     succ, cycles = testmodels.cyclic_successor()
     rng = np.random.default_rng(seed)
     prompts = [[1] + [int(t) for t in rng.choice(cycles[s], 6 + 3 * s)] for s in range(2)]
@@ -451,7 +462,8 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
     ("name", "p_min", "n_max", "seed"),
     [("cyclic-dflash", 0.0, 8, 0), ("cyclic-dflash", 0.6, 5, 3), ("cyclic-dflash-shared", 0.0, 8, 1),
      ("cyclic-dspark", 0.0, 8, 0),
-     ("cyclic-dspark", 0.75, 8, 0), ("cyclic-dspark", 0.78, 6, 5)],
+     ("cyclic-dspark", 0.75, 8, 0), ("cyclic-dspark", 0.78, 6, 5), ("cyclic-dspark-bonus", 0.0, 8, 2),
+     ("cyclic-dspark-bonus", 0.75, 8, 0)],
 )
 def test_the_port_drafts_what_the_reference_drafts(loaded: dict[str, Any], name: str, p_min: float, n_max: int,
                                                    seed: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,9 @@ them apart by the tensor ``markov_w1.weight``.
   reads the inputs of target layers 1, 2, 3, block size 8, mask token 3.
 - ``cyclic-dspark``: the same drafter plus a Markov head (rank 32) and a
   confidence head.
+- ``cyclic-dspark-bonus``: ``cyclic-dspark`` with ``dflash.sample_from_anchor`` =
+  false (SpecForge's bonus-anchor layout: the block is ``[id_last, <mask> * n_max]``
+  as for DFlash and slot 0 is no prediction).
 - ``cyclic-dflash-shared``: ``cyclic-dflash`` without ``token_embd`` and
   ``output``: like the published DFlash drafters it borrows the target's through
   ``ctx_other`` (a context on it needs ``ctx_other=`` the cyclic target's context).
@@ -66,6 +69,7 @@ __all__ = [
     "make_cyclic_dflash",
     "make_cyclic_dflash_shared",
     "make_cyclic_dspark",
+    "make_cyclic_dspark_bonus",
 ]
 
 DFLASH_GENERATOR_VERSION = "d1"
@@ -293,14 +297,28 @@ def make_cyclic_dspark() -> Path:
     and truncates the block where the confidence drops below it.
     """
 
+    return _make("cyclic-dspark", _dspark_fill("pyspec-tiny-cyclic-dspark", sample_from_anchor=True))
+
+
+def make_cyclic_dspark_bonus() -> Path:
+    """``cyclic-dspark`` with ``dflash.sample_from_anchor`` = false: the bonus-anchor layout.
+
+    The block is ``[id_last, <mask> * n_max]`` (n_max clamped to block_size - 1), slot 0 passes
+    through the Markov head unbiased and is not read; the draft is the Markov chain from
+    position 1 on, which follows the cycle.
+    """
+    return _make("cyclic-dspark-bonus", _dspark_fill("pyspec-tiny-cyclic-dspark-bonus", sample_from_anchor=False))
+
+
+def _dspark_fill(name: str, sample_from_anchor: bool) -> Callable[[Any], None]:
     def fill(writer: Any) -> None:
-        _add_kv(writer, "pyspec-tiny-cyclic-dspark")
-        writer.add_bool(f"{DFLASH_ARCH}.sample_from_anchor", True)
+        _add_kv(writer, name)
+        writer.add_bool(f"{DFLASH_ARCH}.sample_from_anchor", sample_from_anchor)
         writer.add_bool(f"{DFLASH_ARCH}.has_confidence_head", True)
         _add_tensors(writer, _dflash_tensors())
         _add_tensors(writer, _dspark_tensors())
 
-    return _make("cyclic-dspark", fill)
+    return fill
 
 
 def make_cyclic_dflash_shared() -> Path:
@@ -337,4 +355,4 @@ _BORROWED = ("token_embd.weight", "output.weight")  # what a drafter may take fr
 def make_all_dflash() -> dict[str, Path]:
     """Every model of this module, by name."""
     return {"cyclic-dflash": make_cyclic_dflash(), "cyclic-dspark": make_cyclic_dspark(),
-            "cyclic-dflash-shared": make_cyclic_dflash_shared()}
+            "cyclic-dspark-bonus": make_cyclic_dspark_bonus(), "cyclic-dflash-shared": make_cyclic_dflash_shared()}
