@@ -12,9 +12,9 @@
 // pyspec_ref_spec_draft marks only the requested sequences as drafting (it
 // clears the flag of every other sequence first), as a caller of
 // common_speculative_draft sets the draft params it wants. Left unguarded
-// (they depend on state libllama keeps private): EAGLE3 process() before the
+// (they depend on state libllama keeps private): EAGLE3 / DFlash process() before the
 // target decoded with layer extraction on (llama_get_embeddings_layer_inp
-// asserts), MTP draft() with a ctx_dft that yields no nextn embeddings (not an
+// asserts; at 0c1e57098 their constructors turn the extraction on themselves), MTP draft() with a ctx_dft that yields no nextn embeddings (not an
 // MTP context), a corrupt ngram-cache file, a sampler configuration that
 // selects no token, backend sampling on a context whose sampler conflicts with
 // a grammar.

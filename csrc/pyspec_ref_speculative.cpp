@@ -143,7 +143,8 @@ static bool has_type(const common_params_speculative & p, common_speculative_typ
 // the GGML_ASSERT/ABORT preconditions of the implementations' constructors
 static std::string check_spec_params(const common_params_speculative & p) {
     const auto & d = p.draft;
-    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE) && (d.ctx_tgt == nullptr || d.ctx_dft == nullptr)) {
+    // without ctx_dft the constructor throws its own message; without ctx_tgt it would dereference NULL
+    if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE) && d.ctx_tgt == nullptr && d.ctx_dft != nullptr) {
         return "draft-simple requires ctx_tgt and ctx_dft to be set";
     }
     if (has_type(p, COMMON_SPECULATIVE_TYPE_DRAFT_EAGLE3) && d.ctx_dft != nullptr && d.ctx_tgt == nullptr) {
@@ -165,8 +166,19 @@ static std::string check_spec_params(const common_params_speculative & p) {
             if (d.ctx_tgt == nullptr) {
                 return "DFlash requires ctx_tgt and ctx_dft to be set";
             }
-            if (llama_model_target_layer_ids_n(llama_get_model(d.ctx_dft)) == 0) {
+            const llama_model * m_dft = llama_get_model(d.ctx_dft);
+            if (llama_model_target_layer_ids_n(m_dft) == 0) {
                 return "DFlash model has no target_layer_ids";
+            }
+            // llama_set_embeddings_layer_inp asserts lid <= n_layer; the target graph then asserts that
+            // the layer records its input, which no graph does for lid == n_layer (the port's message)
+            const int32_t n_layer_tgt = llama_model_n_layer(llama_get_model(d.ctx_tgt));
+            const int32_t * ids = llama_model_target_layer_ids(m_dft);
+            for (uint32_t k = 0; k < llama_model_target_layer_ids_n(m_dft); ++k) {
+                if (ids[k] < 0 || ids[k] >= n_layer_tgt) {
+                    return "DFlash: target layer id " + std::to_string(ids[k]) + " out of range [0, " +
+                           std::to_string(n_layer_tgt) + ")";
+                }
             }
         }
     }
@@ -174,7 +186,7 @@ static std::string check_spec_params(const common_params_speculative & p) {
         if (d.ctx_tgt == nullptr) {
             return "MTP requires ctx_tgt and ctx_dft to be set";
         }
-        if (llama_model_n_embd_out(llama_get_model(d.ctx_dft)) != llama_model_n_embd(llama_get_model(d.ctx_tgt))) {
+        if (llama_model_n_embd_out(llama_get_model(d.ctx_dft)) != llama_model_n_embd_out(llama_get_model(d.ctx_tgt))) {
             return "MTP input row width must match the target h_nextn width";
         }
     }
@@ -205,6 +217,43 @@ static std::string check_spec_params(const common_params_speculative & p) {
         }
         if (!c.lookup_cache_dynamic.empty() && !ngram_cache_file_ok(c.lookup_cache_dynamic)) {
             return "Couldn't read dynamic lookup cache: " + c.lookup_cache_dynamic;
+        }
+    }
+    return "";
+}
+
+// what DFlash / DSpark leave to llama.cpp's asserts later, read from the constructed
+// implementation (its clamped n_max, mask token, block layout); the port's checks and messages
+// (pyspec.common._dflash_draft: _check_inputs)
+static std::string check_dflash(const ref::common_speculative & spec, uint32_t n_seq) {
+    for (const auto & impl : spec.impls) {
+        const auto * df = dynamic_cast<const ref::common_speculative_impl_draft_dflash *>(impl.get());
+        if (df == nullptr) {
+            continue;
+        }
+        llama_context * ctx_dft = df->params.ctx_dft;
+        const llama_model * m_dft = llama_get_model(ctx_dft);
+        // common_batch::get_sub_batch aborts on an injected row of another width
+        const int32_t n_embd_inp_enc = (int32_t) df->target_layer_ids_n * df->n_embd_dec;
+        if (df->n_embd_enc != n_embd_inp_enc) {
+            return "DFlash: the target features (" + std::to_string(df->target_layer_ids_n) + " x " +
+                   std::to_string(df->n_embd_tgt) + ") do not match the draft's encoder input width " +
+                   std::to_string(n_embd_inp_enc);
+        }
+        // a LLAMA_TOKEN_NULL mask becomes an embedding entry without data: get_sub_batch aborts
+        if (df->mask_token_id < 0 || df->mask_token_id >= llama_vocab_n_tokens(llama_model_get_vocab(m_dft))) {
+            return "DFlash draft has no mask token (tokenizer.ggml.mask_token_id)";
+        }
+        if (n_seq > llama_n_seq_max(ctx_dft)) {
+            return "DFlash: n_seq " + std::to_string(n_seq) + " exceeds the draft context's n_seq_max " +
+                   std::to_string(llama_n_seq_max(ctx_dft));
+        }
+        // non-causal attention computes the whole noise batch in one ubatch (GGML_ASSERT otherwise)
+        const int32_t n_block_max = std::max(0, df->params.n_max) + (df->is_dspark && df->sample_from_anchor ? 0 : 1);
+        const int32_t n_ubatch_dft = (int32_t) llama_n_ubatch(ctx_dft);
+        if ((int64_t) n_seq * n_block_max > n_ubatch_dft) {
+            return "DFlash: " + std::to_string(n_seq) + " blocks of " + std::to_string(n_block_max) +
+                   " tokens exceed the draft context's n_batch / n_ubatch " + std::to_string(n_ubatch_dft);
         }
     }
     return "";
@@ -412,6 +461,10 @@ pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, ui
         res->spec  = ref::common_speculative_init(p, n_seq);
         if (res->spec == nullptr) {
             return nullptr; // no implementation selected: err stays ""
+        }
+        const std::string msg_impl = check_dflash(*res->spec, n_seq);
+        if (!msg_impl.empty()) {
+            return fail(msg_impl); // res frees the implementations (their destructors detach the samplers)
         }
 
         // every dparams entry needs valid prompt/result pointers: the
@@ -644,8 +697,8 @@ int pyspec_ref_spec_accept(pyspec_ref_spec * spec, llama_seq_id seq_id, int32_t 
     REQUIRE_SEQ(spec, seq_id);
     REQUIRE(n_accepted >= 0 && n_accepted <= UINT16_MAX, PYSPEC_REF_E_RANGE,
             "n_accepted %d out of range [0, %d]", (int) n_accepted, (int) UINT16_MAX);
-    // the reference GGML_ASSERTs that a draft was made for seq_id
-    REQUIRE(spec->spec->impl_last[seq_id] != nullptr, PYSPEC_REF_E_STATE,
+    // without a draft for seq_id the reference GGML_ASSERTs n_accepted == 0 (and returns)
+    REQUIRE(spec->spec->impl_last[seq_id] != nullptr || n_accepted == 0, PYSPEC_REF_E_STATE,
             "seq_id %d: accept without a previous draft (impl_last is null)", (int) seq_id);
     // common_ngram_map_accept indexes keys[last_draft_key_idx] unchecked, and a
     // common_ngram_map_begin since the draft may have dropped that key

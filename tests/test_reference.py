@@ -145,9 +145,10 @@ def test_no_implementation_raises_and_init_returns_none() -> None:
     assert RefSpeculative.init(params, n_seq=1) is None
 
 
-def test_wrapper_refuses_draft_simple_without_contexts_where_the_cpp_would_crash() -> None:
+def test_draft_simple_without_a_draft_context_throws_the_cpp_message() -> None:
+    # 0c1e57098's constructor throws for a missing ctx_dft itself (the wrapper refused it before)
     params = CommonParamsSpeculative(types=[CommonSpeculativeType.DRAFT_SIMPLE])
-    with pytest.raises(RuntimeError, match="ctx_tgt and ctx_dft"):
+    with pytest.raises(RuntimeError, match="draft-simple requires a draft context"):
         RefSpeculative(params, n_seq=1)
 
 
@@ -280,3 +281,11 @@ def test_grammar_turns_backend_sampling_off(target: Model) -> None:
     with RefSampler(target, CommonParamsSampling(grammar='root ::= "a"', backend_sampling=True)) as smpl:
         assert smpl.backend_sampling is False
 
+
+
+def test_wrapper_refuses_draft_simple_without_a_target_where_the_cpp_would_crash(draft_model: Model) -> None:
+    with Context(draft_model, n_ctx=256, n_batch=32, n_ubatch=32, n_seq_max=1) as ctx:
+        params = CommonParamsSpeculative(types=[CommonSpeculativeType.DRAFT_SIMPLE])
+        params.draft.ctx_dft = ctx  # the constructor reads the target's model (llama_get_model(NULL))
+        with pytest.raises(RuntimeError, match="draft-simple requires ctx_tgt and ctx_dft to be set"):
+            RefSpeculative(params, n_seq=1)
