@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from pyspec.common.checks import check_speculative_params
+from pyspec.common.common import CommonBatch
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import (
@@ -45,7 +46,6 @@ from pyspec.common.speculative import (
     common_speculative_init,
     common_speculative_type_to_str,
 )
-from pyspec.core.batch import Batch, BatchView
 from pyspec.errors import SpeculativeError
 from pyspec.suffix.index import GlobalSuffixIndex, SuffixDraft, SuffixIndex, as_tokens, check_int
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
@@ -121,7 +121,7 @@ class SuffixImpl(CommonSpeculativeImpl):
         n_seq = check_int("n_seq", n_seq, 1, 1 << 16)
         if shared is not None and not isinstance(shared, GlobalSuffixIndex):
             raise TypeError(f"shared must be a GlobalSuffixIndex, got {type(shared).__name__}")
-        super().__init__(T.COUNT, n_seq)
+        super().__init__(T.COUNT, n_seq, params.n_max)
         self.params = params
         self.shared = shared if shared is not None else (
             params.global_index() if params.max_global_tokens > 0 else None)
@@ -161,7 +161,7 @@ class SuffixImpl(CommonSpeculativeImpl):
         """The request of ``seq_id`` finished: its output joins the global index now (not only at the next begin)."""
         self._commit(self._seq(seq_id))
 
-    def process(self, batch: Batch | BatchView) -> bool:
+    def process(self, batch: CommonBatch) -> bool:
         return True
 
     def _sync(self, st: _SeqState, prompt: Sequence[int], id_last: int) -> None:
@@ -224,9 +224,6 @@ class SuffixImpl(CommonSpeculativeImpl):
 
     def accept(self, seq_id: int, n_accepted: int, is_other: bool) -> None:
         self._seq(seq_id)  # the accepted tokens reach the index with the next draft call's history
-
-    def need_embd(self) -> bool:
-        return False
 
     def close(self) -> None:
         for st in self.seqs:
