@@ -248,7 +248,8 @@ class CommonSpeculativeImplDraftDflash(CommonSpeculativeImpl):
             raise SpeculativeError(f"DFlash: {self.n_seq} blocks of {n_block_max} tokens exceed the draft "
                                    f"context's n_batch / n_ubatch {n_ubatch_dft}")
         # build_dspark_markov_head asserts the key, std::stoi throws, GGML_ASSERT(block_size > 0); only a
-        # drafter with the Markov head builds it (whatever the type), which the file tells
+        # drafter with the Markov head builds it (whatever the type), which the file tells. The graph
+        # reserve of its context builds it already, so a Context check must come first: this is a second line
         if (not _stoi_positive(model_dft.meta("dflash.block_size"))
                 and common_speculative_types_from_gguf(model_dft.path) == [T.DRAFT_DSPARK]):
             raise SpeculativeError("DSpark draft requires a positive 'dflash.block_size' in GGUF metadata")
