@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GGML_MROPE_SECTIONS", "LLAMA_PROCESS_TYPE_DECODE", "LLAMA_PROCESS_TYPE_ENCODE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_TOKEN_NULL", "CommonBatch", "CommonBatchToken",
-    "CommonContextSeqRmType", "CommonPromptCheckpoint", "CommonTimeMeas", "common_batch_add", "common_batch_clear",
+    "CommonContextSeqRmType", "CommonPromptCheckpoint", "CommonTimeMeas",
     "common_batch_get_one", "common_context_can_seq_rm", "common_context_seq_rm", "common_detokenize",
     "common_token_to_piece", "common_tokenize", "ggml_time_us", "llama_process",
 ]
@@ -56,16 +56,6 @@ class CommonTimeMeas:
     def __exit__(self, *exc: object) -> None:
         if self.t_start_us >= 0:
             setattr(self.owner, self.attr, getattr(self.owner, self.attr) + ggml_time_us() - self.t_start_us)
-
-
-def common_batch_clear(batch: Batch) -> None:
-    """Mirrors common_batch_clear (common.cpp)."""
-    batch.clear()
-
-
-def common_batch_add(batch: Batch, id: int, pos: int, seq_ids: Iterable[int] | int, logits: bool) -> None:
-    """Mirrors common_batch_add (common.cpp); exceeding the batch raises BatchFullError."""
-    batch.add(id, pos, seq_ids, logits)
 
 
 def _embd_rows(embd: Any) -> np.ndarray:
