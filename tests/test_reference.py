@@ -289,3 +289,33 @@ def test_wrapper_refuses_draft_simple_without_a_target_where_the_cpp_would_crash
         params.draft.ctx_dft = ctx  # the constructor reads the target's model (llama_get_model(NULL))
         with pytest.raises(RuntimeError, match="draft-simple requires ctx_tgt and ctx_dft to be set"):
             RefSpeculative(params, n_seq=1)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_dflash_and_dspark_run_in_the_reference_and_their_asserts_are_refused(kind: str) -> None:
+    md = pytest.importorskip("pyspec.testing.models_dflash")
+    succ, cycles = testmodels.cyclic_successor()
+    typ = CommonSpeculativeType.DRAFT_DFLASH if kind == "dflash" else CommonSpeculativeType.DRAFT_DSPARK
+    maker = md.make_cyclic_dflash if kind == "dflash" else md.make_cyclic_dspark
+    with Model(testmodels.make_cyclic_target()) as mt, Model(maker()) as mdft:
+        for n_ubatch in (64, 8):
+            with (Context(mt, n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=2) as ctx_tgt,
+                  Context(mdft, n_ctx=512, n_batch=64, n_ubatch=n_ubatch, n_seq_max=2) as ctx_dft):
+                params = CommonParamsSpeculative(types=[typ])
+                params.draft.n_max, params.draft.backend_sampling = 8, False
+                params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
+                if n_ubatch == 8:  # the non-causal noise batch must fit one ubatch (GGML_ASSERT)
+                    with pytest.raises(RuntimeError, match="blocks of 8 tokens exceed the draft context's"):
+                        RefSpeculative(params, n_seq=2)
+                    continue
+                with RefSpeculative(params, n_seq=2) as spec:
+                    prompts = [[1] + [cycles[s][i % len(cycles[s])] for i in range(10 + s)] for s in range(2)]
+                    batch = Batch(64, 0, 2)
+                    for s, prompt in enumerate(prompts):
+                        for i, t in enumerate(prompt):
+                            batch.add(t, i, s, i == len(prompt) - 1)
+                    ctx_tgt.decode(batch)
+                    assert spec.process(batch)  # the target features injected into the draft KV cache
+                    drafts = spec.draft([DraftRequest(s, 8, len(p), int(succ[p[-1]]), p)
+                                         for s, p in enumerate(prompts)])
+                    assert all(1 <= len(d) <= 8 for d in drafts.values())
