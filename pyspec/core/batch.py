@@ -138,7 +138,8 @@ class Batch(_Arrays):
 
     def add(self, token: int, pos: int, seq_ids: Iterable[int] | int, logits: bool,
             embd: np.ndarray | None = None) -> None:
-        """Mirrors common_batch_add (common.cpp); overflow raises BatchFullError.
+        """Mirrors the previous pin's common_batch_add (common.cpp has common_batch over BatchExt now); overflow
+        raises BatchFullError.
 
         ``embd`` optionally fills this row's embedding (EAGLE3 / MTP rows).
         """
