@@ -230,7 +230,12 @@ class DraftRequest:
         for name, v in (("seq_id", seq_id), ("n_max", n_max), ("pos0", pos0 if n_past is None else n_past),
                         ("id_last", id_last), ("prompt", prompt)):
             object.__setattr__(self, name, v)
-        self.__post_init__()
+        try:
+            self.__post_init__()
+        except ValueError as e:
+            if n_past is None:
+                raise
+            raise ValueError(str(e).replace("DraftRequest.pos0", "DraftRequest.n_past")) from None  # the caller's name
 
     @property
     def n_past(self) -> int:
