@@ -333,15 +333,6 @@ def _embd_view(rows: np.ndarray) -> np.ndarray:
     return rows.reshape(1, -1) if rows.ndim == 1 else rows
 
 
-def _set_nextn_layer_offset(ctx: Context, offset: int) -> None:
-    # llama_set_nextn_layer_offset (llama-ext.h, staging API): only MTP drafts with chained heads call it
-    setter = getattr(ctx, "set_nextn_layer_offset", None)
-    if setter is None:
-        raise SpeculativeError("draft-mtp with chained heads needs llama_set_nextn_layer_offset, "
-                               "which pyspec.core.Context does not bind yet")
-    setter(offset)
-
-
 def _require_ctx(ctx: Any, what: str) -> Context:
     if not isinstance(ctx, Context):
         raise SpeculativeError(f"{what} must be a pyspec Context, got {type(ctx).__name__}")
@@ -1104,7 +1095,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
                         if self.i_batch_beg[seq_id] < 0:
                             continue
                         mem_dft.seq_rm(seq_id, tokens_in[self.i_batch_beg[seq_id]].pos[0], -1)
-                    _set_nextn_layer_offset(ctx_dft, head)
+                    ctx_dft.set_nextn_layer_offset(head)
 
                 rc = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
                 if rc != 0:
@@ -1113,7 +1104,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
                     break
 
             if self.chain_heads:
-                _set_nextn_layer_offset(ctx_dft, 0)  # restore default for non-draft decodes
+                ctx_dft.set_nextn_layer_offset(0)  # restore default for non-draft decodes
             if not ok:
                 return False
 
@@ -1177,7 +1168,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
                 for seq_id in range(self.n_seq):
                     if drafting[seq_id]:
                         mem_dft.seq_rm(seq_id, dparams[seq_id].pos0, -1)
-                _set_nextn_layer_offset(ctx_dft, i)
+                ctx_dft.set_nextn_layer_offset(i)
 
             ret = llama_process(ctx_dft, LLAMA_PROCESS_TYPE_DECODE, batch.get())
             if ret != 0:
@@ -1249,7 +1240,7 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
             i += 1
 
         if self.chain_heads:
-            _set_nextn_layer_offset(ctx_dft, 0)  # restore default for non-draft decodes
+            ctx_dft.set_nextn_layer_offset(0)  # restore default for non-draft decodes
 
         for seq_id in range(self.n_seq):
             dp = dparams[seq_id]
