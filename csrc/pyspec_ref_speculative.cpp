@@ -372,6 +372,36 @@ int32_t pyspec_ref_spec_types_from_names(const char * const * names, int32_t n_n
     });
 }
 
+int32_t pyspec_ref_spec_types_from_gguf(const char * path, int32_t * out, int32_t out_cap) {
+    REQUIRE(path != nullptr, PYSPEC_REF_E_NULL, "path is NULL");
+    REQUIRE(out_cap >= 0 && (out_cap == 0 || out != nullptr), PYSPEC_REF_E_NULL, "invalid output buffer");
+    // gguf_get_val_u32 GGML_ASSERTs on a missing or non-uint32 <arch>.block_count: checked first,
+    // with the message the port raises (pyspec.common.speculative.common_speculative_types_from_gguf)
+    {
+        gguf_init_params gp = { /* .no_alloc = */ true, /* .ctx = */ nullptr };
+        gguf_context_ptr g(gguf_init_from_file(path, gp));
+        if (g) {
+            const int64_t arch_id = gguf_find_key(g.get(), "general.architecture");
+            if (arch_id >= 0 && gguf_get_kv_type(g.get(), arch_id) == GGUF_TYPE_STRING) {
+                const std::string arch = gguf_get_val_str(g.get(), arch_id);
+                const int64_t key_id = gguf_find_key(g.get(), (arch + ".block_count").c_str());
+                if (arch != "dflash" && (key_id < 0 || gguf_get_kv_type(g.get(), key_id) != GGUF_TYPE_UINT32)) {
+                    return pyspec::fail(PYSPEC_REF_E_STATE,
+                                        "GGML_ASSERT(gguf_get_kv_type(ctx, key_id) == GGUF_TYPE_UINT32) failed: %s.block_count",
+                                        arch.c_str());
+                }
+            }
+        }
+    }
+    return guarded([&] {
+        const auto types = ref::common_speculative_types_from_gguf(path);
+        for (size_t i = 0; i < types.size() && i < (size_t) out_cap; ++i) {
+            out[i] = (int32_t) types[i];
+        }
+        return (int) types.size();
+    });
+}
+
 int32_t pyspec_ref_spec_type_from_name(const char * name) {
     REQUIRE(name != nullptr, PYSPEC_REF_E_NULL, "name is NULL");
     return guarded([&] { return (int) ref::common_speculative_type_from_name(name); });

@@ -319,3 +319,32 @@ def test_dflash_and_dspark_run_in_the_reference_and_their_asserts_are_refused(ki
                     drafts = spec.draft([DraftRequest(s, 8, len(p), int(succ[p[-1]]), p)
                                          for s, p in enumerate(prompts)])
                     assert all(1 <= len(d) <= 8 for d in drafts.values())
+
+
+def test_types_from_gguf_agrees_with_the_port(tmp_path) -> None:
+    from pyspec.common.speculative import common_speculative_types_from_gguf
+    from pyspec.reference.speculative import spec_types_from_gguf
+
+    paths = [testmodels.make_target(), testmodels.make_draft(), testmodels.make_mtp(), testmodels.make_eagle3()]
+    md = pytest.importorskip("pyspec.testing.models_dflash")
+    paths += [md.make_cyclic_dflash(), md.make_cyclic_dspark()]
+    not_gguf = tmp_path / "not.gguf"
+    not_gguf.write_bytes(b"not a gguf file")
+    for path in [*paths, not_gguf, tmp_path / "missing.gguf"]:
+        assert spec_types_from_gguf(path) == [int(t) for t in common_speculative_types_from_gguf(path)], path
+    assert spec_types_from_gguf(testmodels.make_mtp()) == [int(CommonSpeculativeType.DRAFT_MTP)]
+
+
+def test_types_from_gguf_refuses_what_upstream_asserts_on(tmp_path) -> None:
+    import gguf
+
+    path = tmp_path / "no-block-count.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")  # general.architecture, but no llama.block_count
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from pyspec.reference.speculative import spec_types_from_gguf
+
+    with pytest.raises(RefError, match=r"GGUF_TYPE_UINT32\) failed: llama.block_count"):
+        spec_types_from_gguf(path)

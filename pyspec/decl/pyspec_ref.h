@@ -109,6 +109,9 @@ const char * pyspec_ref_spec_type_str(int32_t type);
 /* common_speculative_types_from_names: the types written to out (up to out_cap), their
  * number, or a status (an unknown name throws: PYSPEC_REF_E_EXCEPTION with its message) */
 int32_t pyspec_ref_spec_types_from_names(const char * const * names, int32_t n_names, int32_t * out, int32_t out_cap);
+/* common_speculative_types_from_gguf: the types inferred from a draft GGUF's metadata written to out
+ * (up to out_cap), their number (0: unknown or not a GGUF); PYSPEC_REF_E_STATE where upstream asserts */
+int32_t pyspec_ref_spec_types_from_gguf(const char * path, int32_t * out, int32_t out_cap);
 /* common_speculative_type_from_name: COMMON_SPECULATIVE_TYPE_COUNT for an unknown name */
 int32_t pyspec_ref_spec_type_from_name(const char * name);
 /* common_speculative_all_types_str */

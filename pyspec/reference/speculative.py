@@ -12,6 +12,7 @@ with the reference's message; nothing reachable from here aborts the process.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,16 @@ def spec_types_from_names(names: Sequence[str]) -> list[int]:
     out = ffi.new("int32_t[]", max(len(names), 1))
     n = check(ref.pyspec_ref_spec_types_from_names(arr, len(names), out, len(names)), "types_from_names")
     return [int(out[i]) for i in range(n)]
+
+
+def spec_types_from_gguf(path: str | os.PathLike[str]) -> list[int]:
+    """Mirrors common_speculative_types_from_gguf (speculative.cpp), run by the C++."""
+    raw = os.fsencode(os.fspath(path))
+    if b"\0" in raw:
+        raise ValueError("path contains a NUL character")
+    out = ffi.new("int32_t[]", 4)
+    n = check(ref.pyspec_ref_spec_types_from_gguf(raw, out, 4), "types_from_gguf")
+    return [int(out[i]) for i in range(min(n, 4))]
 
 
 def spec_type_from_name(name: str) -> int:
