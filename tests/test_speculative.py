@@ -191,3 +191,97 @@ def test_a_growing_history_is_checked_where_it_grew():
         draft_once(spec, list(HISTORY), 2**31)
     with pytest.raises(ValueError, match="id_last must be integers"):
         draft_once(spec, list(HISTORY), None)  # type: ignore[arg-type]
+
+
+# --- 0c1e57098: effective n_max, synthetic acceptance, output limits, per-position counts ---
+
+
+def test_n_max_of_an_initialized_spec_is_the_largest_implementation_n_max():
+    p = ngram_params(types=[T.NGRAM_SIMPLE, T.NGRAM_MOD])
+    p.ngram_simple.size_m, p.ngram_mod.n_max = 5, 7
+    spec = init(p, 1)
+    assert [impl.n_max for impl in spec.impls] == [5, 7]
+    assert sp.common_speculative_n_max(spec) == 7
+    assert sp.common_speculative_n_max(None) == 0
+    spec.close()
+
+
+def test_synth_rates_are_off_unless_a_length_or_rates_are_given():
+    p = CommonParamsSpeculative()
+    assert not p.has_synth()
+    assert sp.common_speculative_synth_rates_resolve(p, 4) == []
+
+
+@pytest.mark.parametrize(
+    ("synth_len", "synth_rates", "n_max", "message"),
+    [
+        (2.0, [0.5], 1, "mutually exclusive"),
+        (2.0, [], 0, "at least one speculative token"),
+        (-1.0, [0.5, 0.4], 3, "must contain 3 values, got 2"),
+        (-1.0, [0.5, 1.5], 2, "finite and within"),
+        (-1.0, [0.5, float("nan")], 2, "finite and within"),
+        (-1.0, [0.4, 0.5], 2, "monotonically non-increasing"),
+        (0.5, [], 3, r"within \[1, 4\]"),
+        (4.5, [], 3, r"within \[1, 4\]"),
+    ],
+)
+def test_synth_rates_refuse_what_upstream_refuses(synth_len, synth_rates, n_max, message):
+    p = CommonParamsSpeculative(synth_len=synth_len, synth_rates=synth_rates)
+    with pytest.raises(ValueError, match=message):
+        sp.common_speculative_synth_rates_resolve(p, n_max)
+
+
+def test_synth_rates_from_a_length_are_geometric_with_that_mean():
+    resolve = sp.common_speculative_synth_rates_resolve
+    assert resolve(CommonParamsSpeculative(synth_len=4.0), 3) == [1.0, 1.0, 1.0]  # the maximum: always accept
+    assert resolve(CommonParamsSpeculative(synth_len=1.0), 3) == [0.0, 0.0, 0.0]  # the minimum: never
+    rates = resolve(CommonParamsSpeculative(synth_len=2.5), 3)
+    p = rates[0]
+    assert rates == [p, p * p, p * p * p]
+    assert 1.0 + sum(rates) == pytest.approx(2.5, abs=1e-8)  # the bisection's 32 steps
+    assert resolve(CommonParamsSpeculative(synth_rates=[0.9, 0.6, 0.6]), 3) == [0.9, 0.6, 0.6]
+
+
+def test_init_turns_the_rates_into_conditional_probabilities():
+    p = ngram_params(types=[T.NGRAM_MOD], synth_rates=[0.8, 0.4, 0.4, 0.0, 0.0, 0.0])
+    spec = init(p, 1)
+    assert sp.common_speculative_get_synth_probs(spec) == pytest.approx([0.8, 0.5, 1.0, 0.0, 0.0, 0.0])
+    spec.close()
+    # the rates are resolved against the implementations' n_max (ngram-mod's 6 here)
+    with pytest.raises(ValueError, match="must contain 6 values, got 2"):
+        sp.common_speculative_init(ngram_params(types=[T.NGRAM_MOD], synth_rates=[0.8, 0.4]), 1)
+
+
+def test_output_limits_cover_a_verify_batch_per_sequence_within_n_batch():
+    limits = sp.common_speculative_get_output_limits(8, 3, 4)
+    assert (limits.total, limits.per_seq) == (8, 5)
+    limits = sp.common_speculative_get_output_limits(512, 2, -3)  # a negative draft counts as none
+    assert (limits.total, limits.per_seq) == (2, 1)
+
+
+def test_accept_counts_the_accepted_tokens_per_draft_position_and_prints_them():
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    for n_accepted in (3, 1):
+        assert draft_once(spec, HISTORY, 101)
+        sp.common_speculative_accept(spec, 0, n_accepted)
+    impl = spec.impls[0]
+    assert impl.n_acc_tokens_per_pos == [2, 1, 1]
+    (line,) = sp.common_speculative_print_stats(spec)
+    assert "#mean acc len = 3.00, #acc rate/pos = (1.000, 0.500, 0.500)" in line
+    spec.close()
+
+
+def test_the_state_functions_without_a_stateful_implementation():
+    spec = init(ngram_params(types=[T.NGRAM_SIMPLE]), 1)
+    assert sp.common_speculative_get_state(spec, 0) is None
+    sp.common_speculative_set_state(spec, 0, b"\0" * 8)  # no implementation keeps a state: nothing happens
+    assert sp.common_speculative_get_state(None, 0) is None
+    spec.close()
+
+
+@pytest.mark.parametrize("t", [T.DRAFT_DFLASH, T.DRAFT_DSPARK], ids=["dflash", "dspark"])
+def test_the_block_draft_types_are_marked_not_ported(t, target_ctx):
+    p = CommonParamsSpeculative(types=[t])
+    p.draft.ctx_tgt = p.draft.ctx_dft = target_ctx
+    with pytest.raises(NotImplementedError, match="not ported yet"):
+        sp.common_speculative_init(p, 2)
