@@ -229,13 +229,12 @@ class ContextSet:
 
 
 def _eagle3_dft_params(n_batch: int, n_ubatch_dft: int | None) -> dict[str, Any]:
-    # At this revision llama_decode reads a batch's embd rows n_embd_inp() floats apart; for an
-    # EAGLE3 decoder that is 3 * n_embd_tgt, while its rows (g_embd) are n_embd wide. A ubatch whose
-    # tokens are rows 0..n-1 of the batch comes out right all the same; any other ubatch (the second
-    # of a split batch, or a per-sequence ubatch of split_equal when each sequence has its own KV
-    # stream) reads the wrong rows, partly past the end of the buffer: garbage, NaN logits, drafts
-    # that change from run to run on both sides alike. One ubatch per decode (n_ubatch = n_batch)
-    # over a unified KV cache (split_simple) keeps the EAGLE3 decoder on the path that works.
+    # At the previous pin (e3a74b299) llama_decode read a batch's embd rows n_embd_inp() floats apart;
+    # for an EAGLE3 decoder that is 3 * n_embd_tgt, while its rows (g_embd) are n_embd wide, so any
+    # ubatch but the first of a split batch read the wrong rows. At 0c1e57098 the decoder's rows go
+    # through a llama_batch_ext with their own width and that read is gone; these settings are kept
+    # so the draft's numerics stay those of the previous pin until they are re-measured without them:
+    # one ubatch per decode (n_ubatch = n_batch) over a unified KV cache (split_simple).
     # That shared cache is outside batch-invariant mode (its sequences reorder each other's cells);
     # the draft's numerics change only which drafts are made, never the tokens the target accepts.
     return {"n_ubatch": n_ubatch_dft or n_batch, "kv_unified": True, "batch_invariant": False}
