@@ -342,6 +342,10 @@ void pyspec_ref_spec_params_default(pyspec_ref_spec_params * out) {
 
     out->lookup_cache_static  = nullptr;
     out->lookup_cache_dynamic = nullptr;
+
+    out->synth_len     = d.synth_len;
+    out->synth_rates   = nullptr;
+    out->n_synth_rates = 0;
 }
 
 const char * pyspec_ref_spec_type_str(int32_t type) {
@@ -447,6 +451,9 @@ pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, ui
     if (params->n_types < 0 || (params->n_types > 0 && params->types == nullptr)) {
         return fail("invalid types array");
     }
+    if (params->n_synth_rates < 0 || (params->n_synth_rates > 0 && params->synth_rates == nullptr)) {
+        return fail("invalid synth_rates array");
+    }
 
     try {
         common_params_speculative p;
@@ -475,6 +482,9 @@ pyspec_ref_spec * pyspec_ref_spec_init(const pyspec_ref_spec_params * params, ui
         to_ngram_map(p.ngram_simple,  params->ngram_simple);
         to_ngram_map(p.ngram_map_k,   params->ngram_map_k);
         to_ngram_map(p.ngram_map_k4v, params->ngram_map_k4v);
+
+        p.synth_len = params->synth_len;
+        p.synth_rates.assign(params->synth_rates, params->synth_rates + params->n_synth_rates);
 
         p.ngram_cache.lookup_cache_static  = params->lookup_cache_static  ? params->lookup_cache_static  : "";
         p.ngram_cache.lookup_cache_dynamic = params->lookup_cache_dynamic ? params->lookup_cache_dynamic : "";
@@ -608,6 +618,14 @@ int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
 int32_t pyspec_ref_spec_n_max_effective(const pyspec_ref_spec * spec) {
     REQUIRE_SPEC(spec);
     return ref::common_speculative_n_max(spec->spec);
+}
+
+int32_t pyspec_ref_spec_get_synth_probs(const pyspec_ref_spec * spec, double * out, int32_t out_cap) {
+    REQUIRE_SPEC(spec);
+    REQUIRE(out_cap >= 0 && (out_cap == 0 || out != nullptr), PYSPEC_REF_E_NULL, "invalid output buffer");
+    const auto & probs = ref::common_speculative_get_synth_probs(spec->spec);
+    std::copy(probs.begin(), probs.begin() + std::min(probs.size(), (size_t) out_cap), out);
+    return (int32_t) probs.size();
 }
 
 int64_t pyspec_ref_spec_get_state(pyspec_ref_spec * spec, llama_seq_id seq_id, uint8_t * out, size_t out_cap) {

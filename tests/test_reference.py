@@ -348,3 +348,24 @@ def test_types_from_gguf_refuses_what_upstream_asserts_on(tmp_path) -> None:
 
     with pytest.raises(RefError, match=r"GGUF_TYPE_UINT32\) failed: llama.block_count"):
         spec_types_from_gguf(path)
+
+
+@pytest.mark.parametrize("synth", [{"synth_len": 2.5}, {"synth_rates": [0.9, 0.5, 0.25, 0.1]}, {}])
+def test_synthetic_acceptance_probs_agree_with_the_port(synth: dict) -> None:
+    from pyspec.common.speculative import common_speculative_init
+
+    params = ngram_simple_params()
+    for k, v in synth.items():
+        setattr(params, k, v)
+    port = common_speculative_init(params, 1)
+    assert port is not None
+    with RefSpeculative(params, n_seq=1) as spec:
+        assert spec.synth_probs() == pytest.approx(list(port.synth_probs), abs=0.0)
+        assert bool(spec.synth_probs()) == bool(synth)
+
+
+def test_synthetic_acceptance_errors_are_the_cpp_exceptions() -> None:
+    params = ngram_simple_params()
+    params.synth_len, params.synth_rates = 2.0, [0.5]  # mutually exclusive: invalid_argument
+    with pytest.raises(RuntimeError, match="mutually exclusive"):
+        RefSpeculative(params, n_seq=1)

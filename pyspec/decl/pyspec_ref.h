@@ -68,6 +68,9 @@ typedef struct pyspec_ref_spec_params {
     pyspec_ref_spec_ngram_map_params ngram_map_k4v;
     const char * lookup_cache_static;  /* NULL or "" = none */
     const char * lookup_cache_dynamic; /* NULL or "" = none */
+    double          synth_len;         /* synthetic acceptance (benchmarking); -1 = off */
+    const double *  synth_rates;
+    int32_t         n_synth_rates;
 } pyspec_ref_spec_params;
 
 /* counters of struct common_speculative_impl */
@@ -139,6 +142,8 @@ int pyspec_ref_spec_begin(pyspec_ref_spec * spec, llama_seq_id seq_id,
 int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch);
 /* common_speculative_n_max(spec): the max draft length of the initialized implementations */
 int32_t pyspec_ref_spec_n_max_effective(const pyspec_ref_spec * spec);
+/* common_speculative_get_synth_probs: their number, min(n, out_cap) copied to out; or a status */
+int32_t pyspec_ref_spec_get_synth_probs(const pyspec_ref_spec * spec, double * out, int32_t out_cap);
 /* common_speculative_get_state: the state's size (copies min(size, out_cap) bytes),
  * 0 when no implementation has a state for seq_id (upstream returns false); or a status */
 int64_t pyspec_ref_spec_get_state(pyspec_ref_spec * spec, llama_seq_id seq_id, uint8_t * out, size_t out_cap);

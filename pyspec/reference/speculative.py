@@ -131,6 +131,11 @@ def spec_params_struct(params: CommonParamsSpeculative) -> tuple[Any, list[Any]]
     _fill_ngram_map(p.ngram_map_k4v, params.ngram_map_k4v)
     p.lookup_cache_static = keep[1]
     p.lookup_cache_dynamic = keep[2]
+    p.synth_len = float(params.synth_len)
+    rates = ffi.new("double[]", [float(r) for r in params.synth_rates]) if params.synth_rates else ffi.NULL
+    keep.append(rates)
+    p.synth_rates = rates
+    p.n_synth_rates = len(params.synth_rates)
     return p, keep
 
 
@@ -199,6 +204,15 @@ class RefSpeculative(Handle):
     def n_max_effective(self) -> int:
         """Mirrors common_speculative_n_max(spec): the max draft length of the initialized implementations."""
         return check(ref.pyspec_ref_spec_n_max_effective(self.ptr), "n_max_effective")
+
+    @serialized
+    def synth_probs(self) -> list[float]:
+        """Mirrors common_speculative_get_synth_probs: the conditional synthetic acceptance probabilities."""
+        ptr = self.ptr
+        n = check(ref.pyspec_ref_spec_get_synth_probs(ptr, ffi.NULL, 0), "synth_probs")
+        out = ffi.new("double[]", max(n, 1))
+        check(ref.pyspec_ref_spec_get_synth_probs(ptr, out, n), "synth_probs")
+        return [float(out[i]) for i in range(n)]
 
     @serialized
     def get_state(self, seq_id: int) -> bytes | None:
