@@ -80,6 +80,12 @@ int32_t pyspec_set_nextn_layer_offset(llama_context * ctx, int32_t offset) {
     return 0;
 }
 
+// a DSpark Markov head was loaded: its graph (build_dspark_markov_head, src/models/dflash.cpp)
+// GGML_ASSERTs dflash.block_size when any context of the model reserves its graphs
+bool pyspec_model_has_dspark_head(const llama_model * model) {
+    return model->dspark_markov_w1 != nullptr;
+}
+
 int32_t pyspec_model_dflash_selector_top_k(const llama_model * model) {
     return llama_model_dflash_selector_top_k(model);
 }

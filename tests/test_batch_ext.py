@@ -135,3 +135,31 @@ def test_the_new_staging_api(target_model) -> None:
             c.set_nextn_layer_offset(-1)  # the MTP graph would GGML_ASSERT
         with pytest.raises(ValueError, match="out of range"):
             c.set_nextn_layer_offset(64)
+
+
+def test_a_dspark_drafter_without_a_block_size_is_refused_before_llama_init(tmp_path) -> None:
+    md = pytest.importorskip("pyspec.testing.models_dflash")
+    from pyspec.errors import ContextError
+
+    gguf = md.gguf_module()
+    fill = md._dspark_fill("pyspec-tiny-dspark-no-block-size", sample_from_anchor=True)
+
+    class NoBlockSize(gguf.GGUFWriter):  # type: ignore[misc, name-defined]
+        def add_uint32(self, key: str, val: int) -> None:
+            if not key.endswith(".block_size"):
+                super().add_uint32(key, val)
+
+    path = tmp_path / "dspark-no-block-size.gguf"
+    w = NoBlockSize(str(path), md.DFLASH_ARCH)
+    fill(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with Model(path) as m:
+        assert m.meta("dflash.block_size") is None
+        with pytest.raises(ContextError, match="positive 'dflash.block_size'"):  # the graph reserve would abort
+            Context(m, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1)
+    with Model(md.make_cyclic_dspark()) as m, Context(m, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as c:
+        c.set_causal_attn(False)
+        assert not c._causal

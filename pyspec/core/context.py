@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -116,6 +117,12 @@ def _convert(table: dict[Any, int], name: str, value: Any) -> int:
     raise ValueError(f"{name} must be one of {sorted(str(k) for k in table)}, not {value!r}")
 
 
+def _stoi_positive(text: str | None) -> bool:
+    """std::stoi(text) > 0 without its exceptions: leading blanks, a sign, digits, within int."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?\d+)", text or "")
+    return m is not None and 0 < int(m.group(1)) < 2**31
+
+
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -200,6 +207,9 @@ class Context(Handle):
                 )
             if not model.load_mtp:  # its graph GGML_ASSERTs on the skipped NextN tensors
                 raise ValueError("ctx_type='mtp' needs the model loaded with Model(..., load_mtp=True)")
+        if ext.pyspec_model_has_dspark_head(model.ptr) and not _stoi_positive(model.meta("dflash.block_size")):
+            # build_dspark_markov_head GGML_ASSERTs it (std::stoi, > 0) in the graph reserve of the creation
+            raise ContextError("DSpark draft requires a positive 'dflash.block_size' in GGUF metadata")
 
         self.model = model
         self.other: Context | None = params.get("ctx_other")
@@ -751,6 +761,12 @@ class Context(Handle):
             ext.pyspec_set_embeddings_nextn(ptr, bool(value), bool(masked))
             self._nextn_on = bool(value)
             self._nextn_masked = bool(masked)
+
+    def set_causal_attn(self, value: bool) -> None:
+        """Mirrors llama_set_causal_attn; the batch checks follow it (a non-causal batch is one ubatch)."""
+        with self.in_use() as ptr:
+            llama.llama_set_causal_attn(ptr, bool(value))
+            self._causal = bool(value)
 
     def set_nextn_layer_offset(self, offset: int) -> None:
         """Mirrors llama_set_nextn_layer_offset (llama-ext.h): the NextN head the MTP graph runs

@@ -15,6 +15,8 @@ uint32_t        pyspec_model_target_layer_ids_n(const struct llama_model * model
 /* llama_set_nextn_layer_offset (the NextN head the MTP graph runs); -1: offset outside [0, n_layer_nextn) */
 int32_t         pyspec_set_nextn_layer_offset(struct llama_context * ctx, int32_t offset);
 int32_t         pyspec_model_dflash_selector_top_k(const struct llama_model * model);
+/* a DSpark Markov head (markov_w1) was loaded: its graph asserts a positive dflash.block_size */
+bool            pyspec_model_has_dspark_head(const struct llama_model * model);
 /* llama_model_get_tok_embd (n_embd * n_vocab floats; out NULL: the count); 0 on error, with a message */
 uint32_t        pyspec_model_get_tok_embd(const struct llama_model * model, float * out);
 /* the most recurrent-state snapshots per sequence (n_rs_seq) the model's graphs hold; UINT32_MAX: no limit */
