@@ -158,7 +158,7 @@ def test_a_dspark_drafter_without_a_block_size_is_refused_before_llama_init(tmp_
     w.close()
     with Model(path) as m:
         assert m.meta("dflash.block_size") is None
-        with pytest.raises(ContextError, match="positive 'dflash.block_size'"):  # the graph reserve would abort
+        with pytest.raises(ContextError, match=r"positive 'dflash\.block_size'"):  # the graph reserve would abort
             Context(m, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1)
     with Model(md.make_cyclic_dspark()) as m, Context(m, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1) as c:
         c.set_causal_attn(False)
