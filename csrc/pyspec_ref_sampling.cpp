@@ -6,6 +6,7 @@
 #include "sampling.h"
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <memory>
 #include <string>
@@ -24,6 +25,9 @@ struct pyspec_ref_sampler {
     // a grammar accept that threw inside common_sampler_* left the grammar without parse
     // stacks, and its next use would GGML_ASSERT: the sampler refuses further calls
     bool broken = false;
+    // samplers made by one pyspec_ref_sampler_init and its clones share the family: the same
+    // grammar / budget / chain structure, which common_sampler_copy GGML_ASSERTs
+    uint64_t family = 0;
 
     ~pyspec_ref_sampler() { common_sampler_free(smpl); }
 };
@@ -282,6 +286,8 @@ pyspec_ref_sampler * pyspec_ref_sampler_init(const llama_model * model,
         if (res->smpl == nullptr) {
             return fail("common_sampler_init failed");
         }
+        static std::atomic<uint64_t> families{0};
+        res->family = ++families;
         res->backend_sampling = p.backend_sampling; // common_sampler_init may have turned it off
         return res.release();
     } catch (const std::exception & e) {
@@ -305,11 +311,24 @@ pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl) {
         out->n_vocab          = smpl->n_vocab;
         out->backend_sampling = smpl->backend_sampling;
         out->broken           = smpl->broken;
+        out->family           = smpl->family;
         out->smpl             = common_sampler_clone(smpl->smpl);
         return out;
     } catch (const std::exception &) {
         return nullptr;
     }
+}
+
+int pyspec_ref_sampler_copy(const pyspec_ref_sampler * src, pyspec_ref_sampler * dst) {
+    REQUIRE(src != nullptr && src->smpl != nullptr && dst != nullptr && dst->smpl != nullptr, PYSPEC_REF_E_NULL,
+            "sampler is NULL");
+    REQUIRE(src->family == dst->family, PYSPEC_REF_E_STATE,
+            "common_sampler_copy needs samplers of the same structure: dst is not src or a clone of its family");
+    return guarded([&] {
+        common_sampler_copy(src->smpl, dst->smpl);
+        dst->broken = src->broken;
+        return (int) PYSPEC_REF_OK;
+    });
 }
 
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl) {

@@ -369,3 +369,16 @@ def test_synthetic_acceptance_errors_are_the_cpp_exceptions() -> None:
     params.synth_len, params.synth_rates = 2.0, [0.5]  # mutually exclusive: invalid_argument
     with pytest.raises(RuntimeError, match="mutually exclusive"):
         RefSpeculative(params, n_seq=1)
+
+
+def test_sampler_copy_restores_a_saved_state_within_its_family(target: Model) -> None:
+    # common_sampler_copy (new at 0c1e57098): the server's restore of a sampler saved before a verify
+    with RefSampler(target, greedy_params()) as smpl, RefSampler(target, greedy_params()) as other:
+        smpl.accept(5, True)
+        with smpl.clone() as saved:
+            smpl.accept(7, True)
+            assert smpl.last() == 7
+            smpl.copy_from(saved)
+            assert smpl.last() == 5
+        with pytest.raises(RefError, match="same structure"):  # another init: the C++ would GGML_ASSERT
+            other.copy_from(smpl)

@@ -228,6 +228,9 @@ struct llama_sampler * pyspec_ref_sampler_get_chain(pyspec_ref_sampler * smpl);
 
 /* common_sampler_clone: an independent copy (chain state, previous tokens). */
 pyspec_ref_sampler * pyspec_ref_sampler_clone(const pyspec_ref_sampler * smpl);
+/* common_sampler_copy: dst takes src's state; both must come from one pyspec_ref_sampler_init
+ * (the sampler or its clones: the structure common_sampler_copy asserts), else PYSPEC_REF_E_STATE */
+int pyspec_ref_sampler_copy(const pyspec_ref_sampler * src, pyspec_ref_sampler * dst);
 /* backend_sampling after init (common_sampler_init may turn it off) */
 bool pyspec_ref_sampler_backend_sampling(const pyspec_ref_sampler * smpl);
 int32_t pyspec_ref_sampler_n_vocab(const pyspec_ref_sampler * smpl);

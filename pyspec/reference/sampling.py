@@ -120,6 +120,13 @@ class RefSampler(Handle):
         return out
 
     @serialized
+    def copy_from(self, src: RefSampler) -> None:
+        """Mirrors common_sampler_copy(src, self): this sampler takes src's state (src is this
+        sampler's family: the sampler it was cloned from, or another clone of it)."""
+        with src.in_use() as sptr:
+            check(ref.pyspec_ref_sampler_copy(sptr, self.ptr), "copy")
+
+    @serialized
     def sample(self, ctx: Any, idx: int, grammar_first: bool = False) -> int:
         """Mirrors common_sampler_sample."""
         out = ffi.new("llama_token *")
