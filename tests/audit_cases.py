@@ -437,16 +437,12 @@ def chain_samples_before_any_decode() -> Any:
     return SamplerChain().add_greedy().sample(ctx(), 0)
 
 
-def dry_without_window() -> Any:
-    return SamplerChain().add_dry(M["target"].vocab, -5, 1.0, 1.75, 2, -7, ["\n"])
-
-
 def dry_window_huge() -> Any:
-    return SamplerChain().add_dry(M["target"].vocab, 100, 1.0, 1.75, 2, 2**31 - 1, ["\n"])
+    return SamplerChain().add_dry(M["target"].vocab, 1.0, 1.75, 2, 2**31 - 1, ["\n"])
 
 
 def penalties_window_huge() -> Any:
-    return SamplerChain().add_penalties(2**31 - 1, 1.1, 0.0, 0.0)
+    return SamplerChain().add_penalties(M["target"].vocab.n_tokens, 2**31 - 1, 1.1, 0.0, 0.0)
 
 
 def chain_apply_empty_candidates() -> Any:

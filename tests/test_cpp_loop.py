@@ -225,7 +225,7 @@ def test_a_non_positive_n_predict_is_refused(target_ctx: Context) -> None:
 
 def test_draft_simple_without_a_draft_context_is_refused(target_ctx: Context) -> None:
     spec = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
-    with pytest.raises(RefError, match="draft-simple requires ctx_tgt and ctx_dft"):
+    with pytest.raises(RefError, match="draft-simple requires a draft context"):
         cpp_generate(target_ctx, [[1, 2]], 4, spec)
 
 

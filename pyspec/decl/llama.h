@@ -1,4 +1,4 @@
-/* Mirrors include/llama.h (llama.cpp e3a74b299): every non-deprecated function,
+/* Mirrors include/llama.h (llama.cpp 0c1e57098): every non-deprecated function,
    struct, enum and typedef of the header, in its order (the DEPRECATED(...)
    functions are left out). tests/test_abi_headers.py compares each declaration
    with the header (pyspec/testing/abi.py); the layout probe of the build

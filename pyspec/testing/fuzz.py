@@ -440,9 +440,9 @@ def _add_sampler(ch: Any, inp: Input) -> None:
     elif k == 3:
         ch.add_temp(inp.num(0, 200) / 50)
     elif k == 4:
-        ch.add_penalties(inp.wild(-1, 64), 1.1, 0.1, 0.1)
+        ch.add_penalties(S["vocab"].n_tokens, inp.wild(-1, 64), 1.1, 0.1, 0.1)
     elif k == 5:
-        ch.add_dry(S["vocab"], inp.wild(-1, 4096), 1.0, 1.75, 2, inp.wild(-2, 64), ["\n"])
+        ch.add_dry(S["vocab"], 1.0, 1.75, 2, inp.wild(-2, 64), ["\n"])
     else:
         ch.add_grammar(S["vocab"], 'root ::= [a-z ]+ "."')
 
