@@ -210,10 +210,8 @@ def test_types_from_gguf_logic_classifies_the_file(readers: dict[str, Any], name
 def test_the_ported_types_from_gguf_agrees(models: dict[str, Path], name: str, types: list[str]) -> None:
     from pyspec.common import speculative
 
-    port = getattr(speculative, "common_speculative_types_from_gguf", None)
-    if port is None:
-        pytest.skip("common_speculative_types_from_gguf is not ported yet")
-    assert [speculative.common_speculative_type_to_str(t) for t in port(str(models[name]))] == types
+    found = speculative.common_speculative_types_from_gguf(str(models[name]))
+    assert [speculative.common_speculative_type_to_str(t) for t in found] == types
 
 
 # --- the pinned llama.cpp loads them ----------------------------------------
@@ -272,40 +270,18 @@ def test_the_shared_drafter_needs_the_target_as_ctx_other(loaded: dict[str, Any]
         assert ctx.get_ctx_other_ptr() == ctx_tgt.ptr
 
 
-# --- what the drafters draft (the staged port of common_speculative_impl_draft_dflash) ---------
-
-
-def _impl_class() -> Any:
-    from pyspec.common import speculative
-
-    cls = getattr(speculative, "CommonSpeculativeImplDraftDflash", None)
-    if cls is None:  # still staged beside speculative.py
-        from pyspec.common._dflash_draft import CommonSpeculativeImplDraftDflash as cls
-    return cls
-
-
-def _causal_setter(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # llama_set_causal_attn, until pyspec.core.Context binds it: the context's batch checks follow it
-    if hasattr(ctx, "set_causal_attn"):
-        return
-    from pyspec.ffi import llama
-
-    def set_causal_attn(value: bool) -> None:
-        llama.llama_set_causal_attn(ctx.ptr, bool(value))
-        ctx._causal = bool(value)
-
-    monkeypatch.setattr(ctx, "set_causal_attn", set_causal_attn, raising=False)
+# --- what the drafters draft (the port of common_speculative_impl_draft_dflash) ---------
 
 
 @pytest.fixture
-def drafting(loaded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+def drafting(loaded: dict[str, Any]) -> Any:
     """``drafting(name, p_min=0.0, n_ubatch=64)``: (impl, ctx_dft, dparams, successor map) after a two-sequence
     prefill of the cyclic target, process() and draft() with n_max 8."""
     from pyspec import Context
     from pyspec.common.common import LLAMA_PROCESS_TYPE_DECODE, CommonBatch, llama_process
     from pyspec.common.params import CommonParamsSpeculative
     from pyspec.common.params import CommonSpeculativeType as T
-    from pyspec.common.speculative import CommonSpeculativeDraftParams
+    from pyspec.common.speculative import CommonSpeculativeDraftParams, CommonSpeculativeImplDraftDflash
 
     opened: list[Any] = []
 
@@ -315,13 +291,12 @@ def drafting(loaded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
         other = {"ctx_other": ctx_tgt} if name == "cyclic-dflash-shared" else {}
         ctx_dft = Context(loaded[name], n_ctx=512, n_batch=64, n_ubatch=n_ubatch, n_seq_max=2, **other)
         opened.extend((ctx_tgt, ctx_dft))
-        _causal_setter(ctx_dft, monkeypatch)
         params = CommonParamsSpeculative()
         params.draft.n_max = 8
         params.draft.p_min = p_min
         params.draft.backend_sampling = False
         params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
-        impl = _impl_class()(params, 2, type=T.DRAFT_DSPARK if name in DSPARKS else T.DRAFT_DFLASH)
+        impl = CommonSpeculativeImplDraftDflash(params, 2, type=T.DRAFT_DSPARK if name in DSPARKS else T.DRAFT_DFLASH)
         opened.append(impl)
         prompts = [[1] + [cycles[s][i % len(cycles[s])] for i in range(10 + s)] for s in range(2)]
         batch = CommonBatch(ctx_tgt)
@@ -396,15 +371,15 @@ def test_a_draft_context_whose_ubatch_cannot_hold_the_blocks_is_refused(drafting
         drafting("cyclic-dflash", n_ubatch=8)
 
 
-def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: int, seed: int,
-                        monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[int]]]:
-    """The drafts of the staged port and of the C++ reference (libpyspec_ref), each on its own pair of
+def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: int,
+                        seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The drafts of the port and of the C++ reference (libpyspec_ref), each on its own pair of
     contexts, after the same two-sequence prefill."""
     from pyspec import Context
     from pyspec.common.common import LLAMA_PROCESS_TYPE_DECODE, CommonBatch, llama_process
     from pyspec.common.params import CommonParamsSpeculative
     from pyspec.common.params import CommonSpeculativeType as T
-    from pyspec.common.speculative import CommonSpeculativeDraftParams, DraftRequest
+    from pyspec.common.speculative import CommonSpeculativeDraftParams, CommonSpeculativeImplDraftDflash, DraftRequest
     from pyspec.core.batch import Batch
     from pyspec.reference.speculative import RefSpeculative
 
@@ -426,9 +401,8 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
         return ctx_tgt, ctx_dft, params
 
     try:
-        ctx_tgt, ctx_dft, params = setup()
-        _causal_setter(ctx_dft, monkeypatch)
-        impl = _impl_class()(params, 2, type=typ)
+        ctx_tgt, _ctx_dft, params = setup()
+        impl = CommonSpeculativeImplDraftDflash(params, 2, type=typ)
         opened.append(impl)
         batch = CommonBatch(ctx_tgt)
         opened.append(batch)
@@ -466,7 +440,7 @@ def _twin_and_reference(loaded: dict[str, Any], name: str, p_min: float, n_max: 
      ("cyclic-dspark-bonus", 0.75, 8, 0)],
 )
 def test_the_port_drafts_what_the_reference_drafts(loaded: dict[str, Any], name: str, p_min: float, n_max: int,
-                                                   seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    port, reference = _twin_and_reference(loaded, name, p_min, n_max, seed, monkeypatch)
+                                                   seed: int) -> None:
+    port, reference = _twin_and_reference(loaded, name, p_min, n_max, seed)
     assert port == reference
     assert any(port)  # the case drafts something

@@ -280,8 +280,29 @@ def test_the_state_functions_without_a_stateful_implementation():
 
 
 @pytest.mark.parametrize("t", [T.DRAFT_DFLASH, T.DRAFT_DSPARK], ids=["dflash", "dspark"])
-def test_the_block_draft_types_are_marked_not_ported(t, target_ctx):
+def test_the_block_draft_types_refuse_a_draft_context_without_target_layers(t, target_ctx):
+    # the dispatcher builds common_speculative_impl_draft_dflash, whose GGML_ASSERT(target_layer_ids_n > 0)
+    # becomes the reference's message
     p = CommonParamsSpeculative(types=[t])
     p.draft.ctx_tgt = p.draft.ctx_dft = target_ctx
-    with pytest.raises(NotImplementedError, match="not ported yet"):
+    with pytest.raises(SpeculativeError, match="DFlash model has no target_layer_ids"):
         sp.common_speculative_init(p, 2)
+
+
+@pytest.mark.parametrize(("t", "make"), [(T.DRAFT_DFLASH, "make_cyclic_dflash"),
+                                         (T.DRAFT_DSPARK, "make_cyclic_dspark")], ids=["dflash", "dspark"])
+def test_the_dispatcher_builds_the_dflash_implementation_for_both_block_draft_types(t, make):
+    from pyspec.testing import models_dflash as tmd
+
+    with Model(tm.make_cyclic_target()) as m_tgt, Model(getattr(tmd, make)()) as m_dft, \
+            Context(m_tgt, n_ctx=256, n_batch=32, n_seq_max=2) as ctx_tgt, \
+            Context(m_dft, n_ctx=256, n_batch=32, n_seq_max=2) as ctx_dft:
+        p = CommonParamsSpeculative(types=[t])
+        p.draft.n_max = 4
+        p.draft.ctx_tgt, p.draft.ctx_dft = ctx_tgt, ctx_dft
+        spec = init(p, 2)
+        (impl,) = spec.impls
+        assert isinstance(impl, sp.CommonSpeculativeImplDraftDflash)
+        assert impl.type == t and impl.is_dspark == (t == T.DRAFT_DSPARK)
+        assert sp.common_speculative_n_max(spec) == 4
+        spec.close()
