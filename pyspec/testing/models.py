@@ -739,18 +739,25 @@ def tiny_model_paths(types: str | Sequence[Any] = "none") -> tuple[Path, Path | 
 
     ``types``: names as :func:`pyspec.generation.contexts.parse_types` takes them, or the types
     themselves (a union of several sets, as the bench loads, may hold two draft types: draft-mtp
-    wins, then draft-eagle3, as in ``draft_kind``). The target is the
+    wins, then draft-eagle3, then draft-dspark / draft-dflash, as in ``draft_kind``). The target is the
     tiny cyclic llama, whose greedy output repeats itself so n-gram drafts are accepted (the
-    tiny qwen35 MTP model for draft-mtp); the draft is its cyclic draft (draft-simple) or its
-    EAGLE3 head (draft-eagle3), else None. Pass them to the library as plain paths
+    tiny qwen35 MTP model for draft-mtp); the draft is its cyclic draft (draft-simple), its
+    EAGLE3 head (draft-eagle3), its DFlash drafter (draft-dflash) or its DSpark drafter
+    (draft-dspark), else None. Pass them to the library as plain paths
     (``load_models(types, model=target, draft=draft)``, ``Engine.load(target, draft=draft)``):
     the library below the command line never imports this module.
     """
+    from pyspec.common.params import CommonSpeculativeType as T
     from pyspec.generation.contexts import draft_kind, parse_types  # test support may import any layer
+    from pyspec.testing.models_dflash import make_cyclic_dflash, make_cyclic_dspark  # it imports this module
 
-    kind = draft_kind(parse_types(types) if isinstance(types, str) else list(types))
+    parsed = parse_types(types) if isinstance(types, str) else list(types)
+    kind = draft_kind(parsed)
+    if kind == "dflash":
+        kind = "dspark" if T.DRAFT_DSPARK in parsed else "dflash"
     target = make_mtp() if kind == "mtp" else make_cyclic_target()
-    draft = {"draft": make_cyclic_draft, "eagle3": make_cyclic_eagle3}.get(kind)
+    draft = {"draft": make_cyclic_draft, "eagle3": make_cyclic_eagle3, "dflash": make_cyclic_dflash,
+             "dspark": make_cyclic_dspark}.get(kind)
     return target, (draft() if draft is not None else None)
 
 
