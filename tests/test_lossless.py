@@ -22,12 +22,13 @@ from pyspec.core.batch import Batch
 from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.testing import models as tm
+from pyspec.testing import models_dflash as tmd
 from pyspec.testing.quantize import q8_0_copy
 
 pytestmark = pytest.mark.slow  # the real model (Gemma 3 270M): not in `pytest -m "not slow"`
 
-ALL_TYPES = [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP, T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V,
-             T.NGRAM_MOD, T.NGRAM_CACHE]
+ALL_TYPES = [T.DRAFT_SIMPLE, T.DRAFT_EAGLE3, T.DRAFT_MTP, T.DRAFT_DFLASH, T.DRAFT_DSPARK, T.NGRAM_SIMPLE,
+             T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
 TINY_PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,
     "The quick brown fox jumps over the lazy dog.",
@@ -83,7 +84,7 @@ def speculate(models: ModelSet, t: T, prompts, n_predict: int, sampling, *, adap
 @pytest.fixture(scope="module")
 def tiny():
     paths = {"target": tm.make_cyclic_target(), "draft": tm.make_cyclic_draft(), "eagle3": tm.make_cyclic_eagle3(),
-             "mtp": tm.make_mtp()}
+             "mtp": tm.make_mtp(), "dflash": tmd.make_cyclic_dflash(), "dspark": tmd.make_cyclic_dspark()}
     ms = {k: Model(q8_0_copy(p), batch_invariant=True) for k, p in paths.items()}
     yield ms
     for m in ms.values():
@@ -93,7 +94,8 @@ def tiny():
 def tiny_set(tiny, t: T) -> ModelSet:
     if t == T.DRAFT_MTP:
         return ModelSet(tiny["mtp"])
-    return ModelSet(tiny["target"], {T.DRAFT_SIMPLE: tiny["draft"], T.DRAFT_EAGLE3: tiny["eagle3"]}.get(t))
+    return ModelSet(tiny["target"], {T.DRAFT_SIMPLE: tiny["draft"], T.DRAFT_EAGLE3: tiny["eagle3"],
+                                     T.DRAFT_DFLASH: tiny["dflash"], T.DRAFT_DSPARK: tiny["dspark"]}.get(t))
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,7 @@ from pyspec.parity.harness import (
 )
 from pyspec.testing import models as tm
 
-# draft-dflash / draft-dspark are not ported yet (the dispatcher raises NotImplementedError for them)
-ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT, T.DRAFT_DFLASH, T.DRAFT_DSPARK)]
+ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 NGRAM_TYPES = [T.NGRAM_SIMPLE, T.NGRAM_MAP_K, T.NGRAM_MAP_K4V, T.NGRAM_MOD, T.NGRAM_CACHE]
 
 WORDS = "The quick brown fox jumps over the lazy dog"

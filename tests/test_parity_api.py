@@ -37,8 +37,7 @@ from pyspec.reference.speculative import (
 )
 from pyspec.testing import models as tm
 
-# draft-dflash / draft-dspark are not ported yet (the dispatcher raises NotImplementedError for them)
-ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT, T.DRAFT_DFLASH, T.DRAFT_DSPARK)]
+ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 CYCLE = list(tm.cyclic_successor()[1][0])
 
 

@@ -29,7 +29,7 @@ from pyspec.testing import models as tm
 
 print(json.dumps({"patches": ffi.string(ref.pyspec_ref_patches()).decode()}), flush=True)
 cycle = list(tm.cyclic_successor()[1][0])
-for t in [t for t in T if t not in (T.NONE, T.COUNT, T.DRAFT_DFLASH, T.DRAFT_DSPARK)]:  # dflash: not ported yet
+for t in [t for t in T if t not in (T.NONE, T.COUNT)]:
     target, draft = tm.tiny_model_paths([t])
     sc = ParityScenario(target=str(target), draft=str(draft) if draft else None, types=[t], n_seq=2,
                         prompts=[cycle * 3, "def fib(n): return fib(n-1) + fib(n-2)\n" * 2], n_predict=24,
@@ -55,7 +55,8 @@ def test_the_port_equals_the_unpatched_reference_with_one_ubatch_per_decode():
     lines = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert lines[0] == {"patches": ""}  # the child really ran upstream's code
     results = lines[1:]
-    assert [r["type"] for r in results] == ["DRAFT_SIMPLE", "DRAFT_EAGLE3", "DRAFT_MTP", "NGRAM_SIMPLE",
-                                            "NGRAM_MAP_K", "NGRAM_MAP_K4V", "NGRAM_MOD", "NGRAM_CACHE"]
+    assert [r["type"] for r in results] == ["DRAFT_SIMPLE", "DRAFT_EAGLE3", "DRAFT_MTP", "DRAFT_DFLASH",
+                                            "DRAFT_DSPARK", "NGRAM_SIMPLE", "NGRAM_MAP_K", "NGRAM_MAP_K4V",
+                                            "NGRAM_MOD", "NGRAM_CACHE"]
     failed = [r["verdict"] for r in results if not r["passed"]]
     assert not failed, "\n".join(failed)

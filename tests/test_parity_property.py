@@ -24,8 +24,7 @@ from pyspec.generation.driver import greedy_sampling
 from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
 
-# draft-dflash / draft-dspark are not ported yet (the dispatcher raises NotImplementedError for them)
-ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT, T.DRAFT_DFLASH, T.DRAFT_DSPARK)]
+ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 ALPHABET = ["the", "fox", "def", "return", "(", ")", "1", "+", "\n", "cat", "x", "="]
 EXAMPLES_PER_TYPE = 4
 
