@@ -36,9 +36,11 @@ def _have_llama_cpp() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(
-    not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"
-)
+pytestmark = [
+    pytest.mark.skipif(not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"),
+    # the generators write every model afresh into an empty cache, and once more in a subprocess
+    pytest.mark.slow,
+]
 
 
 def sha256(path: Path) -> str:
