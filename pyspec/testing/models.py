@@ -748,7 +748,8 @@ def tiny_model_paths(types: str | Sequence[Any] = "none") -> tuple[Path, Path | 
     """
     from pyspec.generation.contexts import draft_kind, parse_types  # test support may import any layer
 
-    kind = draft_kind(parse_types(types) if isinstance(types, str) else list(types))
+    ts: list[Any] = parse_types(types) if isinstance(types, str) else list(types)
+    kind = draft_kind(ts)
     target = make_mtp() if kind == "mtp" else make_cyclic_target()
     draft = {"draft": make_cyclic_draft, "eagle3": make_cyclic_eagle3}.get(kind)
     return target, (draft() if draft is not None else None)
