@@ -43,6 +43,10 @@ core/slot_file.py (the slot file's format); the step and the verification stay
 here (server-context.cpp's update_slots) and ask SlotMemory for every edit of a
 slot's memory. csrc/pyspec_loop.cpp mirrors this loop with fixed draft lengths
 (pyspec.generation.cpp_loop).
+
+Counters: each request's (``Completion.stats``, vLLM's speculative ones in ``stats.spec``) and the
+engine's (:attr:`Engine.metrics`, what ``/metrics`` serves) are updated together by the step
+(pyspec.generation.statistics.EngineMetrics), so the requests' sums are the engine's totals.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
+from pyspec.generation.statistics import EngineMetrics
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -184,6 +189,7 @@ class Engine(EngineQueue):
         self.slots = [Slot(i) for i in range(self.n_parallel)]
 
         # counters of the whole engine
+        self.metrics = EngineMetrics()  # llama-server's and vLLM's, with the requests' (one home: statistics.py)
         self.n_steps = 0  # target decodes
         self.n_checkpoint_restores = 0  # partial acceptances undone through a checkpoint
 
@@ -362,6 +368,11 @@ class Engine(EngineQueue):
         """Whether any request is waiting or running."""
         with self._lock:
             return bool(self._waiting) or any(s.job is not None for s in self.slots)
+
+    def load_counts(self) -> tuple[int, int]:
+        """(busy slots, waiting requests) now: llama-server's requests_processing / requests_deferred."""
+        with self._lock:
+            return sum(s.job is not None for s in self.slots), len(self._waiting)
 
     def _has_work(self) -> bool:
         # under self._lock
@@ -643,6 +654,7 @@ class Engine(EngineQueue):
         ctx_tgt.decode(batch)
         t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
+        self.metrics.record_decode(batch.n_tokens, sum(s.job is not None for s in self.slots))
         if not self._draft_catch_up:
             if not eng.process(batch):
                 raise PyspecError("failed to process speculative batch")
@@ -732,6 +744,8 @@ class Engine(EngineQueue):
         saved = eng.save_sampler(s.id) if may_restore else None
         accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
+        if s.spec_cap > 0:  # a new draft (not one re-verified after a checkpoint restore): vLLM's counters
+            self.metrics.record_draft(job.stats.spec, n_draft, len(accepted) - 1)
         n_rollback = n_draft + 1 - len(accepted)
         use_ckpt_tgt = self.slot_memory.tgt_needs_checkpoint(n_rollback)
 
@@ -824,7 +838,10 @@ class Engine(EngineQueue):
         s.spec_i_batch = []
         s.i_batch = -1
         s.t_last_used = time.perf_counter()
-        job.handle._finish(completion(job, s.id))
+        result = completion(job, s.id)
+        st = result.stats
+        self.metrics.record_finish(st.n_prompt - st.n_cached, st.t_prompt_ms, st.n_gen, st.t_gen_ms, reason)
+        job.handle._finish(result)
 
     def _fail(self, s: Slot, error: BaseException) -> None:
         """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""

@@ -6,7 +6,12 @@
   ``/slots``: llama-server's native API with its field names (``content``,
   ``tokens``, ``stop_type``, ``timings`` with ``draft_n`` / ``draft_n_accepted``...).
 
-Every completion reports the request's speculative statistics in ``timings``.
+Every completion reports the request's speculative statistics in ``timings`` (llama-server's
+``draft_n`` / ``draft_n_accepted``) and in a ``speculative`` object (vLLM's counters: drafts, draft
+tokens, accepted tokens, acceptance per position, mean acceptance length, histogram by draft
+length). With ``metrics=True``, ``/metrics`` serves the engine's counters in Prometheus text
+format under llama-server's and vLLM's names (pyspec.server.metrics); off, it answers 501 as
+llama-server does without ``--metrics``.
 A bad request gets a 4xx with ``{"error": {"code", "message", "type"}}`` and
 queues nothing; a client that disconnects cancels its request; with an API key
 every endpoint but ``/health`` and the model list wants ``Authorization: Bearer KEY``.
@@ -35,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pyspec.errors import BadRequest, PyspecError
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
+from pyspec.server.metrics import CONTENT_TYPE, render_metrics
 from pyspec.server.params import (
     ServerDefaults,
     chat_request,
@@ -122,11 +128,13 @@ def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
 class _Api:
     """The handlers, over one started engine."""
 
-    def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None) -> None:
+    def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
+                 metrics: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.defaults = defaults
         self.slot_save_path = slot_save_path
+        self.metrics_on = metrics
         self.created = int(time.time())
 
     # --- helpers ----------------------------------------------------------------
@@ -221,6 +229,17 @@ class _Api:
             "build_info": f"pyspec {__version__}, llama.cpp {LLAMA_CPP_REVISION}",
         })
 
+    async def metrics(self, _: HttpRequest) -> Response:
+        if not self.metrics_on:
+            return _error(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                          "not_supported_error")
+        e = self.engine
+        snap = e.metrics.snapshot()
+        n_processing, n_waiting = e.load_counts()
+        text = render_metrics(snap, model_name=self.model_name, n_processing=n_processing, n_waiting=n_waiting)
+        return Response(text, media_type=CONTENT_TYPE,
+                        headers={"Process-Start-Time-Unix": str(int(snap.t_start))})
+
     async def slots(self, _: HttpRequest) -> Response:
         return JSONResponse(self.engine.slot_info())
 
@@ -285,6 +304,7 @@ class _Api:
             "stop_type": _STOP_TYPE.get(c.stop_reason, "none"),
             "stopping_word": c.stopping_word,
             "timings": c.stats.timings(),
+            "speculative": c.stats.speculative(),
         }
         if n_probs and not stream:
             out["completion_probabilities"] = [_lp_json(lp, n_probs) for lp in c.logprobs]
@@ -335,6 +355,7 @@ class _Api:
             out = chunk(c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
             out["usage"] = self._usage(c)
             out["timings"] = c.stats.timings()
+            out["speculative"] = c.stats.speculative()
             return JSONResponse(out)
 
         sent = [0]
@@ -350,6 +371,7 @@ class _Api:
             out = chunk("", _FINISH.get(c.stop_reason, "stop"), [], sent[0])
             out["usage"] = self._usage(c)
             out["timings"] = c.stats.timings()
+            out["speculative"] = c.stats.speculative()
             return [out]
 
         return self._stream(h, [], piece, final, True)
@@ -381,6 +403,7 @@ class _Api:
                              "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}],
                 "usage": self._usage(c),
                 "timings": c.stats.timings(),
+                "speculative": c.stats.speculative(),
             })
 
         def piece(d: Delta) -> dict[str, Any] | None:
@@ -392,6 +415,7 @@ class _Api:
             out = chunk({}, _FINISH.get(c.stop_reason, "stop"), [])
             out["usage"] = self._usage(c)
             out["timings"] = c.stats.timings()
+            out["speculative"] = c.stats.speculative()
             return [out]
 
         first = [_sse(chunk({"role": "assistant", "content": ""}, None, []))]
@@ -415,11 +439,15 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
 
 
 def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | None = None,
-               defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None) -> Starlette:
-    """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job)."""
+               defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
+               metrics: bool = False) -> Starlette:
+    """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
+
+    ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's)."""
     if not engine.running:
         engine.start()
-    api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None)
+    api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
+               metrics)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
@@ -427,6 +455,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Non
         Route("/v1/models", _guard(api.models), methods=["GET"]),
         Route("/props", _guard(api.props), methods=["GET"]),
         Route("/slots", _guard(api.slots), methods=["GET"]),
+        Route("/metrics", _guard(api.metrics), methods=["GET"]),
         Route("/slots/{id}", _guard(api.slot_action), methods=["POST"]),
         Route("/tokenize", _guard(api.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(api.detokenize), methods=["POST"]),
