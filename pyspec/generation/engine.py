@@ -79,6 +79,9 @@ from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogpr
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
 from pyspec.generation.statistics import EngineMetrics
+from pyspec.suffix.impl import SuffixParams, suffix_n_max
+from pyspec.suffix.index import GlobalSuffixIndex
+from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -112,6 +115,11 @@ class Engine(EngineQueue):
     settings measures the verify cost curve, which clears nothing: the memory is
     empty then); ``adaptive_draft=False`` keeps llama.cpp's fixed lengths.
     ``draft_controller`` passes a controller of the caller's.
+
+    ``suffix`` (SuffixParams) adds the ``suffix`` type (pyspec.suffix, beyond llama.cpp) in front of
+    ``spec``'s types (``spec`` may then be None): per-slot suffix indexes over each request's
+    prompt and output, and one bounded global index (:attr:`suffix_index`, ``max_global_tokens``)
+    over the finished requests' outputs, shared by the slots. The port only (backend "python").
     """
 
     def __init__(
@@ -127,7 +135,10 @@ class Engine(EngineQueue):
         owned: Sequence[Any] = (),
         adaptive_draft: bool = True,
         draft_controller: DraftLengthController | None = None,
+        suffix: SuffixParams | None = None,
     ) -> None:
+        if suffix is not None and not isinstance(suffix, SuffixParams):
+            raise TypeError(f"suffix must be SuffixParams, got {type(suffix).__name__}")
         self.ctx_tgt = ctx_tgt
         self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
         if not 1 <= self.n_parallel <= ctx_tgt.n_seq_max:
@@ -153,8 +164,14 @@ class Engine(EngineQueue):
         if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
             raise PyspecError("speculative decoding is not supported by this target context")
 
-        self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
-        wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
+        self.suffix = suffix
+        # the one cross-request index of this engine, shared by its slots
+        self.suffix_index: GlobalSuffixIndex | None = \
+            suffix.global_index() if suffix is not None and suffix.max_global_tokens > 0 else None
+        self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel,
+                                                        suffix=suffix, shared=self.suffix_index)
+        llama_types = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
+        wants_spec = llama_types or suffix is not None
         if wants_spec and not self.backend.has_spec:
             self.backend.close()
             raise PyspecError(
@@ -169,13 +186,17 @@ class Engine(EngineQueue):
         self.draft_ctl: DraftLengthController | None = None
         self._multi_impl = False
         self._spec_n_max = 0
-        if spec is not None and self.backend.has_spec:
-            self._multi_impl = len(spec.types) > 1
-            self._spec_n_max = common_speculative_n_max(spec)
+        if self.backend.has_spec:
+            types = list(spec.types) if spec is not None and llama_types else []
+            self._multi_impl = len(types) + (suffix is not None) > 1
+            # the suffix type drafts up to its own n_max, beside llama.cpp's types
+            self._spec_n_max = max(common_speculative_n_max(spec) if spec is not None else 0, suffix_n_max(suffix))
+            names = ([SUFFIX_TYPE_NAME] if suffix is not None else []) + \
+                ([common_speculative_type_name_str(types)] if types else [])
             self.draft_ctl = draft_controller or DraftLengthController(
                 fixed=not adaptive_draft, curve=shared_cost_curve(ctx_tgt),
-                n_min=spec.draft.n_min if CommonSpeculativeType.DRAFT_SIMPLE in spec.types else 0,
-                impl=common_speculative_type_name_str(spec.types))
+                n_min=spec.draft.n_min if spec is not None and CommonSpeculativeType.DRAFT_SIMPLE in types else 0,
+                impl=",".join(names))
             self._calibrate()
         # draft-simple keeps its draft context in step with the target by decoding every target batch
         # on it (process), a decode per step even where the controller drafts nothing. With cost-aware
@@ -228,13 +249,20 @@ class Engine(EngineQueue):
         backend: str = "python",
         slot_similarity: float = 0.1,
         adaptive_draft: bool = True,
+        suffix: SuffixParams | None = None,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
-        ``n_ctx`` is per slot. The engine owns and closes all of them."""
+        ``n_ctx`` is per slot. The engine owns and closes all of them.
+
+        ``types`` may name ``suffix`` beside llama.cpp's types (``"suffix,ngram-mod"``): the suffix type with
+        ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
-        parsed = parse_types(types)
+        rest, wants_suffix = split_suffix_type(types)
+        if wants_suffix and suffix is None:
+            suffix = SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
+        parsed = parse_types(rest)
         spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m)
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
@@ -246,7 +274,7 @@ class Engine(EngineQueue):
         try:
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
                        n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
-                       adaptive_draft=adaptive_draft)
+                       adaptive_draft=adaptive_draft, suffix=suffix)
         except BaseException:
             cs.close()
             raise
@@ -838,6 +866,8 @@ class Engine(EngineQueue):
         s.spec_i_batch = []
         s.i_batch = -1
         s.t_last_used = time.perf_counter()
+        if self.backend.has_spec:
+            self.backend.end(s.id)  # the suffix type's output joins the global index now
         result = completion(job, s.id)
         st = result.stats
         self.metrics.record_finish(st.n_prompt - st.n_cached, st.t_prompt_ms, st.n_gen, st.t_gen_ms, reason)
