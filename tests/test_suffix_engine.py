@@ -106,7 +106,7 @@ def test_the_engines_draft_length_covers_the_suffix_types_n_max(chat_model):
     spec = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
     spec.ngram_simple.size_n, spec.ngram_simple.size_m = 2, 6
     with suffix_engine(chat_model, 1, spec=spec, suffix=SuffixParams(n_max=20)) as eng:
-        assert eng._spec_n_max == 20
+        assert eng.spec_n_max == 20
         assert [i.name for i in eng.backend.impl_stats()] == ["suffix", "ngram-simple"]
 
 

@@ -284,6 +284,12 @@ class Engine(EngineQueue):
         return self.ctx_tgt.model
 
     @property
+    def spec_n_max(self) -> int:
+        """The most tokens one draft call may return: common_speculative_n_max of the types, and the suffix
+        type's n_max (what the cost-aware draft length chooses within)."""
+        return self._spec_n_max
+
+    @property
     def ctx_tgt_seq_rm_type(self) -> int:
         """How the target context can roll back (a CommonContextSeqRmType value, common_context_can_seq_rm)."""
         return self.slot_memory.ctx_tgt_seq_rm_type
