@@ -643,7 +643,11 @@ class Engine(EngineQueue):
                         n = len(s.spec_draft)
                         s.spec_full = n >= s.spec_cap
                         if n:
-                            del s.spec_draft[ctl.trim(s.id, n, s.spec_cap, len(generating)) :]
+                            keep = ctl.trim(s.id, n, s.spec_cap, len(generating))
+                            if keep == 0:  # not verified: its acceptance is learned from what follows
+                                ctl.shadow(s.id, s.spec_draft, eng.last_impl(s.id) if self._multi_impl else None,
+                                           s.spec_full)
+                            del s.spec_draft[keep:]
                 for s in drafting:
                     assert s.job is not None
                     if len(s.spec_draft) < s.job.request.n_draft_min:
@@ -801,6 +805,8 @@ class Engine(EngineQueue):
         if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_full)
+        if self.draft_ctl is not None:
+            self.draft_ctl.observe(s.id, accepted)  # resolves a shadow draft (a no-op when fixed)
         if self.on_event is not None:
             self._event("accept", seq_id=s.id, accepted=list(accepted))
 
