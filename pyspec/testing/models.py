@@ -747,8 +747,10 @@ def tiny_model_paths(types: str | Sequence[Any] = "none") -> tuple[Path, Path | 
     the library below the command line never imports this module.
     """
     from pyspec.generation.contexts import draft_kind, parse_types  # test support may import any layer
+    from pyspec.suffix.names import split_suffix_type
 
-    ts: list[Any] = parse_types(types) if isinstance(types, str) else list(types)
+    # "suffix" (pyspec's own type) needs no model of its own: the target is the cyclic one
+    ts: list[Any] = parse_types(split_suffix_type(types)[0]) if isinstance(types, str) else list(types)
     kind = draft_kind(ts)
     target = make_mtp() if kind == "mtp" else make_cyclic_target()
     draft = {"draft": make_cyclic_draft, "eagle3": make_cyclic_eagle3}.get(kind)
