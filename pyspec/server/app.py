@@ -25,7 +25,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,15 +74,17 @@ class _ApiKey:
     refusal takes says nothing about how much of a guess was right.
     """
 
-    def __init__(self, app: ASGIApp, key: str | None) -> None:
+    def __init__(self, app: ASGIApp, key: str | Sequence[str] | None) -> None:
         self.app = app
-        self.key = key.encode("utf-8") if key else None
+        keys = [key] if isinstance(key, str) else list(key or ())
+        self.keys = [k.encode("utf-8") for k in keys if k]  # several: llama-server's --api-key a,b / --api-key-file
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is not None and scope["type"] == "http" and scope["path"] not in _PUBLIC:
+        if self.keys and scope["type"] == "http" and scope["path"] not in _PUBLIC:
             given = _presented_key(scope["headers"])
-            # compare_digest on bytes: constant time for equal lengths, and any bytes are allowed
-            if given is None or not hmac.compare_digest(given, self.key):
+            # compare_digest on bytes: constant time for equal lengths, and any bytes are allowed; every
+            # key is compared, so the time says nothing about which one came close
+            if given is None or not sum(hmac.compare_digest(given, k) for k in self.keys):
                 await _error(401, "Invalid API Key", "authentication_error")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -129,12 +131,13 @@ class _Api:
     """The handlers, over one started engine."""
 
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, slots: bool = True) -> None:
         self.engine = engine
         self.model_name = model_name
         self.defaults = defaults
         self.slot_save_path = slot_save_path
         self.metrics_on = metrics
+        self.slots_on = slots
         self.created = int(time.time())
 
     # --- helpers ----------------------------------------------------------------
@@ -241,6 +244,9 @@ class _Api:
                         headers={"Process-Start-Time-Unix": str(int(snap.t_start))})
 
     async def slots(self, _: HttpRequest) -> Response:
+        if not self.slots_on:  # llama-server's answer under --no-slots (server-context.cpp)
+            return _error(501, "This server does not support slots endpoint. Start it with `--slots`",
+                          "not_supported_error")
         return JSONResponse(self.engine.slot_info())
 
     async def slot_action(self, req: HttpRequest) -> Response:
@@ -438,16 +444,18 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
     return run
 
 
-def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | None = None,
+def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Sequence[str] | None = None,
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
-               metrics: bool = False) -> Starlette:
+               metrics: bool = False, slots: bool = True) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
-    ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's)."""
+    ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
+    ``api_key``: one key or several, any of which is accepted. ``slots=False``: ``GET /slots`` answers
+    501 (llama-server's ``--no-slots``)."""
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics)
+               metrics, slots)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),

@@ -39,6 +39,7 @@ class ServerDefaults:
     n_draft_max: int | None = None  # None: the engine's speculative n_max
     n_draft_min: int = 0
     cache_prompt: bool = True
+    chat_template: str | None = None  # chat: a template text or llama.cpp built-in name (--chat-template)
 
 
 _MISSING = object()
@@ -466,7 +467,7 @@ def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_par
         n_probs = _int(body, "top_logprobs", 0, 20) or 0
         n_probs = max(n_probs, 1)  # the chosen token's log-probability needs the row; top list trimmed later
     req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                  chat_template_kwargs=_template_kwargs(body), **c)
+                  chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body), **c)
     return _finish(req), _bool(body, "stream", False)
 
 
