@@ -249,3 +249,27 @@ def test_without_the_rules_llama_cpp_aborts(sets, tmp_path, case):
         r = w.call("open_door_unguarded", door, paths)
     # a signal; or "hang" when the worker's pipe closed while ggml_abort's backtrace still ran
     assert r.crashed, r.describe()
+
+
+def test_the_mutator_reads_and_writes_every_file_back_byte_for_byte(sets):
+    for name, paths in sets.items():
+        for p in paths:
+            raw = p.read_bytes()
+            g = fuzz.GgufFile(raw)
+            assert g.encode() == raw, f"{name}: {p.name}"
+            assert g.copy().encode() == raw
+
+
+def test_each_mutation_class_changes_the_file(sets):
+    raw = sets["target"][0].read_bytes()
+    base = fuzz.GgufFile(raw)
+    changed = set()
+    for op in range(14):
+        for seed in range(40):
+            g = base.copy()
+            # Input.num(0, 13) reads one byte: the first byte picks the class
+            fuzz.mutate_gguf(g, fuzz.Input(bytes([op]) + bytes((seed * 37 + j * 11) % 256 for j in range(64))))
+            if g.encode() != raw:
+                changed.add(op)
+                break
+    assert changed == set(range(14))

@@ -517,7 +517,7 @@ def open_door_unguarded(door: str, paths: list[str]) -> str:
     from pyspec.core import gguf_keys
 
     rules = gguf_keys._check_rules
-    gguf_keys._check_rules = lambda *a, **k: ""  # type: ignore[assignment]
+    gguf_keys._check_rules = lambda *a, **k: ""
     try:
         return open_door(door, paths)
     finally:
