@@ -136,7 +136,8 @@ class _Stop(Exception):
 
 
 def _walk(path: Path) -> tuple[dict[str, _Value], str]:
-    """Every metadata key's type and count, or a problem (empty or repeated key)."""
+    """Every metadata key's type and count, or a problem (an empty or repeated key, a tensor
+    dimension gguf's parser divides by that is 0)."""
     with path.open("rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:
@@ -145,7 +146,7 @@ def _walk(path: Path) -> tuple[dict[str, _Value], str]:
     try:
         if mm[:4] != b"GGUF":
             return {}, ""
-        _, _n_tensors, n_kv = struct.unpack_from("<Iqq", mm, 4)
+        _, n_tensors, n_kv = struct.unpack_from("<Iqq", mm, 4)
         off = 24
         out: dict[str, _Value] = {}
 
@@ -210,6 +211,21 @@ def _walk(path: Path) -> tuple[dict[str, _Value], str]:
                     out[key] = _Value(i, t, number=number)
                 else:
                     raise _Stop
+            # the tensor infos: gguf_init_from_file divides INT64_MAX by ne[1], ne[2] and ne[3]
+            # (the element count check), so a dimension of 0 past the first is a SIGFPE
+            # (found by scripts/fuzz.py, gguf_doors target)
+            for _ in range(max(n_tensors, 0)):
+                name = string()
+                (n_dims,) = take("<I")
+                if n_dims > 4:
+                    raise _Stop  # refused by gguf (GGML_MAX_DIMS)
+                dims = take(f"<{n_dims}q")
+                if any(d < 0 for d in dims):
+                    raise _Stop  # refused by gguf
+                if 0 in dims[1:]:
+                    tname = name.decode("utf-8", "replace")
+                    return out, f"tensor {tname!r} has a dimension of 0 past the first (shape {list(dims)})"
+                take("<IQ")
         except _Stop:
             pass  # what was read is checked; gguf's parser refuses the rest with an error
         return out, ""
