@@ -11,12 +11,16 @@ import pytest
 
 from pyspec.cli import commands
 from pyspec.cli.llama_server_args import (
+    LLAMA_SERVER_ENV,
     LLAMA_SERVER_OPTIONS,
     MAPPED,
     ServeOptions,
+    _table,
+    env_argv,
     parse_arg_cpp,
     resolve,
     server_options,
+    table_lines,
 )
 from pyspec.errors import CliError
 from pyspec.testing.models import llama_cpp_dir
@@ -30,7 +34,10 @@ def _parse(*argv: str) -> tuple[argparse.Namespace, ServeOptions]:
 
 def test_the_table_is_llama_servers_option_list_at_the_vendored_revision():
     text = (llama_cpp_dir() / "common" / "arg.cpp").read_text(encoding="utf-8")
-    assert server_options(parse_arg_cpp(text)) == LLAMA_SERVER_OPTIONS
+    options = parse_arg_cpp(text)
+    assert server_options(options) == LLAMA_SERVER_OPTIONS
+    assert _table("\n".join(table_lines(options))) == (LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV)
+    assert len(LLAMA_SERVER_OPTIONS) > 300 and LLAMA_SERVER_ENV["LLAMA_ARG_CTX_SIZE"] == ("--ctx-size", None, 1)
 
 
 def test_arg_cpp_reader_tells_flags_negations_and_values_apart():
@@ -38,16 +45,47 @@ def test_arg_cpp_reader_tells_flags_negations_and_values_apart():
     static std::initializer_list<enum llama_example> ex_list = { LLAMA_EXAMPLE_MTMD, LLAMA_EXAMPLE_SERVER };
     add_opt(common_arg({"-x", "--ex"}, "print (a, b) \\"quoted\\"", [](common_params & p) { p.x = 1; }));
     add_opt(common_arg({"--on"}, {"--no-on"}, string_format("x %s", "y, z"),
-        [](common_params & p, bool v) { /* , ) */ p.on = v; }).set_examples({LLAMA_EXAMPLE_SERVER}));
+        [](common_params & p, bool v) { /* , ) */ p.on = v; })
+        .set_examples({LLAMA_EXAMPLE_SERVER}).set_env("LLAMA_ARG_ON"));
     add_opt(common_arg({"-v"}, "N", "help", [](common_params & p, int v) { p.v = v; }).set_examples(ex_list));
     add_opt(common_arg({"--two"}, "A", "B", "help", [](common_params &, const std::string &, const std::string &) {})
         .set_excludes({LLAMA_EXAMPLE_SERVER}));
     '''
     opts = parse_arg_cpp(text)
-    assert [(o.names, o.n_values) for o in opts] == [
-        (("-x", "--ex"), 0), (("--on", "--no-on"), 0), (("-v",), 1), (("--two",), 2)]
+    assert [(o.names, o.negations, o.n_values) for o in opts] == [
+        (("-x", "--ex"), (), 0), (("--on",), ("--no-on",), 0), (("-v",), (), 1), (("--two",), (), 2)]
     assert opts[2].examples == {"LLAMA_EXAMPLE_MTMD", "LLAMA_EXAMPLE_SERVER"}
+    assert (opts[1].env, opts[0].env) == ("LLAMA_ARG_ON", None)
     assert server_options(opts) == {"-x": 0, "--ex": 0, "--on": 0, "--no-on": 0, "-v": 1}
+    assert table_lines(opts) == ["0 -x --ex", "0 --on !--no-on env=LLAMA_ARG_ON", "1 -v"]
+
+
+@pytest.mark.parametrize(("environ", "argv"), [
+    ({}, []),
+    ({"LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_ARG_N_PARALLEL": "2"}, ["--ctx-size", "4096", "--parallel", "2"]),
+    ({"LLAMA_ARG_CONT_BATCHING": "0"}, ["--no-cont-batching"]),
+    ({"LLAMA_ARG_CONT_BATCHING": "on"}, ["--cont-batching"]),
+    ({"LLAMA_ARG_NO_CONT_BATCHING": "1"}, ["--no-cont-batching"]),
+    ({"LLAMA_ARG_ENDPOINT_METRICS": "1"}, ["--metrics"]),
+    ({"LLAMA_ARG_ENDPOINT_METRICS": "0"}, []),
+    ({"HOME": "/root", "LLAMA_ARG_NOT_AN_OPTION": "1"}, []),
+])
+def test_llama_servers_environment_variables_become_options(environ: dict[str, str], argv: list[str]):
+    assert sorted(env_argv(environ)) == sorted(argv)
+
+
+def test_the_command_line_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch):
+    seen: list[Any] = []
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "4096")
+    monkeypatch.setenv("LLAMA_ARG_ALIAS", "from-env")
+
+    def cmd_serve(args: argparse.Namespace) -> int:
+        seen.append(resolve(args, args.llama_dropped))
+        return 0
+
+    monkeypatch.setattr(commands, "cmd_serve", cmd_serve)
+    assert commands.main(["serve", "-c", "2048", "-np", "2"]) == 0
+    assert seen[0].n_ctx == 1024 and seen[0].model_alias == "from-env"
 
 
 def test_every_mapped_name_is_a_llama_server_option():

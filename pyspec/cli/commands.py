@@ -599,7 +599,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv[: k + 1])
         args.rest = argv[k + 1 :]
     elif k < len(argv) and argv[k] == "serve":
-        rest, dropped = _serve_argv(argv[k + 1 :])
+        from pyspec.cli.llama_server_args import env_argv
+
+        rest, dropped = _serve_argv([*env_argv(os.environ), *argv[k + 1 :]])  # llama-server's LLAMA_ARG_*
         args = parser.parse_args([*argv[: k + 1], *rest])
         args.llama_dropped = dropped
     else:

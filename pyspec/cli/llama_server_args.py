@@ -9,6 +9,7 @@ unchanged:
   :func:`parse_arg_cpp` (tests/test_serve_args.py checks the table against the vendored file);
 - :data:`MAPPED` gives the ones that mean something for pyspec their argparse form (same long and
   short names as llama-server; pyspec's own names keep working beside them);
+- :func:`env_argv` reads llama-server's ``LLAMA_ARG_*`` environment variables (docker images set them);
 - :func:`filter_argv` drops every other llama-server option with its value before argparse sees it,
   so a start-up never fails on a llama-server option; :func:`resolve` turns the parsed options into
   what ``cmd_serve`` passes on (llama-server's meaning: ``--ctx-size`` is the total over the slots)
@@ -20,14 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pyspec.errors import CliError
 
-__all__ = ["LLAMA_SERVER_OPTIONS", "MAPPED", "ArgCppOption", "Mapped", "ServeOptions", "add_llama_server_args",
-           "filter_argv", "parse_arg_cpp", "resolve", "server_options"]
+__all__ = ["LLAMA_SERVER_ENV", "LLAMA_SERVER_OPTIONS", "MAPPED", "ArgCppOption", "Mapped", "ServeOptions",
+           "add_llama_server_args", "env_argv", "filter_argv", "parse_arg_cpp", "resolve", "server_options",
+           "table_lines"]
 
 
 # --------------------------------------------------------------------------- arg.cpp
@@ -41,6 +43,8 @@ class ArgCppOption:
     n_values: int  # 0: a flag (or its --no- form); 1: NAME VALUE; 2: NAME VALUE VALUE
     examples: frozenset[str]
     excludes: frozenset[str]
+    negations: tuple[str, ...] = ()  # the --no- forms of a flag
+    env: str | None = None  # the LLAMA_ARG_* variable that sets it (set_env)
 
 
 def _skip(text: str, i: int) -> int:
@@ -98,6 +102,7 @@ def _items(text: str) -> list[str]:
 
 _C_STRING = re.compile(r'"([^"\\]*)"')
 _SET_CALL = re.compile(r"\.set_(examples|excludes)\(\s*(\{[^}]*\}|\w+)\s*\)")
+_SET_ENV = re.compile(r'\.set_env\(\s*"(\w+)"\s*\)')
 _EXAMPLE_LIST = re.compile(r"std::initializer_list<enum llama_example>\s+(\w+)\s*=\s*\{([^}]*)\}")
 
 
@@ -116,46 +121,74 @@ def parse_arg_cpp(text: str) -> list[ArgCppOption]:
         items = _items(text[inner + 1 : end_inner])
         k = next(i for i, it in enumerate(items) if it.startswith("["))  # the handler, a lambda
         names = tuple(_C_STRING.findall(items[0]))
+        negations: tuple[str, ...] = ()
         n_values = 0
         if k == 3 and items[1].startswith("{"):
-            names += tuple(_C_STRING.findall(items[1]))
+            negations = tuple(_C_STRING.findall(items[1]))
         elif k >= 3:
             n_values = k - 2
+        chain = text[end_inner + 1 : end_outer]
         sets = {"examples": frozenset({"LLAMA_EXAMPLE_COMMON"}), "excludes": frozenset[str]()}
-        for kind, arg in _SET_CALL.findall(text[end_inner + 1 : end_outer]):
+        for kind, arg in _SET_CALL.findall(chain):
             sets[kind] = (frozenset(x.strip() for x in arg.strip("{}").split(",") if x.strip())
                           if arg.startswith("{") else lists[arg])
-        out.append(ArgCppOption(names, n_values, sets["examples"], sets["excludes"]))
+        env = _SET_ENV.search(chain)
+        out.append(ArgCppOption(names, n_values, sets["examples"], sets["excludes"], negations,
+                                env.group(1) if env else None))
     return out
+
+
+def _for_server(o: ArgCppOption) -> bool:
+    # common_params_parser_init's test for LLAMA_EXAMPLE_SERVER: in the example or common, and not excluded
+    return bool({"LLAMA_EXAMPLE_SERVER", "LLAMA_EXAMPLE_COMMON"} & o.examples) \
+        and "LLAMA_EXAMPLE_SERVER" not in o.excludes
+
+
+def table_lines(options: Sequence[ArgCppOption]) -> list[str]:
+    """llama-server's options as LLAMA_SERVER_OPTIONS' text holds them: the number of values, the names,
+    each negation after a '!', the environment variable after 'env='."""
+    lines: list[str] = []
+    for o in filter(_for_server, options):
+        line = " ".join([str(o.n_values), *o.names, *("!" + n for n in o.negations),
+                         *([f"env={o.env}"] if o.env else [])])
+        if line not in lines:  # -np is declared twice (one form for the server)
+            lines.append(line)
+    return lines
 
 
 def server_options(options: Sequence[ArgCppOption]) -> dict[str, int]:
-    """{name: number of values} of the options llama-server takes (common_params_parser_init's test
-    for LLAMA_EXAMPLE_SERVER: in the example or common, and not excluded)."""
+    """{name: number of values} of the options llama-server takes, negations included."""
     out: dict[str, int] = {}
-    for o in options:
-        if ({"LLAMA_EXAMPLE_SERVER", "LLAMA_EXAMPLE_COMMON"} & o.examples) and "LLAMA_EXAMPLE_SERVER" not in o.excludes:
-            out.update(dict.fromkeys(o.names, o.n_values))
+    for o in filter(_for_server, options):
+        out.update(dict.fromkeys(o.names + o.negations, o.n_values))
     return out
 
 
-def _table(text: str) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _table(text: str) -> tuple[dict[str, int], dict[str, tuple[str, str | None, int]]]:
+    """(name -> number of values, env variable -> (name, negation or None, number of values))."""
+    names: dict[str, int] = {}
+    envs: dict[str, tuple[str, str | None, int]] = {}
     for line in text.strip().splitlines():
-        n, *names = line.split()
-        out.update(dict.fromkeys(names, int(n)))
-    return out
+        n, *words = line.split()
+        pos = [w for w in words if not w.startswith(("!", "env="))]
+        neg = [w[1:] for w in words if w.startswith("!")]
+        names.update(dict.fromkeys(pos + neg, int(n)))
+        for w in words:
+            if w.startswith("env="):
+                long = next((x for x in pos if x.startswith("--")), pos[0])
+                envs[w[4:]] = (long, next((x for x in neg if x.startswith("--")), neg[0]) if neg else None, int(n))
+    return names, envs
 
 
 # llama-server's options at the pinned revision: number of values, then the names of one option (its
 # negations included). Made by server_options(parse_arg_cpp(arg.cpp)); tests/test_serve_args.py
 # compares it with the vendored file, so a revision bump that adds an option fails there first.
-LLAMA_SERVER_OPTIONS: dict[str, int] = _table("""
+LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 0 -h --help --usage
 0 --version
 0 -cl --cache-list
 0 --completion-bash
-1 -t --threads
+1 -t --threads env=LLAMA_ARG_THREADS
 1 -tb --threads-batch
 1 -C --cpu-mask
 1 -Cr --cpu-range
@@ -169,31 +202,31 @@ LLAMA_SERVER_OPTIONS: dict[str, int] = _table("""
 1 --poll-batch
 1 -lcs --lookup-cache-static
 1 -lcd --lookup-cache-dynamic
-1 -c --ctx-size
-1 -n --predict --n-predict
-1 -b --batch-size
-1 -ub --ubatch-size
+1 -c --ctx-size env=LLAMA_ARG_CTX_SIZE
+1 -n --predict --n-predict env=LLAMA_ARG_N_PREDICT
+1 -b --batch-size env=LLAMA_ARG_BATCH
+1 -ub --ubatch-size env=LLAMA_ARG_UBATCH
 1 --keep
-0 --swa-full
-1 -ctxcp --ctx-checkpoints --swa-checkpoints
-1 -cms --checkpoint-min-step
-1 -cram --cache-ram
-0 -kvu --kv-unified -no-kvu --no-kv-unified
-0 --cache-idle-slots --no-cache-idle-slots
-0 --context-shift --no-context-shift
-1 -fa --flash-attn
-0 --perf --no-perf
-0 -e --escape --no-escape
+0 --swa-full env=LLAMA_ARG_SWA_FULL
+1 -ctxcp --ctx-checkpoints --swa-checkpoints env=LLAMA_ARG_CTX_CHECKPOINTS
+1 -cms --checkpoint-min-step env=LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT
+1 -cram --cache-ram env=LLAMA_ARG_CACHE_RAM
+0 -kvu --kv-unified !-no-kvu !--no-kv-unified env=LLAMA_ARG_KV_UNIFIED
+0 --cache-idle-slots !--no-cache-idle-slots env=LLAMA_ARG_CACHE_IDLE_SLOTS
+0 --context-shift !--no-context-shift env=LLAMA_ARG_CONTEXT_SHIFT
+1 -fa --flash-attn env=LLAMA_ARG_FLASH_ATTN
+0 --perf !--no-perf env=LLAMA_ARG_PERF
+0 -e --escape !--no-escape
 1 -r --reverse-prompt
 0 -sp --special
-0 --warmup --no-warmup
+0 --warmup !--no-warmup
 0 --spm-infill
 1 --samplers
 1 -s --seed
 1 --sampler-seq --sampling-seq
 0 --ignore-eos
 1 --temp --temperature
-1 --top-k
+1 --top-k env=LLAMA_ARG_TOP_K
 1 --top-p
 1 --min-p
 1 --top-nsigma --top-n-sigma
@@ -221,125 +254,125 @@ LLAMA_SERVER_OPTIONS: dict[str, int] = _table("""
 1 --grammar-file
 1 -j --json-schema
 1 -jf --json-schema-file
-0 -bs --backend-sampling
-1 --pooling
-1 --rope-scaling
-1 --rope-scale
-1 --rope-freq-base
-1 --rope-freq-scale
-1 --yarn-orig-ctx
-1 --yarn-ext-factor
-1 --yarn-attn-factor
-1 --yarn-beta-slow
-1 --yarn-beta-fast
-0 -kvo --kv-offload -nkvo --no-kv-offload
-0 --repack -nr --no-repack
-0 --no-host
-1 -ctk --cache-type-k
-1 -ctv --cache-type-v
-1 -dt --defrag-thold
-1 -np --parallel
-0 -cb --cont-batching -nocb --no-cont-batching
-1 -mm --mmproj
-1 -mmu --mmproj-url
-0 --mmproj-auto --no-mmproj --no-mmproj-auto
-0 --mmproj-offload --no-mmproj-offload
-1 --image-min-tokens
-1 --image-max-tokens
-1 --mtmd-batch-max-tokens
-1 --rpc
-0 --mlock
-0 --mmap --no-mmap
-0 -dio --direct-io -ndio --no-direct-io
-1 --numa
-1 -dev --device
+0 -bs --backend-sampling env=LLAMA_ARG_BACKEND_SAMPLING
+1 --pooling env=LLAMA_ARG_POOLING
+1 --rope-scaling env=LLAMA_ARG_ROPE_SCALING_TYPE
+1 --rope-scale env=LLAMA_ARG_ROPE_SCALE
+1 --rope-freq-base env=LLAMA_ARG_ROPE_FREQ_BASE
+1 --rope-freq-scale env=LLAMA_ARG_ROPE_FREQ_SCALE
+1 --yarn-orig-ctx env=LLAMA_ARG_YARN_ORIG_CTX
+1 --yarn-ext-factor env=LLAMA_ARG_YARN_EXT_FACTOR
+1 --yarn-attn-factor env=LLAMA_ARG_YARN_ATTN_FACTOR
+1 --yarn-beta-slow env=LLAMA_ARG_YARN_BETA_SLOW
+1 --yarn-beta-fast env=LLAMA_ARG_YARN_BETA_FAST
+0 -kvo --kv-offload !-nkvo !--no-kv-offload env=LLAMA_ARG_KV_OFFLOAD
+0 --repack !-nr !--no-repack env=LLAMA_ARG_REPACK
+0 --no-host env=LLAMA_ARG_NO_HOST
+1 -ctk --cache-type-k env=LLAMA_ARG_CACHE_TYPE_K
+1 -ctv --cache-type-v env=LLAMA_ARG_CACHE_TYPE_V
+1 -dt --defrag-thold env=LLAMA_ARG_DEFRAG_THOLD
+1 -np --parallel env=LLAMA_ARG_N_PARALLEL
+0 -cb --cont-batching !-nocb !--no-cont-batching env=LLAMA_ARG_CONT_BATCHING
+1 -mm --mmproj env=LLAMA_ARG_MMPROJ
+1 -mmu --mmproj-url env=LLAMA_ARG_MMPROJ_URL
+0 --mmproj-auto !--no-mmproj !--no-mmproj-auto env=LLAMA_ARG_MMPROJ_AUTO
+0 --mmproj-offload !--no-mmproj-offload env=LLAMA_ARG_MMPROJ_OFFLOAD
+1 --image-min-tokens env=LLAMA_ARG_IMAGE_MIN_TOKENS
+1 --image-max-tokens env=LLAMA_ARG_IMAGE_MAX_TOKENS
+1 --mtmd-batch-max-tokens env=LLAMA_ARG_MTMD_BATCH_MAX_TOKENS
+1 --rpc env=LLAMA_ARG_RPC
+0 --mlock env=LLAMA_ARG_MLOCK
+0 --mmap !--no-mmap env=LLAMA_ARG_MMAP
+0 -dio --direct-io !-ndio !--no-direct-io env=LLAMA_ARG_DIO
+1 --numa env=LLAMA_ARG_NUMA
+1 -dev --device env=LLAMA_ARG_DEVICE
 0 --list-devices
-1 -ot --override-tensor
-0 -cmoe --cpu-moe
-1 -ncmoe --n-cpu-moe
-1 -ngl --gpu-layers --n-gpu-layers
-1 -sm --split-mode
-1 -ts --tensor-split
-1 -mg --main-gpu
-1 -fit --fit
-1 -fitt --fit-target
-1 -fitc --fit-ctx
+1 -ot --override-tensor env=LLAMA_ARG_OVERRIDE_TENSOR
+0 -cmoe --cpu-moe env=LLAMA_ARG_CPU_MOE
+1 -ncmoe --n-cpu-moe env=LLAMA_ARG_N_CPU_MOE
+1 -ngl --gpu-layers --n-gpu-layers env=LLAMA_ARG_N_GPU_LAYERS
+1 -sm --split-mode env=LLAMA_ARG_SPLIT_MODE
+1 -ts --tensor-split env=LLAMA_ARG_TENSOR_SPLIT
+1 -mg --main-gpu env=LLAMA_ARG_MAIN_GPU
+1 -fit --fit env=LLAMA_ARG_FIT
+1 -fitt --fit-target env=LLAMA_ARG_FIT_TARGET
+1 -fitc --fit-ctx env=LLAMA_ARG_FIT_CTX
 0 --check-tensors
 1 --override-kv
-0 --op-offload --no-op-offload
+0 --op-offload !--no-op-offload
 1 --lora
 1 --lora-scaled
 1 --control-vector
 1 --control-vector-scaled
 2 --control-vector-layer-range
-1 -a --alias
-1 --tags
-1 -m --model
-1 -mu --model-url
-1 -dr --docker-repo
-1 -hf -hfr --hf-repo
-1 -hff --hf-file
-1 -hfv -hfrv --hf-repo-v
-1 -hffv --hf-file-v
-1 -hft --hf-token
+1 -a --alias env=LLAMA_ARG_ALIAS
+1 --tags env=LLAMA_ARG_TAGS
+1 -m --model env=LLAMA_ARG_MODEL
+1 -mu --model-url env=LLAMA_ARG_MODEL_URL
+1 -dr --docker-repo env=LLAMA_ARG_DOCKER_REPO
+1 -hf -hfr --hf-repo env=LLAMA_ARG_HF_REPO
+1 -hff --hf-file env=LLAMA_ARG_HF_FILE
+1 -hfv -hfrv --hf-repo-v env=LLAMA_ARG_HF_REPO_V
+1 -hffv --hf-file-v env=LLAMA_ARG_HF_FILE_V
+1 -hft --hf-token env=HF_TOKEN
 1 --embd-normalize
-1 --host
-1 --port
-0 --reuse-port
-1 --path
-1 --api-prefix
-1 --webui-config
-1 --ui-config
-1 --webui-config-file
-1 --ui-config-file
-0 --webui-mcp-proxy --no-webui-mcp-proxy
-0 --ui-mcp-proxy --no-ui-mcp-proxy
-1 --tools
-0 --webui --no-webui
-0 --ui --no-ui
-0 --embedding --embeddings
-0 --rerank --reranking
-1 --api-key
-1 --api-key-file
-1 --ssl-key-file
-1 --ssl-cert-file
-1 --chat-template-kwargs
-1 -to --timeout
-1 --sse-ping-interval
-1 --threads-http
-0 --cache-prompt --no-cache-prompt
-1 --cache-reuse
-0 --metrics
-0 --props
-0 --slots --no-slots
+1 --host env=LLAMA_ARG_HOST
+1 --port env=LLAMA_ARG_PORT
+0 --reuse-port env=LLAMA_ARG_REUSE_PORT
+1 --path env=LLAMA_ARG_STATIC_PATH
+1 --api-prefix env=LLAMA_ARG_API_PREFIX
+1 --webui-config env=LLAMA_ARG_WEBUI_CONFIG
+1 --ui-config env=LLAMA_ARG_UI_CONFIG
+1 --webui-config-file env=LLAMA_ARG_WEBUI_CONFIG_FILE
+1 --ui-config-file env=LLAMA_ARG_UI_CONFIG_FILE
+0 --webui-mcp-proxy !--no-webui-mcp-proxy env=LLAMA_ARG_WEBUI_MCP_PROXY
+0 --ui-mcp-proxy !--no-ui-mcp-proxy env=LLAMA_ARG_UI_MCP_PROXY
+1 --tools env=LLAMA_ARG_TOOLS
+0 --webui !--no-webui env=LLAMA_ARG_WEBUI
+0 --ui !--no-ui env=LLAMA_ARG_UI
+0 --embedding --embeddings env=LLAMA_ARG_EMBEDDINGS
+0 --rerank --reranking env=LLAMA_ARG_RERANKING
+1 --api-key env=LLAMA_API_KEY
+1 --api-key-file env=LLAMA_ARG_API_KEY_FILE
+1 --ssl-key-file env=LLAMA_ARG_SSL_KEY_FILE
+1 --ssl-cert-file env=LLAMA_ARG_SSL_CERT_FILE
+1 --chat-template-kwargs env=LLAMA_ARG_CHAT_TEMPLATE_KWARGS
+1 -to --timeout env=LLAMA_ARG_TIMEOUT
+1 --sse-ping-interval env=LLAMA_ARG_SSE_PING_INTERVAL
+1 --threads-http env=LLAMA_ARG_THREADS_HTTP
+0 --cache-prompt !--no-cache-prompt env=LLAMA_ARG_CACHE_PROMPT
+1 --cache-reuse env=LLAMA_ARG_CACHE_REUSE
+0 --metrics env=LLAMA_ARG_ENDPOINT_METRICS
+0 --props env=LLAMA_ARG_ENDPOINT_PROPS
+0 --slots !--no-slots env=LLAMA_ARG_ENDPOINT_SLOTS
 1 --slot-save-path
 1 --media-path
-1 --models-dir
-1 --models-preset
-1 --models-max
-0 --models-autoload --no-models-autoload
-0 --jinja --no-jinja
-1 --reasoning-format
-1 -rea --reasoning
-1 --reasoning-budget
-1 --reasoning-budget-message
-1 --chat-template
-1 --chat-template-file
-0 --skip-chat-parsing --no-skip-chat-parsing
-0 --prefill-assistant --no-prefill-assistant
+1 --models-dir env=LLAMA_ARG_MODELS_DIR
+1 --models-preset env=LLAMA_ARG_MODELS_PRESET
+1 --models-max env=LLAMA_ARG_MODELS_MAX
+0 --models-autoload !--no-models-autoload env=LLAMA_ARG_MODELS_AUTOLOAD
+0 --jinja !--no-jinja env=LLAMA_ARG_JINJA
+1 --reasoning-format env=LLAMA_ARG_THINK
+1 -rea --reasoning env=LLAMA_ARG_REASONING
+1 --reasoning-budget env=LLAMA_ARG_THINK_BUDGET
+1 --reasoning-budget-message env=LLAMA_ARG_THINK_BUDGET_MESSAGE
+1 --chat-template env=LLAMA_ARG_CHAT_TEMPLATE
+1 --chat-template-file env=LLAMA_ARG_CHAT_TEMPLATE_FILE
+0 --skip-chat-parsing !--no-skip-chat-parsing env=LLAMA_ARG_SKIP_CHAT_PARSING
+0 --prefill-assistant !--no-prefill-assistant env=LLAMA_ARG_PREFILL_ASSISTANT
 1 -sps --slot-prompt-similarity
 0 --lora-init-without-apply
 1 --sleep-idle-seconds
 0 --log-disable
-1 --log-file
+1 --log-file env=LLAMA_ARG_LOG_FILE
 1 --log-prompts-dir
-1 --log-colors
+1 --log-colors env=LLAMA_ARG_LOG_COLORS
 0 -v --verbose --log-verbose
-0 --offline
-1 -lv --verbosity --log-verbosity
-0 --log-prefix --no-log-prefix
-0 --log-timestamps --no-log-timestamps
-1 --spec-draft-hf -hfd -hfrd --hf-repo-draft
+0 --offline env=LLAMA_ARG_OFFLINE
+1 -lv --verbosity --log-verbosity env=LLAMA_ARG_LOG_VERBOSITY
+0 --log-prefix !--no-log-prefix env=LLAMA_ARG_LOG_PREFIX
+0 --log-timestamps !--no-log-timestamps env=LLAMA_ARG_LOG_TIMESTAMPS
+1 --spec-draft-hf -hfd -hfrd --hf-repo-draft env=LLAMA_ARG_SPEC_DRAFT_HF_REPO
 1 --spec-draft-threads -td --threads-draft
 1 --spec-draft-threads-batch -tbd --threads-batch-draft
 1 --spec-draft-cpu-mask -Cd --cpu-mask-draft
@@ -351,20 +384,20 @@ LLAMA_SERVER_OPTIONS: dict[str, int] = _table("""
 1 --spec-draft-cpu-strict-batch --cpu-strict-batch-draft
 1 --spec-draft-prio-batch --prio-batch-draft
 1 --spec-draft-poll-batch --poll-batch-draft
-1 --spec-draft-type-k -ctkd --cache-type-k-draft
-1 --spec-draft-type-v -ctvd --cache-type-v-draft
+1 --spec-draft-type-k -ctkd --cache-type-k-draft env=LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K
+1 --spec-draft-type-v -ctvd --cache-type-v-draft env=LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V
 1 --spec-draft-override-tensor -otd --override-tensor-draft
-0 --spec-draft-cpu-moe -cmoed --cpu-moe-draft
-1 --spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft
-1 --spec-draft-n-max
-1 --spec-draft-n-min
-1 --spec-draft-p-split --draft-p-split
-1 --spec-draft-p-min --draft-p-min
-0 --spec-draft-backend-sampling --no-spec-draft-backend-sampling
+0 --spec-draft-cpu-moe -cmoed --cpu-moe-draft env=LLAMA_ARG_SPEC_DRAFT_CPU_MOE
+1 --spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft env=LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE
+1 --spec-draft-n-max env=LLAMA_ARG_SPEC_DRAFT_N_MAX
+1 --spec-draft-n-min env=LLAMA_ARG_SPEC_DRAFT_N_MIN
+1 --spec-draft-p-split --draft-p-split env=LLAMA_ARG_SPEC_DRAFT_P_SPLIT
+1 --spec-draft-p-min --draft-p-min env=LLAMA_ARG_SPEC_DRAFT_P_MIN
+0 --spec-draft-backend-sampling !--no-spec-draft-backend-sampling env=LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING
 1 --spec-draft-device -devd --device-draft
-1 --spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft
-1 --spec-draft-model -md --model-draft
-1 --spec-type
+1 --spec-draft-ngl -ngld --gpu-layers-draft --n-gpu-layers-draft env=LLAMA_ARG_N_GPU_LAYERS_DRAFT
+1 --spec-draft-model -md --model-draft env=LLAMA_ARG_SPEC_DRAFT_MODEL
+1 --spec-type env=LLAMA_ARG_SPEC_TYPE
 1 --spec-ngram-mod-n-min
 1 --spec-ngram-mod-n-max
 1 --spec-ngram-mod-n-match
@@ -377,8 +410,8 @@ LLAMA_SERVER_OPTIONS: dict[str, int] = _table("""
 1 --spec-ngram-map-k4v-size-n
 1 --spec-ngram-map-k4v-size-m
 1 --spec-ngram-map-k4v-min-hits
-1 --draft --draft-n --draft-max
-1 --draft-min --draft-n-min
+1 --draft --draft-n --draft-max env=LLAMA_ARG_DRAFT_MAX
+1 --draft-min --draft-n-min env=LLAMA_ARG_DRAFT_MIN
 1 --spec-ngram-size-n
 1 --spec-ngram-size-m
 1 --spec-ngram-min-hits
@@ -611,6 +644,32 @@ def filter_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[l
             out.append(token)
             i += 1
     return out, dropped
+
+
+_TRUTHY = ("on", "enabled", "true", "1")  # arg.cpp's is_truthy / is_falsey
+_FALSEY = ("off", "disabled", "false", "0")
+
+
+def env_argv(environ: Mapping[str, str]) -> list[str]:
+    """The command-line words of llama-server's ``LLAMA_ARG_*`` variables set in ``environ``, to go
+    before the command line's own (which win, as in llama-server): a value option takes the value; a
+    flag is set by a truthy value; a flag with a negation follows the value, and ``LLAMA_ARG_NO_X``
+    sets the negation (arg.cpp's get_value_from_env)."""
+    out: list[str] = []
+    for env, (name, negation, n_values) in LLAMA_SERVER_ENV.items():
+        if negation is not None and env.replace("LLAMA_ARG_", "LLAMA_ARG_NO_", 1) in environ:
+            out.append(negation)
+            continue
+        value = environ.get(env)
+        if value is None:
+            continue
+        if n_values:
+            out += [name, value]
+        elif negation is not None and value.lower() in _FALSEY:
+            out.append(negation)
+        elif value.lower() in _TRUTHY:
+            out.append(name)
+    return out
 
 
 # --------------------------------------------------------------------------- what cmd_serve gets
