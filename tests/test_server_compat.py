@@ -72,7 +72,7 @@ def test_a_mixed_prompt_is_tokenized_piece_by_piece_with_bos_only_before_a_leadi
     r = http.post("/completion", json={"prompt": ["def f():", *ids, "\n    return x"], "n_predict": 4}).json()
     expected = _tokens(engine, "def f():") + ids + _tokens(engine, "\n    return x", bos=False)
     assert r["tokens_evaluated"] == len(expected)
-    assert r["prompt"] == engine.vocab.detokenize(expected)
+    assert r["prompt"] == engine.vocab.detokenize(expected, unparse_special=True)
     lead = http.post("/completion", json={"prompt": [*ids, "\n    return x"], "n_predict": 4}).json()
     assert lead["tokens_evaluated"] == len(ids + _tokens(engine, "\n    return x", bos=False))  # no BOS
 
@@ -200,6 +200,14 @@ def test_apply_template_returns_the_rendered_chat(http: TestClient, engine: Engi
     assert http.post("/apply-template", json={"messages": []}).status_code == 400
 
 
+@pytest.mark.parametrize("path", ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"])
+def test_chat_input_tokens_counts_the_rendered_prompt(http: TestClient, engine: Engine, path: str):
+    r = http.post(path, json={"messages": MESSAGES})
+    assert r.json() == {"input_tokens": len(engine.tokenize_chat(render_chat(engine.model, MESSAGES)))}
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == r.json()["input_tokens"]
+
+
 # llama-server's server_task_result_cmpl_final::to_json_non_oaicompat
 COMPLETION_FIELDS = {"index", "content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated",
                      "generation_settings", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word",
@@ -210,10 +218,19 @@ def test_completion_has_llama_servers_fields(http: TestClient, engine: Engine):
     r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "temperature": 0.0, "top_k": 7,
                                        "stop": ["zzz"]}).json()
     assert COMPLETION_FIELDS <= set(r)
-    assert r["prompt"] == engine.vocab.detokenize(_tokens(engine, PROMPT))
+    assert r["prompt"] == engine.vocab.detokenize(_tokens(engine, PROMPT), unparse_special=True)  # BOS as text
     assert (r["tokens_predicted"], r["stop_type"], r["truncated"], r["model"]) == (4, "limit", False, "tiny")
     g = r["generation_settings"]
     assert (g["n_predict"], g["temperature"], g["top_k"], g["stop"]) == (4, 0.0, 7, ["zzz"])
+
+
+def test_response_fields_select_nested_values(http: TestClient):
+    # llama-server's test_completion_response_fields
+    fields = ["content", "generation_settings/n_predict", "prompt", "no/such"]
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 3, "response_fields": fields}).json()
+    assert set(r) == {"content", "generation_settings/n_predict", "prompt"}
+    assert r["generation_settings/n_predict"] == 3 and isinstance(r["content"], str)
+    assert http.post("/completion", json={"prompt": "x", "response_fields": "content"}).status_code == 400
 
 
 def test_streamed_completion_ends_with_the_fields(http: TestClient):

@@ -3,8 +3,13 @@
 - ``/v1/completions``, ``/v1/chat/completions`` (streaming and not), ``/v1/models``:
   what the official ``openai`` client calls;
 - ``/completion``, ``/tokenize``, ``/detokenize``, ``/health``, ``/props``,
-  ``/slots``: llama-server's native API with its field names (``content``,
-  ``tokens``, ``stop_type``, ``timings`` with ``draft_n`` / ``draft_n_accepted``...).
+  ``/slots``, ``/apply-template``, ``/chat/completions/input_tokens``: llama-server's native API
+  with its field names (``content``, ``tokens``, ``stop_type``, ``generation_settings``,
+  ``timings`` with ``draft_n`` / ``draft_n_accepted``...).
+
+Prompts are read as llama-server reads them (a text, token ids, both mixed, or a list of prompts),
+tokenized here and submitted as token ids, ``n`` choices each; a prompt that does not fit a slot
+gets llama-server's ``exceed_context_size_error`` before anything is queued.
 
 Every completion reports the request's speculative statistics in ``timings`` (llama-server's
 ``draft_n`` / ``draft_n_accepted``) and in a ``speculative`` object (vLLM's counters: drafts, draft
@@ -134,6 +139,23 @@ async def _body(req: HttpRequest) -> Any:
         chunks.append(chunk)
     # parsing and checking run in a worker thread: a large body costs that thread, not the event loop
     return await asyncio.to_thread(parse_json, b"".join(chunks))
+
+
+def _nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
+    """Only ``paths`` of ``obj``, each under its path ("generation_settings/n_predict"); all of it when
+    none is asked (llama-server's response_fields, server-common.cpp json_get_nested_values)."""
+    if not paths:
+        return obj
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = obj
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
+    return out
 
 
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
@@ -410,7 +432,7 @@ class _Api:
             "tokens_predicted": len(c.tokens),
             "tokens_evaluated": len(c.prompt_tokens),
             "generation_settings": self._generation_settings(r),
-            "prompt": self.engine.vocab.detokenize(c.prompt_tokens),
+            "prompt": self.engine.vocab.detokenize(c.prompt_tokens, unparse_special=True),  # BOS as text too
             "tokens_cached": c.stats.n_cached,
             "has_new_line": "\n" in c.text,
             "truncated": False,  # pyspec never drops a part of the prompt to fit it
@@ -429,7 +451,8 @@ class _Api:
         hs = self._submit(reqs)
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            outs = [self._native_final(c, r, False, i) for i, (c, r) in enumerate(zip(comps, reqs, strict=True))]
+            outs = [_nested_values(parsed.response_fields, self._native_final(c, r, False, i))
+                    for i, (c, r) in enumerate(zip(comps, reqs, strict=True))]
             return JSONResponse(outs[0] if len(outs) == 1 else outs)  # several prompts or n: a list
 
         def piece(i: int, d: Delta) -> dict[str, Any]:
@@ -456,6 +479,21 @@ class _Api:
                                template=r.chat_template, **dict(r.chat_template_kwargs or {}))
 
         return JSONResponse({"prompt": await asyncio.to_thread(run)})
+
+    async def chat_input_tokens(self, req: HttpRequest) -> Response:
+        """llama-server's /chat/completions/input_tokens: how many tokens the chat's prompt would be."""
+        from pyspec.generation.chat import render_chat
+
+        body = await _body(req)
+
+        def run() -> int:
+            r = apply_template_request(body, self.defaults)
+            assert r.messages is not None
+            text = render_chat(self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
+                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
+            return len(self.engine.tokenize_chat(text))
+
+        return JSONResponse({"input_tokens": await asyncio.to_thread(run)})
 
     # --- OpenAI-compatible endpoints -----------------------------------------------
 
@@ -603,6 +641,8 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
         Route("/tokenize", _guard(api.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(api.detokenize), methods=["POST"]),
         Route("/apply-template", _guard(api.apply_template), methods=["POST"]),
+        Route("/chat/completions/input_tokens", _guard(api.chat_input_tokens), methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", _guard(api.chat_input_tokens), methods=["POST"]),
         Route("/completion", _guard(api.completion), methods=["POST"]),
         Route("/completions", _guard(api.completion), methods=["POST"]),
         Route("/v1/completions", _guard(api.v1_completions), methods=["POST"]),

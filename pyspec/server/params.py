@@ -479,6 +479,7 @@ class Parsed:
     prompts: list[Prompt]
     n: int
     stream: bool
+    response_fields: list[str] = dataclasses.field(default_factory=list)  # /completion: only these ("a/b": nested)
 
 
 def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
@@ -492,7 +493,13 @@ def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_p
     c = _common(body, d, n_vocab, n_parallel)
     n_probs = _int(body, "n_probs", 0, 100) or 0
     req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
-    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False))
+    fields = _get(body, "response_fields")
+    if fields is _MISSING:
+        fields = []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise BadRequest("'response_fields' must be a list of strings")
+    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
+                  [_text("response_fields", f) for f in fields])
 
 
 def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
