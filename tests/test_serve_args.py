@@ -124,6 +124,7 @@ CASES: list[tuple[list[str], str, Any]] = [
     (["--types", "ngram-map-k"], "types", "ngram-map-k"),
     (["-md", "d.gguf"], "types", "draft-simple"),  # a draft model asks for draft-simple
     (["--model-draft", "d.gguf", "--spec-type", "draft-eagle3"], "types", "draft-eagle3"),
+    (["--model-draft", "d.gguf", "--spec-type", "none"], "types", "none"),  # said so: the draft stays unused
     (["--spec-draft-n-max", "8", "--spec-draft-n-min", "2", "--spec-draft-p-min", "0.5"], "spec_kw",
      {"n_max": 8, "n_min": 2, "p_min": 0.5, "ngram_n": 3, "ngram_m": 8}),
     (["--draft-max", "6", "--draft-min", "1", "--draft-p-min", "0.2"], "spec_kw",

@@ -735,7 +735,7 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
             parse_types(types)
         except ValueError as e:
             raise CliError(f"--spec-type: {e}") from None
-    if g.get("draft") and types in ("none", ""):
+    if g.get("draft") and not g.get("spec_type") and types in ("none", ""):
         types = "draft-simple"  # a draft model given without a type: speculate with it, as asked
     spec_kw = {k: g.get(k) for k in ("n_max", "n_min", "p_min", "ngram_n", "ngram_m")}
 
