@@ -143,7 +143,9 @@ CASES: list[tuple[list[str], str, Any]] = [
     (["--api-key", "k1"], "api_keys", ["k1"]),
     (["--api-key", "k1,k2"], "api_keys", ["k1", "k2"]),
     ([], "api_keys", []),
-    (["-a", "m1,m2"], "model_alias", "m1"),
+    (["-a", "m2,m1"], "model_alias", "m1"),  # llama-server's std::set: the first in sorted order
+    (["--alias", "tinyllama-2,fim,code"], "model_aliases", ["code", "fim", "tinyllama-2"]),
+    (["--tags", "chat, small,"], "model_tags", ["chat", "small"]),
     (["--alias", "tiny"], "model_alias", "tiny"),
     (["--metrics"], "metrics", True),
     ([], "metrics", False),
@@ -229,6 +231,7 @@ def test_a_real_world_llama_server_command_line():
     assert (args.n_gpu_layers, opts.draft_n_gpu_layers, args.threads) == (99, 99, 8)
     assert (args.host, args.port, args.n_predict, args.slot_save_path) == ("0.0.0.0", 8081, 1024, "/tmp")
     assert opts.api_keys == ["sk-1", "sk-2"] and opts.model_alias == "coder"
+    assert opts.model_aliases == ["coder", "coder-latest"]
     assert opts.chat_template == "chatml" and opts.metrics and opts.slots
     assert opts.sampling_kw == {"temp": 0.2, "top_k": 20, "top_p": 0.9, "min_p": 0.01, "seed": 42,
                                 "penalty_repeat": 1.05}

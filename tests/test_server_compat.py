@@ -250,6 +250,21 @@ def test_chat_uses_the_servers_chat_template(engine: Engine):
     assert len(expected) != len(engine.tokenize_chat(render_chat(engine.model, MESSAGES)))
 
 
+def test_slots_report_each_slots_context(http: TestClient):
+    # llama-server's test_server_slots: n_ctx per slot
+    slots = http.get("/slots").json()
+    assert [s["n_ctx"] for s in slots] == [N_CTX] * N_PARALLEL and [s["id"] for s in slots] == [0, 1, 2]
+
+
+def test_models_list_the_aliases_and_tags(engine: Engine):
+    # llama-server's test_server_model_aliases_and_tags
+    with TestClient(create_app(engine, model_name="code", model_aliases=["tinyllama-2", "fim", "code"],
+                               model_tags=["chat", "small"])) as c:
+        model = c.get("/v1/models").json()["data"][0]
+    assert (model["id"], model["aliases"], model["tags"]) == ("code", ["code", "fim", "tinyllama-2"], ["chat", "small"])
+    assert model["meta"]["n_ctx"] == N_CTX
+
+
 def test_no_slots_answers_501_as_llama_server(engine: Engine):
     with TestClient(create_app(engine, slots=False)) as c:
         r = c.get("/slots")

@@ -546,6 +546,7 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("--api-key",), "api_key", str),
     Mapped(("--api-key-file",), "api_key_file", str, help="file of API keys, one per line"),
     Mapped(("-a", "--alias"), "alias", str),
+    Mapped(("--tags",), "tags", str, help="model tags, a comma list (listed in /v1/models)"),
     Mapped(("-n", "--predict", "--n-predict"), "n_predict", int),
     Mapped(("--metrics",), "metrics", None, True, help="serve /metrics (Prometheus text format)"),
     Mapped(("--props",), "props", None, True),
@@ -691,7 +692,9 @@ class ServeOptions:
     sampling_kw: dict[str, Any]  # CommonParamsSampling fields
     chat_template: str | None
     api_keys: list[str]
-    model_alias: str | None
+    model_alias: str | None  # the model's name: the first alias in sorted order, as llama-server's std::set
+    model_aliases: list[str]
+    model_tags: list[str]
     metrics: bool
     slots: bool
     not_applied: list[str]  # llama-server options accepted without effect, for the one warning
@@ -772,9 +775,9 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
         keys += [line.strip() for line in _read(g["api_key_file"], "API key file").splitlines()
                  if line.strip() and not line.startswith("#")]
 
-    alias = g.get("alias")
-    if alias:
-        alias = alias.split(",")[0].strip() or None  # llama-server: a comma list; the first names the model
+    # llama-server: comma lists, kept sorted (std::set); the first alias names the model
+    aliases = sorted({a.strip() for a in (g.get("alias") or "").split(",") if a.strip()})
+    tags = sorted({t.strip() for t in (g.get("tags") or "").split(",") if t.strip()})
 
     for (dest, value), name in _NOT_DONE.items():
         if dest in g and g[dest] == value:
@@ -782,6 +785,7 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     return ServeOptions(
         n_ctx=n_ctx, n_batch=int(g["n_batch"]), n_ubatch=g.get("n_ubatch"), parallel=parallel, types=types,
         spec_kw=spec_kw, context_kw=context_kw, model_kw=model_kw, draft_n_gpu_layers=g.get("draft_n_gpu_layers"),
-        sampling_kw=sampling_kw, chat_template=chat_template, api_keys=keys, model_alias=alias,
+        sampling_kw=sampling_kw, chat_template=chat_template, api_keys=keys,
+        model_alias=aliases[0] if aliases else None, model_aliases=aliases, model_tags=tags,
         metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)),
         not_applied=list(dict.fromkeys(not_applied)))

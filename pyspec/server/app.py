@@ -167,9 +167,11 @@ class _Api:
     """The handlers, over one started engine."""
 
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
-                 metrics: bool = False, slots: bool = True) -> None:
+                 metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
+                 tags: Sequence[str] = ()) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.aliases, self.tags = sorted(set(aliases)), sorted(set(tags))  # llama-server keeps them in std::sets
         self.defaults = defaults
         self.slot_save_path = slot_save_path
         self.metrics_on = metrics
@@ -331,9 +333,11 @@ class _Api:
         m = self.engine.model
         return JSONResponse({
             "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pyspec",
-                      "meta": {"n_vocab": self.engine.n_vocab, "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd,
-                               "n_params": m.n_params, "size": m.size}}],
+            "data": [{"id": self.model_name, "aliases": self.aliases, "tags": self.tags, "object": "model",
+                      "created": self.created, "owned_by": "pyspec",
+                      "meta": {"n_vocab": self.engine.n_vocab, "n_ctx": self.engine.n_ctx_seq,
+                               "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd, "n_params": m.n_params,
+                               "size": m.size}}],
         })
 
     async def props(self, _: HttpRequest) -> Response:
@@ -373,7 +377,8 @@ class _Api:
         if not self.slots_on:  # llama-server's answer under --no-slots (server-context.cpp)
             return _error(501, "This server does not support slots endpoint. Start it with `--slots`",
                           "not_supported_error")
-        return JSONResponse(self.engine.slot_info())
+        # each slot's context as llama-server reports it (n_ctx, per slot)
+        return JSONResponse([{"id": i["id"], "n_ctx": self.engine.n_ctx_seq, **i} for i in self.engine.slot_info()])
 
     async def slot_action(self, req: HttpRequest) -> Response:
         slot_id, action = slot_action_request(req.path_params["id"], req.query_params.get("action", ""),
@@ -619,16 +624,18 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
 
 def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Sequence[str] | None = None,
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
-               metrics: bool = False, slots: bool = True) -> Starlette:
+               metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
+               model_tags: Sequence[str] = ()) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
     ``api_key``: one key or several, any of which is accepted. ``slots=False``: ``GET /slots`` answers
-    501 (llama-server's ``--no-slots``)."""
+    501 (llama-server's ``--no-slots``). ``model_aliases`` / ``model_tags``: the model list's
+    ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``)."""
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots)
+               metrics, slots, model_aliases, model_tags)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
