@@ -166,8 +166,10 @@ CASES: list[tuple[list[str], str, Any]] = [
     # accepted as they are: pyspec always does what they ask
     (["--jinja", "--no-webui", "-cb", "--no-context-shift", "--cache-prompt", "--slots"], "not_applied", []),
     # accepted, named in the warning: pyspec does not do what they ask
-    (["--no-jinja", "--webui", "-nocb", "--context-shift", "--props", "-tb", "4"], "not_applied",
-     ["--threads-batch", "--no-jinja", "--webui", "--no-cont-batching", "--context-shift", "--props"]),
+    (["--no-jinja", "--webui", "-nocb", "--context-shift", "-tb", "4"], "not_applied",
+     ["--threads-batch", "--no-jinja", "--webui", "--no-cont-batching", "--context-shift"]),
+    (["--props"], "props", True),
+    ([], "props", False),
     # llama-server options pyspec has no use for: dropped with their values, named once
     (["--lora", "a.gguf", "--embedding", "-to", "600", "--cache-reuse", "256", "--lora", "b.gguf"], "not_applied",
      ["--lora", "--embedding", "-to", "--cache-reuse"]),

@@ -265,6 +265,14 @@ def test_models_list_the_aliases_and_tags(engine: Engine):
     assert model["meta"]["n_ctx"] == N_CTX
 
 
+def test_post_props_needs_the_props_option(http: TestClient, engine: Engine):
+    r = http.post("/props", json={})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    with TestClient(create_app(engine, props=True)) as c:
+        assert c.post("/props", json={"n_ctx": 1}).json() == {"success": True}
+        assert c.get("/props").json()["default_generation_settings"]["n_ctx"] == N_CTX  # nothing changed
+
+
 def test_no_slots_answers_501_as_llama_server(engine: Engine):
     with TestClient(create_app(engine, slots=False)) as c:
         r = c.get("/slots")

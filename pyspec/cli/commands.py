@@ -347,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, host=args.host, port=args.port, model_name=name, api_key=opts.api_keys or None,
               defaults=defaults, slot_save_path=args.slot_save_path, log_level="info" if verbose else "warning",
               on_listening=listening, metrics=opts.metrics, slots=opts.slots, model_aliases=opts.model_aliases,
-              model_tags=opts.model_tags)
+              model_tags=opts.model_tags, props=opts.props)
     print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 

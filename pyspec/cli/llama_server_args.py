@@ -579,7 +579,7 @@ MAPPED: tuple[Mapped, ...] = (
 
 # llama-server options that ask for something pyspec serve does not do (named in the one warning)
 _NOT_DONE = {("jinja", False): "--no-jinja", ("webui", True): "--webui", ("cont_batching", False): "--no-cont-batching",
-             ("context_shift", True): "--context-shift", ("props", True): "--props"}
+             ("context_shift", True): "--context-shift"}
 
 
 def add_llama_server_args(parser: argparse.ArgumentParser) -> None:
@@ -697,6 +697,7 @@ class ServeOptions:
     model_tags: list[str]
     metrics: bool
     slots: bool
+    props: bool  # POST /props accepted (llama-server's --props)
     not_applied: list[str]  # llama-server options accepted without effect, for the one warning
 
 
@@ -787,5 +788,5 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
         spec_kw=spec_kw, context_kw=context_kw, model_kw=model_kw, draft_n_gpu_layers=g.get("draft_n_gpu_layers"),
         sampling_kw=sampling_kw, chat_template=chat_template, api_keys=keys,
         model_alias=aliases[0] if aliases else None, model_aliases=aliases, model_tags=tags,
-        metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)),
+        metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)), props=bool(g.get("props", False)),
         not_applied=list(dict.fromkeys(not_applied)))

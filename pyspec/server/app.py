@@ -168,7 +168,7 @@ class _Api:
 
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
                  metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
-                 tags: Sequence[str] = ()) -> None:
+                 tags: Sequence[str] = (), props: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.aliases, self.tags = sorted(set(aliases)), sorted(set(tags))  # llama-server keeps them in std::sets
@@ -176,6 +176,7 @@ class _Api:
         self.slot_save_path = slot_save_path
         self.metrics_on = metrics
         self.slots_on = slots
+        self.props_on = props
         self.created = int(time.time())
 
     # --- helpers ----------------------------------------------------------------
@@ -361,6 +362,15 @@ class _Api:
             "speculative": e.backend.has_spec,
             "build_info": f"pyspec {__version__}, llama.cpp {LLAMA_CPP_REVISION}",
         })
+
+    async def props_change(self, req: HttpRequest) -> Response:
+        # llama-server's POST /props (server-context.cpp): 501 without --props; with it, a success that
+        # changes nothing (no property is writable there either)
+        if not self.props_on:
+            return _error(501, "This server does not support changing global properties. Start it with `--props`",
+                          "not_supported_error")
+        await _body(req)  # a body that is not JSON is still a 400
+        return JSONResponse({"success": True})
 
     async def metrics(self, _: HttpRequest) -> Response:
         if not self.metrics_on:
@@ -625,23 +635,25 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
 def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Sequence[str] | None = None,
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
                metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
-               model_tags: Sequence[str] = ()) -> Starlette:
+               model_tags: Sequence[str] = (), props: bool = False) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
     ``api_key``: one key or several, any of which is accepted. ``slots=False``: ``GET /slots`` answers
     501 (llama-server's ``--no-slots``). ``model_aliases`` / ``model_tags``: the model list's
-    ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``)."""
+    ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``). ``props``: ``POST /props`` answers as
+    llama-server's under ``--props`` (501 without)."""
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots, model_aliases, model_tags)
+               metrics, slots, model_aliases, model_tags, props)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
         Route("/models", _guard(api.models), methods=["GET"]),
         Route("/v1/models", _guard(api.models), methods=["GET"]),
         Route("/props", _guard(api.props), methods=["GET"]),
+        Route("/props", _guard(api.props_change), methods=["POST"]),
         Route("/slots", _guard(api.slots), methods=["GET"]),
         Route("/metrics", _guard(api.metrics), methods=["GET"]),
         Route("/slots/{id}", _guard(api.slot_action), methods=["POST"]),
