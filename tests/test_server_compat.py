@@ -233,6 +233,18 @@ def test_response_fields_select_nested_values(http: TestClient):
     assert http.post("/completion", json={"prompt": "x", "response_fields": "content"}).status_code == 400
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_false_leaves_the_tokens_out(http: TestClient, stream: bool):
+    # llama-server's test_completion: "tokens" is [] unless return_tokens (pyspec sends them unless told not)
+    body = {"prompt": PROMPT, "n_predict": 4, "stream": stream}
+    off = http.post("/completion", json={**body, "return_tokens": False})
+    on = http.post("/completion", json=body)
+    if stream:
+        assert all(e["tokens"] == [] for e in _events(off)) and any(e["tokens"] for e in _events(on))
+    else:
+        assert off.json()["tokens"] == [] and len(on.json()["tokens"]) == 4
+
+
 def test_streamed_completion_ends_with_the_fields(http: TestClient):
     events = _events(http.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "stream": True}))
     assert COMPLETION_FIELDS <= set(events[-1]) and events[-1]["stop"] is True

@@ -435,12 +435,13 @@ class _Api:
         toks = detokenize_request(await _body(req), self.engine.n_vocab)
         return JSONResponse({"content": self.engine.vocab.detokenize(toks)})
 
-    def _native_final(self, c: Completion, r: Request, stream: bool, index: int = 0) -> dict[str, Any]:
+    def _native_final(self, c: Completion, r: Request, stream: bool, index: int = 0,
+                      return_tokens: bool = True) -> dict[str, Any]:
         n_probs = r.n_probs
         out: dict[str, Any] = {
             "index": index,
             "content": "" if stream else c.text,
-            "tokens": [] if stream else c.tokens,
+            "tokens": c.tokens if return_tokens and not stream else [],
             "id_slot": c.slot_id,
             "stop": True,
             "model": self.model_name,
@@ -466,13 +467,13 @@ class _Api:
         hs = self._submit(reqs)
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            outs = [_nested_values(parsed.response_fields, self._native_final(c, r, False, i))
+            outs = [_nested_values(parsed.response_fields, self._native_final(c, r, False, i, parsed.return_tokens))
                     for i, (c, r) in enumerate(zip(comps, reqs, strict=True))]
             return JSONResponse(outs[0] if len(outs) == 1 else outs)  # several prompts or n: a list
 
         def piece(i: int, d: Delta) -> dict[str, Any]:
-            out: dict[str, Any] = {"index": i, "content": d.text, "tokens": d.tokens, "stop": False,
-                                   "id_slot": -1}
+            out: dict[str, Any] = {"index": i, "content": d.text, "tokens": d.tokens if parsed.return_tokens else [],
+                                   "stop": False, "id_slot": -1}
             if parsed.request.n_probs:
                 out["completion_probabilities"] = [_lp_json(lp, parsed.request.n_probs) for lp in d.logprobs]
             return out

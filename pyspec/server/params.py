@@ -480,6 +480,8 @@ class Parsed:
     n: int
     stream: bool
     response_fields: list[str] = dataclasses.field(default_factory=list)  # /completion: only these ("a/b": nested)
+    # /completion's "tokens": llama-server sends them only when asked, pyspec unless told not to
+    return_tokens: bool = True
 
 
 def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
@@ -499,7 +501,7 @@ def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_p
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise BadRequest("'response_fields' must be a list of strings")
     return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
-                  [_text("response_fields", f) for f in fields])
+                  [_text("response_fields", f) for f in fields], _bool(body, "return_tokens", True))
 
 
 def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
