@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import os
 import sys
@@ -35,20 +34,30 @@ EXIT_ERROR = 1
 def _known_types() -> list[str]:
     # nothing here opens a library: --help works before the package is built
     from pyspec.common.speculative import common_speculative_type_from_name_map
+    from pyspec.suffix.names import SUFFIX_TYPE_NAME
 
-    return list(common_speculative_type_from_name_map)
+    return [*common_speculative_type_from_name_map, SUFFIX_TYPE_NAME]
 
 
 def _types_arg(value: str) -> str:
     """argparse type for --types: each comma item a type or types joined by + (checked here, parsed later)."""
     from pyspec.generation.contexts import parse_types
+    from pyspec.suffix.names import split_suffix_type
 
     try:
         for item in value.split(","):
-            parse_types(item)
+            parse_types(split_suffix_type(item)[0])  # "suffix" is pyspec's own type, beside llama.cpp's
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e} (known: {', '.join(_known_types())})") from None
     return value.replace(" ", "")
+
+
+def _no_suffix(types: str, command: str) -> None:
+    from pyspec.suffix.names import split_suffix_type
+
+    if split_suffix_type(types)[1]:
+        raise CliError(f"pyspec {command} runs llama.cpp's types only; the suffix type runs in the Engine: "
+                       "pyspec serve --types suffix, or scripts/bench_traces.py")
 
 
 def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = None,
@@ -249,6 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("--n-predict must be positive")
     n_seq = max(args.n_seq, len(prompts))
     prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
+    _no_suffix(args.types, "run")
     types = parse_types(args.types)
     if args.temp <= 0:
         sampling = greedy_sampling()
@@ -319,10 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                "n_gpu_layers": opts.draft_n_gpu_layers}
     not_applied = list(opts.not_applied)
     if opts.context_kw:
-        if "context_kw" in inspect.signature(Engine.load).parameters:
-            load_kw["context_kw"] = opts.context_kw
-        else:  # this Engine.load opens its contexts with llama.cpp's defaults
-            not_applied += [_CONTEXT_OPTION[k] for k in opts.context_kw]
+        load_kw["context_kw"] = opts.context_kw
     if not_applied:  # one warning naming them all: a llama-server command line starts, and says what it lost
         logging.getLogger("pyspec").warning("pyspec serve: these llama-server options have no effect here: %s",
                                             " ".join(not_applied))
@@ -352,11 +359,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-# the llama-server option behind each Context keyword of ServeOptions.context_kw
-_CONTEXT_OPTION = {"flash_attn_type": "--flash-attn", "type_k": "--cache-type-k", "type_v": "--cache-type-v",
-                   "kv_unified": "--kv-unified"}
-
-
 # --------------------------------------------------------------------------- bench
 
 
@@ -364,6 +366,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pyspec.cli import bench
     from pyspec.generation.contexts import parse_types
 
+    _no_suffix(args.types, "bench")
     type_sets = [parse_types(n) for n in args.types.split(",")]
     all_types = sorted({t for ts in type_sets for t in ts})
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]

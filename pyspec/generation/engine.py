@@ -56,7 +56,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,13 +250,16 @@ class Engine(EngineQueue):
         slot_similarity: float = 0.1,
         adaptive_draft: bool = True,
         suffix: SuffixParams | None = None,
+        context_kw: Mapping[str, Any] | None = None,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
         ``n_ctx`` is per slot. The engine owns and closes all of them.
 
         ``types`` may name ``suffix`` beside llama.cpp's types (``"suffix,ngram-mod"``): the suffix type with
-        ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too."""
+        ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too.
+        ``context_kw``: more Context keywords for the target and draft contexts (``flash_attn_type``, cache types,
+        ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
@@ -267,7 +270,7 @@ class Engine(EngineQueue):
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
-                               n_threads=n_threads, owned=models.owned)
+                               n_threads=n_threads, owned=models.owned, context_kw=context_kw)
         except BaseException:
             models.close()
             raise
