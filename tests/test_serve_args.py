@@ -323,10 +323,8 @@ def test_cmd_serve_passes_the_options_on_and_warns_once(monkeypatch: pytest.Monk
 
 
 def test_the_suffix_type_is_a_type_name_for_serve_and_refused_by_run():
-    from pyspec.cli import commands
-
     assert commands._types_arg("suffix,ngram-mod") == "suffix,ngram-mod"
     assert "suffix" in commands._known_types()
-    with pytest.raises(commands.CliError, match="suffix type runs in the Engine"):
+    with pytest.raises(CliError, match="suffix type runs in the Engine"):
         commands._no_suffix("ngram-mod+suffix", "bench")
     commands._no_suffix("ngram-mod", "bench")  # llama.cpp's types pass
