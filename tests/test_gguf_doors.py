@@ -282,3 +282,10 @@ def test_each_mutation_class_changes_the_file(sets):
                 changed.add(op)
                 break
     assert changed == set(range(14))
+
+
+def test_a_mutated_alignment_of_the_wrong_size_still_encodes(sets):
+    # found by the long run: a type changed to uint32 with the old payload kept (a finding of the mutator itself)
+    g = fuzz.GgufFile(sets["cvec"][0].read_bytes())
+    _set(g, b"general.alignment", U32, b"\x20")
+    assert g.alignment() == 32 and g.encode()[:4] == b"GGUF"

@@ -321,7 +321,7 @@ class GgufFile:
 
     def alignment(self) -> int:
         for key, t, _, _, payload in self.kvs:
-            if key == b"general.alignment" and t == 4:
+            if key == b"general.alignment" and t == 4 and len(payload) == 4:  # a mutation may leave another size
                 (a,) = struct.unpack("<I", payload)
                 if a and a & (a - 1) == 0:
                     return int(a)
