@@ -290,7 +290,7 @@ def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -
         spec = CommonParamsSpeculative(types=[spec_type])
         spec.ngram_simple.size_n = 3
         spec.ngram_simple.size_m = 8
-        with SpeculativeGenerator(ctx, spec, engine=engine, adaptive_draft=False) as gen:  # every draft verified
+        with SpeculativeGenerator(ctx, spec, backend=engine, adaptive_draft=False) as gen:  # every draft verified
             (res,) = gen.generate([prompt], n_predict=64, add_special=not isinstance(prompt, list))
             return gen.stats.n_drafted, gen.stats.n_accepted, list(res.tokens)
 
