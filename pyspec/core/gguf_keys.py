@@ -214,6 +214,7 @@ def _walk(path: Path) -> tuple[dict[str, _Value], str]:
             # the tensor infos: gguf_init_from_file divides INT64_MAX by ne[1], ne[2] and ne[3]
             # (the element count check), so a dimension of 0 past the first is a SIGFPE
             # (found by scripts/fuzz.py, gguf_doors target)
+            infos = []
             for _ in range(max(n_tensors, 0)):
                 name = string()
                 (n_dims,) = take("<I")
@@ -225,12 +226,44 @@ def _walk(path: Path) -> tuple[dict[str, _Value], str]:
                 if 0 in dims[1:]:
                     tname = name.decode("utf-8", "replace")
                     return out, f"tensor {tname!r} has a dimension of 0 past the first (shape {list(dims)})"
-                take("<IQ")
+                (ttype, _offset) = take("<IQ")
+                infos.append((dims, ttype))
+            data = _data_size(infos, _alignment(out))
+            if data is not None and (off + _alignment(out) - 1) // _alignment(out) * _alignment(out) + data > size:
+                out[_DATA_PAST_END] = _Value(-1, U64, number=data)
         except _Stop:
             pass  # what was read is checked; gguf's parser refuses the rest with an error
         return out, ""
     finally:
         mm.close()
+
+
+# set by _walk when the tensors' data (as gguf sums it) runs past the end of the file
+_DATA_PAST_END = "\0data past the end"
+
+
+def _alignment(kv: dict[str, _Value]) -> int:
+    a = kv.get("general.alignment")
+    n = a.number if a is not None and a.type == U32 else None
+    return n if n and n & (n - 1) == 0 else 32
+
+
+def _data_size(infos: list[tuple[tuple[int, ...], int]], align: int) -> int | None:
+    """The data section's size as gguf_init_from_file sums it (each tensor padded to the
+    alignment); None when gguf refuses a tensor type or shape first."""
+    from pyspec.ffi import ggml
+
+    total = 0
+    for dims, ttype in infos:
+        if ttype >= int(ggml.GGML_TYPE_COUNT):
+            return None
+        blck, tsize = int(ggml.ggml_blck_size(ttype)), int(ggml.ggml_type_size(ttype))
+        ne = [*dims, 1, 1, 1, 1][:4]
+        if blck <= 0 or tsize <= 0 or ne[0] % blck:
+            return None
+        nbytes = tsize * (ne[0] // blck) * ne[1] * ne[2] * ne[3]
+        total += (nbytes + align - 1) // align * align
+    return total
 
 
 def _describe(v: _Value) -> str:
@@ -324,6 +357,12 @@ def gguf_problem(path: str | os.PathLike[str], door: str, *, in_split: bool = Fa
 
 def _problem(p: Path, walked: tuple[dict[str, _Value], str], door: str, in_split: bool) -> str:
     kv, problem = walked
+    if not problem and door == "cvec" and _DATA_PAST_END in kv:
+        # load_control_vector has gguf allocate the data section before reading it: a size
+        # past the end of the file is a failed malloc, GGML_ASSERT in ggml_init (found by the
+        # gguf_doors fuzz target)
+        problem = (f"the tensor data ({kv[_DATA_PAST_END].number} bytes as the tensor infos give it) "
+                   "runs past the end of the file")
     if not problem:
         count = kv.get("split.count")
         split = in_split or (count is not None and count.number is not None and count.number > 1)

@@ -445,7 +445,7 @@ def mutate_gguf(g: GgufFile, inp: Input) -> None:
         kvs.remove(kv)
     elif op == 12 and kv is not None and kv[1] == _GT_STRING:  # a string value's length lies
         (n,) = struct.unpack_from("<Q", kv[4])
-        kv[4] = struct.pack("<Q", inp.choice([0, n + 1, 2**63, inp.wild(0, 256)])) + kv[4][8:]
+        kv[4] = struct.pack("<Q", inp.choice([0, n + 1, 2**63, inp.wild(0, 256)]) % 2**64) + kv[4][8:]
     elif op == 13:
         g.version = inp.choice([1, 2, 3, 4, 0xFFFFFFFF])
 
