@@ -4,6 +4,7 @@
     python scripts/fuzz.py --target grammar --seconds 600          # one target, 10 minutes
     python scripts/fuzz.py --target all --seconds 60 --atheris     # coverage-guided (pip install .[fuzz])
     python scripts/fuzz.py --target api --seconds 5 --json out.json
+    python scripts/fuzz.py --target gguf_doors --inputs 100000 --seconds 86400  # 100,000 mutated files
 
 The targets are in pyspec/testing/fuzz.py. A worker process loads the tiny models once
 and runs inputs until its time is up: mutations of seed inputs (or, with --atheris,
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 SLOT = 1 << 20  # the largest input the shared memory file holds (longer inputs are cut there)
 _HEAD = 16  # the slot file starts with the input's length and the number of inputs started
-ALL = ["grammar", "state", "ngram", "api", "params", "gguf"]  # cli runs only when named (a process per input)
+# cli runs only when named (a process per input)
+ALL = ["grammar", "state", "ngram", "api", "params", "gguf", "gguf_doors"]
 
 
 # --- the worker ---------------------------------------------------------------------
@@ -106,7 +108,7 @@ def _worker(args: argparse.Namespace) -> None:
         corpus = seeds or [b""]
         for s in corpus:
             run_one(s)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (not args.inputs or args.done + state["n"] < args.inputs):
             data = fuzz.mutate(rng.choice(corpus), rng)
             run_one(data)
             if len(corpus) < 512 and rng.random() < 0.01:
@@ -149,10 +151,11 @@ def fuzz_target(target: str, seconds: float, args: argparse.Namespace) -> dict:
            "seconds": 0.0, "examples": []}
     t0 = time.monotonic()
     seed = args.seed
-    while time.monotonic() - t0 < seconds:
+    while time.monotonic() - t0 < seconds and not (args.inputs and res["inputs"] >= args.inputs):
         left = seconds - (time.monotonic() - t0)
         cmd = [sys.executable, __file__, "--worker", "--target", target, "--seconds", f"{left:.1f}", "--slot",
-               str(slot), "--seed", str(seed), "--out", str(out_dir), "--hang", str(args.hang)]
+               str(slot), "--seed", str(seed), "--out", str(out_dir), "--hang", str(args.hang),
+               "--inputs", str(args.inputs), "--done", str(res["inputs"])]
         if args.atheris:
             cmd.append("--atheris")
         seed += 1
@@ -170,6 +173,10 @@ def fuzz_target(target: str, seconds: float, args: argparse.Namespace) -> dict:
                 ready = ready or bool(d.get("ready"))
                 if "n" in d:
                     n_here = d["n"]
+                    if args.progress:  # a long run's counts so far, readable before it ends
+                        with open(args.progress, "a") as f:
+                            f.write(json.dumps({k: res[k] for k in ("target", "signals", "hangs", "findings")}
+                                               | {"inputs": res["inputs"] + n_here}) + "\n")
                 if "finding" in d:
                     res["findings"] += 1
                     if len(res["examples"]) < 5:
@@ -213,10 +220,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "build" / "fuzz"), help="crash / finding inputs and corpora")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hang", type=float, default=60.0, help="seconds without progress that count as a hang")
+    ap.add_argument("--inputs", type=int, default=0, help="stop a target after this many inputs (0: --seconds only)")
+    ap.add_argument("--progress", help="append each worker's progress lines (JSON) to this file")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--slot", help=argparse.SUPPRESS)
+    ap.add_argument("--done", type=int, default=0, help=argparse.SUPPRESS)  # inputs run by earlier workers
     args = ap.parse_args()
     if args.worker:
         _worker(args)

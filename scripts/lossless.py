@@ -43,7 +43,6 @@ from pyspec.core.context import Context  # noqa: E402
 from pyspec.generation.contexts import (  # noqa: E402
     ModelSet,
     load_models,
-    model_paths,
     open_contexts,
     parse_types,
     spec_params,
@@ -122,9 +121,10 @@ def tiny_q8_0_paths(t: T, tiny: bool) -> dict[str, Any]:
     """load_models' paths: the Q8_0 copies of the tiny models for ``t``, or nothing (Gemma)."""
     if not tiny:
         return {}
+    from pyspec.testing.models import tiny_model_paths
     from pyspec.testing.quantize import q8_0_copy
 
-    target, draft = model_paths([t], tiny=True)
+    target, draft = tiny_model_paths([t])
     return {"model": q8_0_copy(target), "draft": None if draft is None else q8_0_copy(draft)}
 
 

@@ -554,7 +554,7 @@ def _spec(t: T, **kw: Any) -> CommonParamsSpeculative:
 
 def _generate(engine: str, p: CommonParamsSpeculative, sampling: CommonParamsSampling | None = None) -> Any:
     c = ctx(n_ctx=512)
-    with SpeculativeGenerator(c, p, sampling or greedy_sampling(), engine=engine) as g:
+    with SpeculativeGenerator(c, p, sampling or greedy_sampling(), backend=engine) as g:
         return g.generate(["def f(x): return f(x) + f(x)"], 8)[0].tokens
 
 
@@ -681,7 +681,7 @@ def eagle3_target_without_layer_export() -> Any:
     d = Context(M["eagle3"], **KW, ctx_other=c)
     p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
     p.draft.ctx_dft = d
-    return SpeculativeGenerator(c, p, engine="cpp")
+    return SpeculativeGenerator(c, p, backend="cpp")
 
 
 def driver_prompt_token_outside_vocab() -> Any:

@@ -1,10 +1,17 @@
 """Shared fixtures: the tiny deterministic models, opened once per session, and the contexts of each
 speculative type on them, built by the library's own builder (pyspec.generation.contexts).
+
+Test tiers: ``pytest -m "not slow"`` runs the unit, port and engine tests on the tiny models; the
+slow tier is the real model, builds, fuzz, soak, subprocess-heavy and integration tests (the
+command line, the server, rpc-servers). A file marks itself (``pytestmark = pytest.mark.slow``)
+or its slow tests; SLOW_FILES and SLOW_TESTS mark those of files that carry no marker of their own.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +20,20 @@ from pyspec import Context, Model
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.generation.contexts import ContextSet, ModelSet, load_models, open_contexts, parse_types, spec_params
 from pyspec.testing import models as tm
+
+# integration files: the HTTP server end to end (its routes, fields and keys over HTTP, uvicorn in subprocesses)
+SLOW_FILES = ("test_server*.py",)
+# packaging checks that start a fresh interpreter per command or make every tiny model afresh
+SLOW_TESTS = ("test_layout.py::test_help_works_without_the_libraries",
+              "test_layout.py::test_the_tiny_models_are_made_outside_the_clone")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        test = f"{name}::{getattr(item, 'originalname', item.name)}"
+        if any(fnmatch.fnmatch(name, f) for f in SLOW_FILES) or test in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,7 @@ def test_malformed_messages_are_refused(chat_model, messages, match):
         render_chat(chat_model, messages)
 
 
+@pytest.mark.slow  # the real model's vocabulary (Gemma 3 270M)
 def test_gemma_turns_become_special_tokens_not_literal_text():
     with Model(default_model_path(), vocab_only=True) as m:  # the test extra installs the real model
         msgs = [{"role": "user", "content": "Hi"}]

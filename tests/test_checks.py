@@ -15,6 +15,7 @@ from pyspec.common.checks import check_draft_vocab
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.errors import SpeculativeError
+from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.reference.speculative import RefSpeculative
 from pyspec.testing import models as tm
 
@@ -118,3 +119,10 @@ def test_the_same_pair_is_not_checked_for_types_without_a_draft_model(target, od
         spec = sp.common_speculative_init(params, 1)
         assert spec is not None
         spec.close()
+
+
+def test_the_library_builder_refuses_the_pair_when_it_opens_the_contexts(target, odd_draft):
+    # open_contexts (what Engine.load and LLM use) checks the pair before any Context exists
+    models = ModelSet(target, odd_draft)
+    with pytest.raises(SpeculativeError, match=f"has {odd_draft.vocab.n_tokens} tokens"):
+        open_contexts(models, spec_params([T.DRAFT_SIMPLE]), n_ctx=128, n_batch=32, n_threads=1)

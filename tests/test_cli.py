@@ -14,6 +14,8 @@ import pytest
 from pyspec import cli
 from pyspec.testing import models as tm
 
+pytestmark = pytest.mark.slow  # the command line end to end, some runs in subprocesses: not in `pytest -m "not slow"`
+
 REPO = Path(__file__).resolve().parents[1]
 # the cyclic tiny target repeats itself, so n-gram drafts are accepted
 NGRAM = ["--types", "ngram-simple", "--ngram-n", "3", "--ngram-m", "8"]

@@ -8,7 +8,6 @@ devices are covered in test_rpc.py.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ on_accelerator = pytest.mark.parametrize(
 )
 
 
-def tiny(types: list) -> dict[str, Path | None]:
+def tiny(types: list) -> dict[str, Any]:
     """load_models' model= and draft= for the tiny models of the types."""
     target, draft = tm.tiny_model_paths(types)
     return {"model": target, "draft": draft}

@@ -134,6 +134,7 @@ def _run(block: Block, cwd: Path) -> None:
     assert r.returncode == 0, f"{block.name} failed:\n{block.code}\n--- stderr ---\n{r.stderr[-4000:]}"
 
 
+@pytest.mark.slow  # each block in a subprocess of its own
 @pytest.mark.parametrize("block", [b for b in PY_BLOCKS if b.mark == ""], ids=lambda b: b.name)
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     _run(block, tmp_path)
@@ -144,6 +145,7 @@ SUBCOMMANDS = sorted({m for d in DOCS for b in blocks(d) if b.lang == "bash"
                       for m in re.findall(r"python3? -m pyspec(?: -v)? ([a-z][a-z-]*)", b.code)})
 
 
+@pytest.mark.slow  # a subprocess per subcommand
 def test_shell_blocks_name_real_subcommands() -> None:
     assert "serve" in SUBCOMMANDS, SUBCOMMANDS
     for sub in SUBCOMMANDS:

@@ -248,6 +248,66 @@ def test_n_min_is_respected():
     assert ctl.trim(0, 5, 5) == 5
 
 
+
+# --- shadow drafts: the acceptance of drafts that were not verified ----------------------------
+
+
+def test_a_shadow_draft_is_resolved_at_the_first_token_it_did_not_predict():
+    ctl = controller(CPU_CURVE)
+    ctl.shadow(0, [5, 6, 7, 8], full=True)
+    ctl.observe(0, [5])
+    ctl.observe(0, [6])
+    assert ctl._seq(0).n_shadows == 0  # still pending: two tokens predicted so far
+    ctl.observe(0, [9])
+    assert ctl._seq(0).n_shadows == 1
+    acc = ctl._acc("ngram-test", True)
+    assert (acc.first_tested, acc.first_accepted) == (1.0, 1.0)
+    assert (acc.next_tested, acc.next_accepted) == (2.0, 1.0)  # position 2 accepted, 3 rejected
+
+
+def test_a_shadow_draft_predicted_whole_counts_as_all_accepted():
+    ctl = controller(CPU_CURVE)
+    ctl.shadow(0, [1, 2, 3])
+    ctl.observe(0, [1, 2, 3, 4])  # a step may bring several tokens
+    s = ctl._seq(0)
+    assert s.n_shadows == 1 and s.shadow is None
+    assert s.acc[None].first_accepted == 1.0 and s.acc[None].next_accepted == 2.0
+
+
+def test_one_shadow_at_a_time_and_none_for_a_fixed_controller():
+    ctl = controller(CPU_CURVE)
+    ctl.shadow(0, [1, 2])
+    ctl.shadow(0, [7, 7])  # ignored while the first is pending
+    ctl.observe(0, [7])
+    acc = ctl._seq(0).acc[None]
+    assert acc.first_tested == 1.0 and acc.first_accepted == 0.0  # the first shadow, rejected at once
+    fixed = controller(CPU_CURVE, fixed=True)
+    fixed.shadow(0, [1, 2])
+    fixed.observe(0, [1, 2])
+    assert fixed._seq(0).n_shadows == 0
+
+
+def test_shadow_drafts_bring_a_sequence_held_at_zero_back_to_drafting():
+    # rejected drafts made the controller stop verifying; the text turns repetitive, and the drafts it
+    # no longer verifies predict it: the shadows alone bring verification back, long before a probe
+    ctl = controller(CPU_CURVE)
+    feed(ctl, 0, [(8, 0)] * 10)
+    assert ctl.trim(0, 8, 8) == 0
+    steps = 0
+    while ctl.trim(0, 8, 8) == 0:
+        steps += 1
+        assert steps < DraftLengthController.PROBE_FIRST, "no draft verified before the first probe"
+        ctl.shadow(0, list(range(8)), full=True)
+        ctl.observe(0, list(range(8)) + [99])
+
+
+def test_reset_seq_drops_a_pending_shadow():
+    ctl = controller(CPU_CURVE)
+    ctl.shadow(3, [1, 2])
+    ctl.reset_seq(3)
+    ctl.observe(3, [1, 2])
+    assert ctl._seq(3).n_shadows == 0
+
 # --- in the engine: Engine.n_draft_max asks the controller, the verify step follows it ----------
 
 REPEATING = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2
@@ -285,6 +345,19 @@ def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyc
     assert stats.n_drafted == 0  # ... and none verified: plain decoding, step for step
     assert stats.n_steps == plain_stats.n_steps
     assert tokens == plain
+
+
+def test_the_engine_learns_from_the_drafts_it_does_not_verify(cyclic):
+    # the same pessimistic start: the drafts the engine makes but does not verify predict the cyclic
+    # text, the shadows record that, and verification comes back without a probe's cost
+    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    feed(ctl, 5, [(8, 0)] * 10)
+    plain, _ = generate_with(cyclic, None, n_predict=96)
+    tokens, stats = generate_with(cyclic, ctl, n_predict=96)
+    assert tokens == plain
+    assert ctl.n_shadow_drafts > 0
+    assert ctl.summary()["shadow_drafts"] == ctl.n_shadow_drafts
+    assert stats.n_drafted > 0 and stats.n_accepted > 0
 
 
 def test_the_engine_verifies_drafts_that_are_accepted(cyclic):

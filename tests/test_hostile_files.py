@@ -162,7 +162,7 @@ def test_draft_with_a_different_vocabulary_is_refused(tmp_path, target, engine):
         p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
         p.draft.ctx_dft = ctxd
         with pytest.raises(SpeculativeError, match="vocab"):
-            SpeculativeGenerator(ctx, p, engine=engine)
+            SpeculativeGenerator(ctx, p, backend=engine)
         ctxd.close()
         ctx.close()
 
@@ -185,7 +185,7 @@ def test_eagle3_reading_a_layer_the_target_lacks_is_refused(tmp_path, target, en
         # the port says so (SpeculativeError); before the C++, which asserts, Context.check_layer_inp does
         expected = r"layer 9 (is not a layer of the target|out of range)"
         with pytest.raises((SpeculativeError, ValueError), match=expected):
-            SpeculativeGenerator(ctx, p, engine=engine)
+            SpeculativeGenerator(ctx, p, backend=engine)
         ctxd.close()
         ctx.close()
 
@@ -199,7 +199,7 @@ def test_eagle3_on_a_target_without_layer_input_export_is_refused(engine):
         p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
         p.draft.ctx_dft = ctxd
         with pytest.raises(ValueError, match="'qwen35' architecture"):
-            SpeculativeGenerator(ctx, p, engine=engine)
+            SpeculativeGenerator(ctx, p, backend=engine)
         with pytest.raises(ValueError, match="layer input extraction"):
             ctx.set_embeddings_layer_inp(1, True)
         ctxd.close()
@@ -222,7 +222,7 @@ def test_mtp_type_with_a_plain_draft_context_does_not_crash(target, engine):
     p = CommonParamsSpeculative(types=[T.DRAFT_MTP])
     p.draft.ctx_dft = ctxd
     try:
-        with SpeculativeGenerator(ctx, p, engine=engine) as g:
+        with SpeculativeGenerator(ctx, p, backend=engine) as g:
             got = g.generate(["hello world"], 8)[0].tokens
     except pyspec.PyspecError:
         return

@@ -38,7 +38,7 @@ def make(models, t: T, engine: str = "python"):
     ms = ModelSet(models["mtp"]) if t == T.DRAFT_MTP else \
         ModelSet(models["target"], {T.DRAFT_EAGLE3: models["eagle3"], T.DRAFT_SIMPLE: models["draft"]}.get(t))
     cs = open_contexts(ms, p, n_ctx=256, n_batch=64, n_ubatch=32, n_threads=1)
-    return SpeculativeGenerator(cs.ctx_tgt, p, greedy_sampling(), engine=engine), cs.ctx_tgt, cs.ctx_dft
+    return SpeculativeGenerator(cs.ctx_tgt, p, greedy_sampling(), backend=engine), cs.ctx_tgt, cs.ctx_dft
 
 
 def close_all(*objs):

@@ -53,6 +53,7 @@ def _serve(port: int) -> subprocess.Popen[str]:
                              "--port", str(port), "--threads", "1"], stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # pyspec serve in a subprocess
 def test_serve_on_a_busy_port_says_so_in_one_line_without_an_address() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -67,6 +68,7 @@ def test_serve_on_a_busy_port_says_so_in_one_line_without_an_address() -> None:
     assert len(lines) == 1 and "cannot listen" in lines[0] and "--port" in lines[0]
 
 
+@pytest.mark.slow  # pyspec serve in a subprocess
 def test_ctrl_c_during_a_streaming_request_stops_the_server_with_one_line() -> None:
     port = _free_port()
     p = _serve(port)

@@ -15,7 +15,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pyspec import Context, Model
 from pyspec.common import speculative as sp
 from pyspec.common.common import CommonBatch
 from pyspec.common.params import CommonParamsSpeculative, c_float, c_int32, c_uint16
@@ -83,73 +82,65 @@ def test_changing_ngram_map_sizes_after_init_changes_neither_side():
     port.close()
 
 
-@pytest.fixture(scope="module")
-def draft_pair():
-    """The tiny cyclic target and its draft model, loaded once."""
-    target, draft = tm.tiny_model_paths([T.DRAFT_SIMPLE])
-    assert draft is not None
-    with Model(target) as mt, Model(draft) as md:
-        yield mt, md
-
-
-def draft_simple_side(models, cpp: bool, mutate) -> list[int]:
+def draft_simple_side(type_contexts, cpp: bool, mutate) -> list[int]:
     """Draft once with draft-simple after a prefill, ``mutate(params)`` applied right after init."""
-    mt, md = models
-    with Context(mt, n_ctx=128, n_batch=32, n_threads=1) as ctx_tgt, \
-            Context(md, n_ctx=128, n_batch=32, n_threads=1) as ctx_dft:
-        params = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
-        params.draft.n_max, params.draft.ctx_tgt, params.draft.ctx_dft = 4, ctx_tgt, ctx_dft
-        spec: RefSpeculative | sp.CommonSpeculative = RefSpeculative(params, 1) if cpp else port_init(params)
-        try:
-            mutate(params)
-            prompt = CYCLE * 2
-            batch = Batch(32)
-            for i, t in enumerate(prompt[:-1]):
-                batch.add(t, i, 0, False)
-            ctx_dft.decode(batch)
-            req = DraftRequest(0, -1, len(prompt) - 1, prompt[-1], prompt[:-1])
-            if isinstance(spec, RefSpeculative):
-                return spec.draft([req])[0]
-            return port_draft(spec, req)
-        finally:
-            spec.close()
+    params = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+    params.draft.n_max = 4
+    cs = type_contexts(params, n_ctx=128, n_batch=32, n_threads=1)  # the tiny cyclic target and its draft
+    ctx_tgt, ctx_dft = cs.ctx_tgt, cs.ctx_dft
+    assert ctx_dft is not None
+    params.draft.ctx_tgt = ctx_tgt
+    spec: RefSpeculative | sp.CommonSpeculative = RefSpeculative(params, 1) if cpp else port_init(params)
+    try:
+        mutate(params)
+        prompt = CYCLE * 2
+        batch = Batch(32)
+        for i, t in enumerate(prompt[:-1]):
+            batch.add(t, i, 0, False)
+        ctx_dft.decode(batch)
+        req = DraftRequest(0, -1, len(prompt) - 1, prompt[-1], prompt[:-1])
+        if isinstance(spec, RefSpeculative):
+            return spec.draft([req])[0]
+        return port_draft(spec, req)
+    finally:
+        spec.close()
 
 
-def test_changing_the_draft_parameters_and_context_after_init_changes_neither_side(draft_pair):
+def test_changing_the_draft_parameters_and_context_after_init_changes_neither_side(type_contexts):
     def mutate(p: CommonParamsSpeculative) -> None:
         p.draft.n_max, p.draft.n_min, p.draft.p_min = 1, 3, 0.99
         p.draft.ctx_dft = None
 
-    cpp = draft_simple_side(draft_pair, True, mutate)
+    cpp = draft_simple_side(type_contexts, True, mutate)
     assert len(cpp) == 4
-    assert draft_simple_side(draft_pair, False, mutate) == cpp
+    assert draft_simple_side(type_contexts, False, mutate) == cpp
 
 
 # --- (b) a token the draft vocabulary lacks ----------------------------------------------
 
 
-def test_a_token_the_draft_vocabulary_lacks_is_refused_before_the_draft_decode(draft_pair):
+def test_a_token_the_draft_vocabulary_lacks_is_refused_before_the_draft_decode(type_contexts):
     # 0c1e57098: draft-simple renders a common_batch into a llama_batch_ext, whose add_token
     # refuses the token (-2) and common_batch::get_sub_batch aborts; the port raises instead
     # (the reference's half needs its check before the call, see the bump report)
-    mt, md = draft_pair
-    n_vocab = md.vocab.n_tokens  # a target token the draft vocabulary lacks (are_compatible allows 128 more)
-    with Context(mt, n_ctx=128, n_batch=32, n_threads=1) as ctx_tgt, \
-            Context(md, n_ctx=128, n_batch=32, n_threads=1) as ctx_dft:
-        params = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
-        params.draft.ctx_tgt, params.draft.ctx_dft = ctx_tgt, ctx_dft
-        req = DraftRequest(0, -1, 3, n_vocab + 5, CYCLE[:3])
-        bad = Batch(4)
-        bad.add(CYCLE[0], 0, 0, False)
-        bad.add(n_vocab + 5, 1, 0, True)
-        port = port_init(params)
-        with pytest.raises(ValueError, match="token id or embedding is invalid"):
-            sp.common_speculative_process(port, CommonBatch.from_llama_batch(bad))
-        with pytest.raises(ValueError, match="token id or embedding is invalid"):
-            port_draft(port, req)
-        port.close()
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            ctx_dft.decode(bad)  # the Python API itself still refuses the batch
+    params = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+    cs = type_contexts(params, n_ctx=128, n_batch=32, n_threads=1)  # the tiny cyclic target and its draft
+    ctx_tgt, ctx_dft = cs.ctx_tgt, cs.ctx_dft
+    assert ctx_dft is not None
+    params.draft.ctx_tgt = ctx_tgt
+    n_vocab = ctx_dft.model.vocab.n_tokens  # a target token the draft vocabulary lacks (are_compatible allows 128 more)
+    req = DraftRequest(0, -1, 3, n_vocab + 5, CYCLE[:3])
+    bad = Batch(4)
+    bad.add(CYCLE[0], 0, 0, False)
+    bad.add(n_vocab + 5, 1, 0, True)
+    port = port_init(params)
+    with pytest.raises(ValueError, match="token id or embedding is invalid"):
+        sp.common_speculative_process(port, CommonBatch.from_llama_batch(bad))
+    with pytest.raises(ValueError, match="token id or embedding is invalid"):
+        port_draft(port, req)
+    port.close()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ctx_dft.decode(bad)  # the Python API itself still refuses the batch
 
 
 # --- p_min is a float --------------------------------------------------------------------

@@ -24,6 +24,8 @@ from pyspec.generation.driver import greedy_sampling
 from pyspec.parity.harness import ParityScenario, run_parity
 from pyspec.testing import models as tm
 
+pytestmark = pytest.mark.slow  # random scenarios (hypothesis), fuzz-like: not in `pytest -m "not slow"`
+
 ALL_TYPES = [t for t in T if t not in (T.NONE, T.COUNT)]
 ALPHABET = ["the", "fox", "def", "return", "(", ")", "1", "+", "\n", "cat", "x", "="]
 EXAMPLES_PER_TYPE = 4

@@ -29,6 +29,8 @@ from pyspec.generation.contexts import load_models, open_contexts, parse_types, 
 from pyspec.generation.driver import generate
 from pyspec.testing import models as tm
 
+pytestmark = pytest.mark.slow  # rpc-servers in subprocesses, killed and frozen: not in `pytest -m "not slow"`
+
 try:
     rpc.server_binary()
 except rpc.RpcUnavailableError as e:  # a build made with -DGGML_RPC=off

@@ -154,6 +154,7 @@ def models_e3():
         yield m
 
 
+@pytest.mark.slow  # a stress run in a subprocess
 def test_the_stress_script_runs_clean_for_a_few_seconds():
     import subprocess
     import sys

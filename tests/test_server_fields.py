@@ -41,7 +41,7 @@ NUMBERS = {  # field: an out-of-range value
 INTEGERS = {  # field: an out-of-range value
     "n_predict": "-2", "max_tokens": "-5", "max_completion_tokens": "-5", "top_k": "-1", "repeat_last_n": "-2",
     "seed": "-2", "min_keep": "-1", "n_probs": "101", "id_slot": str(N_PARALLEL), "slot_id": "-2",
-    "speculative.n_max": "-1", "speculative.n_min": "-1", "n": "2",
+    "speculative.n_max": "-1", "speculative.n_min": "-1", "n": str(N_PARALLEL + 1),
 }
 BOOLEANS = ["cache_prompt", "stream"]
 
@@ -79,8 +79,8 @@ def _cases() -> Iterator[Any]:
             yield case("/v1/chat/completions", obj(*CHAT, f'"{name}": {v}'), name, v)
 
     # prompt: a string or token ids
-    for v in ["null", "5", "true", "{}", '{"a": "b"}', '[1, "a"]', "[1.5]", "[true]", "[]", "[[]]", SURROGATE,
-              '[["x"]]', '["a", "b"]', "[-1]", "[99999999]", f"[{2**63}]", f"[{'9' * 5000}]", "[NaN]"]:
+    for v in ["null", "5", "true", "{}", '{"a": "b"}', "[1.5]", "[true]", "[]", "[[]]", SURROGATE,
+              '[["x"]]', "[-1]", "[99999999]", f"[{2**63}]", f"[{'9' * 5000}]", "[NaN]"]:
         yield case("/completion", obj('"n_predict": 2', f'"prompt": {v}'), "prompt", v[:12])
         yield case("/v1/completions", obj('"max_tokens": 2', f'"prompt": {v}'), "prompt", v[:12])
     # stop: a string or a list of strings

@@ -24,6 +24,8 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.testing import models as tm
 
+pytestmark = pytest.mark.slow  # a random walk over the public API (hypothesis, 100 runs of 40 steps), fuzz-like
+
 N_SEQ = 2
 N_CTX = 128  # per sequence: N_CTX // N_SEQ = 64 positions
 N_BATCH = 16

@@ -36,9 +36,11 @@ def _have_llama_cpp() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(
-    not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"
-)
+pytestmark = [
+    pytest.mark.skipif(not _have_llama_cpp(), reason="vendored llama.cpp missing: run scripts/fetch_llama.py"),
+    # the generators write every model afresh into an empty cache, and once more in a subprocess
+    pytest.mark.slow,
+]
 
 
 def sha256(path: Path) -> str:
@@ -288,7 +290,7 @@ def _spec_run(model: Any, spec_type: Any, prompt: Any, engine: str = "python") -
         spec = CommonParamsSpeculative(types=[spec_type])
         spec.ngram_simple.size_n = 3
         spec.ngram_simple.size_m = 8
-        with SpeculativeGenerator(ctx, spec, engine=engine, adaptive_draft=False) as gen:  # every draft verified
+        with SpeculativeGenerator(ctx, spec, backend=engine, adaptive_draft=False) as gen:  # every draft verified
             (res,) = gen.generate([prompt], n_predict=64, add_special=not isinstance(prompt, list))
             return gen.stats.n_drafted, gen.stats.n_accepted, list(res.tokens)
 

@@ -104,7 +104,7 @@ def test_both_engines_and_the_cpp_loop_refuse_with_the_same_exception_and_messag
                 results[engine] = outcome(lambda c=ctx: cpp_generate(c, [PROMPT], 4, dataclasses.replace(p), s))
             else:
                 def run(c=ctx, e=engine):
-                    with SpeculativeGenerator(c, dataclasses.replace(p), dataclasses.replace(s), engine=e) as g:
+                    with SpeculativeGenerator(c, dataclasses.replace(p), dataclasses.replace(s), backend=e) as g:
                         g.generate([PROMPT], 4)
                 results[engine] = outcome(run)
     py_type, py_msg, _ = results["python"]
@@ -161,10 +161,10 @@ def test_a_bad_input_leaves_no_engine_state_behind(target_model, tmp_dir):
     with Context(target_model, n_ctx=256, n_batch=32, n_threads=1, n_threads_batch=1) as ctx:
         for engine in ("python", "cpp"):
             with pytest.raises(PyspecError):
-                SpeculativeGenerator(ctx, spec(T.NGRAM_MOD, ngram_mod__n_match=0), engine=engine).generate([PROMPT], 2)
+                SpeculativeGenerator(ctx, spec(T.NGRAM_MOD, ngram_mod__n_match=0), backend=engine).generate([PROMPT], 2)
         out = []
         for engine in ("python", "cpp"):
-            with SpeculativeGenerator(ctx, spec(T.NGRAM_SIMPLE), greedy_sampling(), engine=engine) as g:
+            with SpeculativeGenerator(ctx, spec(T.NGRAM_SIMPLE), greedy_sampling(), backend=engine) as g:
                 out.append(g.generate([PROMPT], 6)[0].tokens)
         assert out[0] == out[1] and len(out[0]) == 6
 

@@ -34,20 +34,30 @@ EXIT_ERROR = 1
 def _known_types() -> list[str]:
     # nothing here opens a library: --help works before the package is built
     from pyspec.common.speculative import common_speculative_type_from_name_map
+    from pyspec.suffix.names import SUFFIX_TYPE_NAME
 
-    return list(common_speculative_type_from_name_map)
+    return [*common_speculative_type_from_name_map, SUFFIX_TYPE_NAME]
 
 
 def _types_arg(value: str) -> str:
     """argparse type for --types: each comma item a type or types joined by + (checked here, parsed later)."""
     from pyspec.generation.contexts import parse_types
+    from pyspec.suffix.names import split_suffix_type
 
     try:
         for item in value.split(","):
-            parse_types(item)
+            parse_types(split_suffix_type(item)[0])  # "suffix" is pyspec's own type, beside llama.cpp's
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e} (known: {', '.join(_known_types())})") from None
     return value.replace(" ", "")
+
+
+def _no_suffix(types: str, command: str) -> None:
+    from pyspec.suffix.names import split_suffix_type
+
+    if split_suffix_type(types)[1]:
+        raise CliError(f"pyspec {command} runs llama.cpp's types only; the suffix type runs in the Engine: "
+                       "pyspec serve --types suffix, or scripts/bench_traces.py")
 
 
 def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = None,
@@ -248,6 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise CliError("--n-predict must be positive")
     n_seq = max(args.n_seq, len(prompts))
     prompts = [prompts[i % len(prompts)] for i in range(n_seq)]
+    _no_suffix(args.types, "run")
     types = parse_types(args.types)
     if args.temp <= 0:
         sampling = greedy_sampling()
@@ -290,14 +301,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from pyspec.cli.bench import common_log
+    from pyspec.cli.llama_server_args import resolve
     from pyspec.common.params import CommonParamsSampling
     from pyspec.generation.contexts import REAL_MODEL_PACKAGE
     from pyspec.generation.engine import Engine
     from pyspec.server import SERVER_EXTRA_HINT, bind_socket, serve
     from pyspec.server.params import ServerDefaults
 
-    if args.parallel <= 0:
-        raise CliError("--parallel must be positive")
+    opts = resolve(args, getattr(args, "llama_dropped", ()))
+    verbose = args.verbose or getattr(args, "serve_verbose", False)
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
         raise CliError(f"--slot-save-path {args.slot_save_path} is not a folder")
     try:  # fail early, before loading the model, when the extra is missing
@@ -310,27 +322,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(e.strerror or str(e)) from None  # the sentence without "[Errno 98]"
 
-    kw = _ctx_kw(args, args.parallel)
-    sampling = CommonParamsSampling(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                    seed=args.seed)
-    with common_log(args.verbose):
-        engine = Engine.load(**_model_files(args, args.types), types=args.types,
-                             n_parallel=args.parallel, n_ctx=kw["n_ctx"], n_batch=kw["n_batch"],
-                             n_threads=kw["n_threads"], sampling=sampling, backend=args.engine,
+    load_kw = _models_kw(args)
+    load_kw.update(opts.model_kw)
+    if opts.draft_n_gpu_layers is not None:
+        load_kw["draft_kw"] = {**load_kw.get("draft_kw", {"devices": _device_list(args.device)}),
+                               "n_gpu_layers": opts.draft_n_gpu_layers}
+    not_applied = list(opts.not_applied)
+    if opts.context_kw:
+        load_kw["context_kw"] = opts.context_kw
+    if not_applied:  # one warning naming them all: a llama-server command line starts, and says what it lost
+        logging.getLogger("pyspec").warning("pyspec serve: these llama-server options have no effect here: %s",
+                                            " ".join(not_applied))
+    sampling = CommonParamsSampling(**opts.sampling_kw)
+    with common_log(verbose):
+        engine = Engine.load(**_model_files(args, opts.types), types=opts.types,
+                             n_parallel=opts.parallel, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
+                             n_threads=args.threads or None, sampling=sampling, backend=args.engine,
                              slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
-                             batch_invariant=args.batch_invariant, **_spec_kw(args))
-        _check_threads(args, args.parallel)  # once the files are found: a missing model is the one line to see
-        name = args.alias or (Path(args.model).stem if args.model else
-                              ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
-        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt)
+                             **opts.spec_kw, **load_kw)
+        if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see
+            _check_threads(argparse.Namespace(threads=args.threads, n_ctx=opts.n_ctx), opts.parallel)
+        name = opts.model_alias or (Path(args.model).stem if args.model else
+                                    ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
+        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt,
+                                  chat_template=opts.chat_template)
 
         def listening(url: str) -> None:  # called once the port is bound, so a busy port prints no address
-            print(f"pyspec serve: {name} on {url} ({args.parallel} slots, types {args.types})",
+            print(f"pyspec serve: {name} on {url} ({opts.parallel} slots, types {opts.types})",
                   file=sys.stderr, flush=True)
 
-        serve(engine, host=args.host, port=args.port, model_name=name, api_key=args.api_key, defaults=defaults,
-              slot_save_path=args.slot_save_path, log_level="info" if args.verbose else "warning",
-              on_listening=listening)
+        serve(engine, host=args.host, port=args.port, model_name=name, api_key=opts.api_keys or None,
+              defaults=defaults, slot_save_path=args.slot_save_path, log_level="info" if verbose else "warning",
+              on_listening=listening, metrics=opts.metrics, slots=opts.slots, model_aliases=opts.model_aliases,
+              model_tags=opts.model_tags, props=opts.props)
     print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -342,6 +366,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pyspec.cli import bench
     from pyspec.generation.contexts import parse_types
 
+    _no_suffix(args.types, "bench")
     type_sets = [parse_types(n) for n in args.types.split(",")]
     all_types = sorted({t for ts in type_sets for t in ts})
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -453,6 +478,34 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """serve's options: pyspec's, then llama-server's names for what pyspec applies (pyspec.cli.llama_server_args)."""
+    from pyspec.cli.llama_server_args import add_llama_server_args
+
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--parallel", "-np", type=int, default=4, help="slots served at once (default 4)")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
+    p.add_argument("--alias", "-a", default=None, help="model name in the API (default: the file's name)")
+    p.add_argument("--n-predict", "-n", type=int, default=-1, help="default tokens per request (-1: no limit)")
+    p.add_argument("--temp", type=float, default=0.8, help="default temperature (0: greedy; default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="default top-k (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="default top-p (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="default min-p (default 0.05)")
+    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default seed (default: random)")
+    p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse prompt prefixes by default")
+    p.add_argument("--slot-prompt-similarity", type=float, default=0.1,
+                   help="least shared-prefix fraction for a request to pick a slot by its memory (default 0.1)")
+    p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
+    p.add_argument("--engine", choices=("python", "cpp"), default="python",
+                   help="python: the port; cpp: the C++ reference under the same loop")
+    p.add_argument("--fixed-draft", action="store_true",
+                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
+    _add_model_args(p)
+    _add_spec_args(p, "none")
+    add_llama_server_args(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyspec", description="Speculative decoding with llama.cpp from Python.")
     parser.add_argument("--verbose", "-v", action="store_true", help="show llama.cpp's log")
@@ -478,28 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p, "ngram-map-k")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("serve", help="HTTP server: OpenAI-compatible and llama-server endpoints, continuous batching")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--parallel", "-np", type=int, default=4, help="slots served at once (default 4)")
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every endpoint but /health")
-    p.add_argument("--alias", "-a", default=None, help="model name in the API (default: the file's name)")
-    p.add_argument("--n-predict", "-n", type=int, default=-1, help="default tokens per request (-1: no limit)")
-    p.add_argument("--temp", type=float, default=0.8, help="default temperature (0: greedy; default 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="default top-k (default 40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="default top-p (default 0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="default min-p (default 0.05)")
-    p.add_argument("--seed", type=int, default=0xFFFFFFFF, help="default seed (default: random)")
-    p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse prompt prefixes by default")
-    p.add_argument("--slot-prompt-similarity", type=float, default=0.1,
-                   help="least shared-prefix fraction for a request to pick a slot by its memory (default 0.1)")
-    p.add_argument("--slot-save-path", default=None, help="folder for POST /slots/ID?action=save|restore")
-    p.add_argument("--engine", choices=("python", "cpp"), default="python",
-                   help="python: the port; cpp: the C++ reference under the same loop")
-    p.add_argument("--fixed-draft", action="store_true",
-                   help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
-    _add_model_args(p)
-    _add_spec_args(p, "none")
+    p = sub.add_parser("serve", help="HTTP server: OpenAI-compatible and llama-server endpoints, continuous batching; "
+                                     "takes llama-server's options too")
+    _add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
@@ -550,6 +584,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """serve's words without the llama-server options it does not apply (and their names), so that a
+    llama-server command line starts (pyspec.cli.llama_server_args.filter_argv)."""
+    from pyspec.cli.llama_server_args import filter_argv
+
+    p = argparse.ArgumentParser(add_help=True)  # serve's options alone: what filter_argv keeps
+    _add_serve_args(p)
+    return filter_argv(argv, p)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -558,6 +602,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if k < len(argv) and argv[k] == "parity":
         args = parser.parse_args(argv[: k + 1])
         args.rest = argv[k + 1 :]
+    elif k < len(argv) and argv[k] == "serve":
+        from pyspec.cli.llama_server_args import env_argv
+
+        rest, dropped = _serve_argv([*env_argv(os.environ), *argv[k + 1 :]])  # llama-server's LLAMA_ARG_*
+        args = parser.parse_args([*argv[: k + 1], *rest])
+        args.llama_dropped = dropped
     else:
         args = parser.parse_args(argv)
     if args.verbose:

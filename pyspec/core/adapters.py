@@ -26,6 +26,7 @@ import numpy as np
 
 from pyspec.core.backend import ensure_backend
 from pyspec.core.cstrings import c_text, read_meta, read_str
+from pyspec.core.gguf_keys import gguf_problem
 from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
 from pyspec.core.model import Model
@@ -49,6 +50,10 @@ def _gguf_file(path: str | os.PathLike[str], what: str) -> Path:
         magic = f.read(4)
     if magic != b"GGUF":
         raise AdapterError(f"{what} {p} is not a GGUF file (magic {magic!r})")
+    # metadata llama.cpp (or gguf's parser) would assert on (pyspec/core/gguf_keys.py)
+    problem = gguf_problem(p, "lora" if what == "LoRA adapter" else "cvec")
+    if problem:
+        raise AdapterError(f"{what} {p}: {problem}")
     return p
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device, system_info
 from pyspec.core.backend import devices as list_devices
 from pyspec.core.cstrings import c_text, read_meta, read_str
-from pyspec.core.ext_error import last_error
+from pyspec.core.gguf_keys import model_files_problem
 from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
 from pyspec.core.model_params import KvValue, kv_override_array, tensor_buft_override_array
@@ -198,9 +198,11 @@ class Model(Handle):
             if problem:
                 raise ModelLoadError(str(p), problem)
         ensure_backend()
-        if ext.pyspec_gguf_check(os.fsencode(self.path)) != 0:
-            # metadata llama.cpp would read past or assert on (csrc/pyspec_gguf.cpp)
-            raise ModelLoadError(str(self.path), last_error())
+        # metadata llama.cpp would read past or assert on, in every file it will open: the
+        # splits given, or those it finds itself from the first (pyspec/core/gguf_keys.py)
+        bad, problem = model_files_problem(paths)
+        if problem:
+            raise ModelLoadError(str(bad), problem)
 
         if isinstance(n_gpu_layers, bool) or not isinstance(n_gpu_layers, int) or not -1 <= n_gpu_layers < 2**31:
             raise ValueError(f"n_gpu_layers must be -1 (all layers) or a count >= 0, not {n_gpu_layers!r}")

@@ -20,6 +20,7 @@ import numpy as np
 
 from pyspec.core.backend import ensure_backend
 from pyspec.core.cstrings import c_text
+from pyspec.core.gguf_keys import model_files_problem
 from pyspec.core.log import capture_errors
 from pyspec.core.model_params import KvValue, kv_override_array
 from pyspec.errors import QuantizeError
@@ -78,6 +79,10 @@ def quantize(
     with src_p.open("rb") as f:
         if f.read(4) != b"GGUF":
             raise QuantizeError(f"{src_p} is not a GGUF file")
+    # the source goes through llama_model_loader, as a model does (pyspec/core/gguf_keys.py)
+    bad, problem = model_files_problem([src_p])
+    if problem:
+        raise QuantizeError(f"{bad}: {problem}")
     if not dst_p.parent.is_dir():
         raise FileNotFoundError(f"folder {dst_p.parent} does not exist")
     if dst_p.exists() and dst_p.resolve() == src_p.resolve():

@@ -2,7 +2,8 @@
 
 Both satisfy :class:`SpeculativeBackend` (speculative begin/process/draft/accept and the
 per-sequence common_sampler calls), so one loop runs either side and their
-outputs can be compared token for token.
+outputs can be compared token for token. The ``suffix`` type (pyspec.suffix, beyond llama.cpp)
+runs on the port only: the C++ reference has no twin of it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pyspec.core.context import Context
 from pyspec.core.model import Model
 from pyspec.fastpath.sampler import fast_sampler_init
 from pyspec.generation.statistics import ImplStats
+from pyspec.suffix.impl import SuffixImpl, SuffixParams, impl_name, speculative_init
+from pyspec.suffix.index import GlobalSuffixIndex
 
 __all__ = ["BACKENDS", "PortBackend", "RefBackend", "SpeculativeBackend", "make_backend"]
 
@@ -42,6 +45,8 @@ class SpeculativeBackend(Protocol):
     def set_state(self, seq_id: int, data: bytes) -> None: ...
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]: ...
     def accept(self, seq_id: int, n_accepted: int) -> None: ...
+    def end(self, seq_id: int) -> None:
+        """The request on ``seq_id`` finished (the suffix type's output joins its global index)."""
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int: ...
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None: ...
     def sample_and_accept_n(
@@ -118,10 +123,18 @@ class PortBackend(_SamplerSlots):
     name = "python"
 
     def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
-                 n_seq: int) -> None:
+                 n_seq: int, *, suffix: SuffixParams | None = None, shared: GlobalSuffixIndex | None = None) -> None:
+        if suffix is not None:
+            # the suffix type in front of spec's types (pyspec.suffix.impl.speculative_init)
+            state: Any = speculative_init(spec or CommonParamsSpeculative(), n_seq, suffix=suffix, shared=shared,
+                                          sampler_init=fast_sampler_init)
+        elif shared is not None:
+            raise ValueError("shared is a global suffix index: it needs suffix parameters")
+        else:
+            state = sp.common_speculative_init(spec, n_seq, fast_sampler_init) \
+                if spec is not None and _has_spec(spec) else None
         super().__init__(
-            sp.common_speculative_init(spec, n_seq, fast_sampler_init)
-            if spec is not None and _has_spec(spec) else None,
+            state,
             lambda params: fast_sampler_init(model_tgt, copy.deepcopy(params)),
             sampling,
             n_seq,
@@ -161,6 +174,12 @@ class PortBackend(_SamplerSlots):
     def accept(self, seq_id: int, n_accepted: int) -> None:
         sp.common_speculative_accept(self.spec, seq_id, n_accepted)
 
+    def end(self, seq_id: int) -> None:
+        if self.spec is not None:
+            for impl in self.spec.impls:
+                if isinstance(impl, SuffixImpl):
+                    impl.end(seq_id)
+
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
         return smp.common_sampler_sample(self.smpls[seq_id], ctx, idx)
 
@@ -179,11 +198,11 @@ class PortBackend(_SamplerSlots):
     def impl_stats(self) -> list[ImplStats]:
         if self.spec is None:
             return []
-        return [ImplStats.from_fields(sp.common_speculative_type_to_str(i.type), i) for i in self.spec.impls]
+        return [ImplStats.from_fields(impl_name(i), i) for i in self.spec.impls]
 
     def last_impl(self, seq_id: int) -> str | None:
         impl = self.spec.impl_last[seq_id] if self.spec is not None else None
-        return None if impl is None else sp.common_speculative_type_to_str(impl.type)
+        return None if impl is None else impl_name(impl)
 
 
 class RefBackend(_SamplerSlots):
@@ -192,7 +211,9 @@ class RefBackend(_SamplerSlots):
     name = "cpp"
 
     def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
-                 n_seq: int) -> None:
+                 n_seq: int, *, suffix: SuffixParams | None = None, shared: GlobalSuffixIndex | None = None) -> None:
+        if suffix is not None or shared is not None:
+            raise ValueError("the suffix type has no C++ reference; use backend='python'")
         # imported here: the reference library is opened only when the C++ side is used
         from pyspec.reference.sampling import RefSampler
         from pyspec.reference.speculative import RefSpeculative
@@ -225,6 +246,9 @@ class RefBackend(_SamplerSlots):
     def accept(self, seq_id: int, n_accepted: int) -> None:
         self.spec.accept(seq_id, n_accepted)
 
+    def end(self, seq_id: int) -> None:
+        pass  # llama.cpp's types keep nothing of a finished request beyond what begin resets
+
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
         return int(self.smpls[seq_id].sample(ctx, idx))
 
@@ -255,8 +279,10 @@ BACKENDS: dict[str, type[PortBackend] | type[RefBackend]] = {"python": PortBacke
 
 
 def make_backend(name: str, model_tgt: Model, spec: CommonParamsSpeculative | None,
-                sampling: CommonParamsSampling, n_seq: int) -> SpeculativeBackend:
-    """The backend called ``name`` ("python" or "cpp"); ValueError for another name."""
+                sampling: CommonParamsSampling, n_seq: int, *, suffix: SuffixParams | None = None,
+                shared: GlobalSuffixIndex | None = None) -> SpeculativeBackend:
+    """The backend called ``name`` ("python" or "cpp"); ValueError for another name, and for the
+    suffix type (``suffix``, ``shared``: pyspec.suffix.impl.speculative_init's) on "cpp"."""
     if name not in BACKENDS:
         raise ValueError(f"engine must be one of {sorted(BACKENDS)}, not {name!r}")
-    return BACKENDS[name](model_tgt, spec, sampling, n_seq)
+    return BACKENDS[name](model_tgt, spec, sampling, n_seq, suffix=suffix, shared=shared)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyspec.common.checks import check_draft_vocab
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_types_from_names
@@ -306,6 +307,8 @@ def open_contexts(
     threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
     common: dict[str, Any] = dict(n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=n_ubatch or n_batch,
                                   n_seq_max=n_seq, **threads, **(context_kw or {}))
+    if kind == "draft" and models.draft is not None:
+        check_draft_vocab(models.target, models.draft)  # token ids pass between the two: refused before any context
     n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()
     try:
         ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)

@@ -32,6 +32,14 @@ is plain decoding. A sequence held at 0 is probed now and then with a short
 draft (after 32 steps, then 64, 128, ... at most every 512), so a change in the
 text (code after prose) is noticed.
 
+A draft that is made but not verified still teaches the acceptance, at no cost
+(:meth:`DraftLengthController.shadow`, :meth:`~DraftLengthController.observe`):
+its tokens are compared with the ones the sequence goes on to generate, which are
+what verifying it would have accepted (exact-match verification accepts a draft
+token when the target samples it). Without this, an estimate that makes drafting
+look unprofitable is never corrected: the controller stops drafting and learns
+nothing more (a quiet 2-core machine: 2 verified drafts in 48 tokens).
+
 ``DraftLengthController(fixed=True)`` (``pyspec ... --fixed-draft``) passes the
 caller's cap through unchanged: llama.cpp's behaviour, which the parity harness
 and the C++ loop comparison use.
@@ -151,13 +159,16 @@ class CostCurve:
         med = self._medians()
         return {n: med[n] / c1 for n in self._sizes}
 
-    def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 3,
+    def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 5,
                   seq_id: int = 0) -> CostCurve:
-        """Measure ``sizes`` on ``ctx`` (a pyspec Context): ``repeat`` decodes each after a warm-up.
+        """Measure ``sizes`` on ``ctx`` (a pyspec Context): a warm-up round, then ``repeat`` rounds.
 
         Decodes token batches at positions 0.. of ``seq_id`` with every row's logits
         requested, as a verify batch does, and removes them again: the sequence
-        must be empty (the generator calls this before a generation).
+        must be empty (the generator calls this before a generation). Each round
+        visits every size once, so that a change of load during the calibration
+        moves all sizes alike instead of the ones measured last (scripts/verify_cost.py
+        measures the same curve apart from the loop).
         """
         from pyspec.core.batch import Batch
 
@@ -168,11 +179,11 @@ class CostCurve:
         tok = max(0, ctx.model.vocab.bos)
         mem = ctx.memory
         try:
-            for n in sizes:
-                batch.clear()
-                for i in range(n):
-                    batch.add(tok, i, seq_id, True)
-                for r in range(repeat + 1):
+            for r in range(repeat + 1):
+                for n in sizes:
+                    batch.clear()
+                    for i in range(n):
+                        batch.add(tok, i, seq_id, True)
                     mem.seq_rm(seq_id, -1, -1)
                     t0 = time.perf_counter()
                     ctx.decode(batch)
@@ -322,6 +333,16 @@ def _clip(q: float) -> float:
     return min(0.99, max(0.01, q))
 
 
+@dataclass
+class _Shadow:
+    """A draft that was not verified, compared token by token with what the sequence generates."""
+
+    draft: list[int]
+    full: bool | None
+    impl: str | None
+    matched: int = 0
+
+
 class _Seq:
     """What the controller keeps per sequence."""
 
@@ -330,6 +351,8 @@ class _Seq:
                                                    False: Acceptance(decay)}
         self.zero_streak = 0
         self.probe_after = DraftLengthController.PROBE_FIRST
+        self.shadow: _Shadow | None = None
+        self.n_shadows = 0  # shadow drafts resolved (their acceptance recorded)
 
 
 class DraftLengthController:
@@ -375,11 +398,13 @@ class DraftLengthController:
         self._impl: dict[tuple[str, bool | None], Acceptance] = {}
         self._seqs: dict[int, _Seq] = {}
         self._last_impl: dict[int, str] = {}
+        self.n_shadow_drafts = 0  # drafts not verified whose acceptance was learned from what followed
 
     # --- what the generator reports ------------------------------------------------
 
     def reset_seq(self, seq_id: int) -> None:
-        """A new sequence starts in ``seq_id``: forget its own statistics (the implementation's stay)."""
+        """A new sequence starts in ``seq_id``: forget its own statistics and its pending shadow draft
+        (the implementation's stay)."""
         self._seqs.pop(seq_id, None)
         self._last_impl.pop(seq_id, None)
 
@@ -403,6 +428,38 @@ class DraftLengthController:
             self._acc(name, bucket).record(n_drafted, n_accepted)
             s.acc[bucket].record(n_drafted, n_accepted)
         self._last_impl[seq_id] = name
+
+    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+        """``impl``'s draft for ``seq_id`` was made but not verified (:meth:`trim` kept none of it).
+
+        Its tokens are compared with the ones the sequence generates next (:meth:`observe`); the
+        result is recorded as the acceptance of a draft of that length. One shadow at a time per
+        sequence: a later draft waits until the pending one is resolved.
+        """
+        if self.fixed or not draft:
+            return
+        s = self._seq(seq_id)
+        if s.shadow is None:
+            s.shadow = _Shadow([int(t) for t in draft], full, impl)
+
+    def observe(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """``seq_id`` generated ``tokens`` (in order, after the step its shadow draft was made in)."""
+        s = self._seqs.get(seq_id)
+        sh = None if s is None else s.shadow
+        if sh is None:
+            return
+        assert s is not None
+        for t in tokens:
+            if sh.matched < len(sh.draft) and int(t) == sh.draft[sh.matched]:
+                sh.matched += 1
+                if sh.matched < len(sh.draft):
+                    continue
+            # the first token the draft did not predict, or the whole draft predicted: resolved
+            s.shadow = None
+            s.n_shadows += 1
+            self.n_shadow_drafts += 1
+            self.record_acceptance(seq_id, sh.impl, len(sh.draft), sh.matched, sh.full)
+            return
 
     def record_overhead(self, n_rows: int, seconds: float) -> None:
         """The loop's own time in one step that verified ``n_rows`` rows (outside the target decode and the
@@ -505,7 +562,7 @@ class DraftLengthController:
 
     def summary(self) -> dict[str, Any]:
         """The measured curve (relative to one token), acceptance and draft cost."""
-        out: dict[str, Any] = {"fixed": self.fixed,
+        out: dict[str, Any] = {"fixed": self.fixed, "shadow_drafts": self.n_shadow_drafts,
                                "overhead_ms": [round(x * 1e3, 3) for x in self.step_cost.params()],
                                "draft_cost_ms": [round(x * 1e3, 3) for x in self.draft_cost.params()]}
         if self.curve.ready:

@@ -43,6 +43,10 @@ core/slot_file.py (the slot file's format); the step and the verification stay
 here (server-context.cpp's update_slots) and ask SlotMemory for every edit of a
 slot's memory. csrc/pyspec_loop.cpp mirrors this loop with fixed draft lengths
 (pyspec.generation.cpp_loop).
+
+Counters: each request's (``Completion.stats``, vLLM's speculative ones in ``stats.spec``) and the
+engine's (:attr:`Engine.metrics`, what ``/metrics`` serves) are updated together by the step
+(pyspec.generation.statistics.EngineMetrics), so the requests' sums are the engine's totals.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +78,10 @@ from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
+from pyspec.generation.statistics import EngineMetrics
+from pyspec.suffix.impl import SuffixParams, suffix_n_max
+from pyspec.suffix.index import GlobalSuffixIndex
+from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = ["Engine", "EventCallback", "greedy_sampling"]
 
@@ -107,6 +115,11 @@ class Engine(EngineQueue):
     settings measures the verify cost curve, which clears nothing: the memory is
     empty then); ``adaptive_draft=False`` keeps llama.cpp's fixed lengths.
     ``draft_controller`` passes a controller of the caller's.
+
+    ``suffix`` (SuffixParams) adds the ``suffix`` type (pyspec.suffix, beyond llama.cpp) in front of
+    ``spec``'s types (``spec`` may then be None): per-slot suffix indexes over each request's
+    prompt and output, and one bounded global index (:attr:`suffix_index`, ``max_global_tokens``)
+    over the finished requests' outputs, shared by the slots. The port only (backend "python").
     """
 
     def __init__(
@@ -122,7 +135,10 @@ class Engine(EngineQueue):
         owned: Sequence[Any] = (),
         adaptive_draft: bool = True,
         draft_controller: DraftLengthController | None = None,
+        suffix: SuffixParams | None = None,
     ) -> None:
+        if suffix is not None and not isinstance(suffix, SuffixParams):
+            raise TypeError(f"suffix must be SuffixParams, got {type(suffix).__name__}")
         self.ctx_tgt = ctx_tgt
         self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
         if not 1 <= self.n_parallel <= ctx_tgt.n_seq_max:
@@ -148,10 +164,16 @@ class Engine(EngineQueue):
         if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
             raise PyspecError("speculative decoding is not supported by this target context")
 
-        self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel)
+        self.suffix = suffix
+        # the one cross-request index of this engine, shared by its slots
+        self.suffix_index: GlobalSuffixIndex | None = \
+            suffix.global_index() if suffix is not None and suffix.max_global_tokens > 0 else None
+        self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel,
+                                                        suffix=suffix, shared=self.suffix_index)
         if self.backend.has_spec:
             self.slot_memory.spec_state = self.backend
-        wants_spec = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
+        llama_types = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
+        wants_spec = llama_types or suffix is not None
         if wants_spec and not self.backend.has_spec:
             self.backend.close()
             raise PyspecError(
@@ -166,13 +188,17 @@ class Engine(EngineQueue):
         self.draft_ctl: DraftLengthController | None = None
         self._multi_impl = False
         self._spec_n_max = 0
-        if spec is not None and self.backend.has_spec:
-            self._multi_impl = len(spec.types) > 1
-            self._spec_n_max = common_speculative_n_max(spec)
+        if self.backend.has_spec:
+            types = list(spec.types) if spec is not None and llama_types else []
+            self._multi_impl = len(types) + (suffix is not None) > 1
+            # the suffix type drafts up to its own n_max, beside llama.cpp's types
+            self._spec_n_max = max(common_speculative_n_max(spec) if spec is not None else 0, suffix_n_max(suffix))
+            names = ([SUFFIX_TYPE_NAME] if suffix is not None else []) + \
+                ([common_speculative_type_name_str(types)] if types else [])
             self.draft_ctl = draft_controller or DraftLengthController(
                 fixed=not adaptive_draft, curve=shared_cost_curve(ctx_tgt),
-                n_min=spec.draft.n_min if CommonSpeculativeType.DRAFT_SIMPLE in spec.types else 0,
-                impl=common_speculative_type_name_str(spec.types))
+                n_min=spec.draft.n_min if spec is not None and CommonSpeculativeType.DRAFT_SIMPLE in types else 0,
+                impl=",".join(names))
             self._calibrate()
         # draft-simple keeps its draft context in step with the target by decoding every target batch
         # on it (process), a decode per step even where the controller drafts nothing. With cost-aware
@@ -186,6 +212,7 @@ class Engine(EngineQueue):
         self.slots = [Slot(i) for i in range(self.n_parallel)]
 
         # counters of the whole engine
+        self.metrics = EngineMetrics()  # llama-server's and vLLM's, with the requests' (one home: statistics.py)
         self.n_steps = 0  # target decodes
         self.n_checkpoint_restores = 0  # partial acceptances undone through a checkpoint
 
@@ -224,25 +251,35 @@ class Engine(EngineQueue):
         backend: str = "python",
         slot_similarity: float = 0.1,
         adaptive_draft: bool = True,
+        suffix: SuffixParams | None = None,
+        context_kw: Mapping[str, Any] | None = None,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
-        ``n_ctx`` is per slot. The engine owns and closes all of them."""
+        ``n_ctx`` is per slot. The engine owns and closes all of them.
+
+        ``types`` may name ``suffix`` beside llama.cpp's types (``"suffix,ngram-mod"``): the suffix type with
+        ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too.
+        ``context_kw``: more Context keywords for the target and draft contexts (``flash_attn_type``, cache types,
+        ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
-        parsed = parse_types(types)
+        rest, wants_suffix = split_suffix_type(types)
+        if wants_suffix and suffix is None:
+            suffix = SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
+        parsed = parse_types(rest)
         spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m)
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
-                               n_threads=n_threads, owned=models.owned)
+                               n_threads=n_threads, owned=models.owned, context_kw=context_kw)
         except BaseException:
             models.close()
             raise
         try:
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
                        n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
-                       adaptive_draft=adaptive_draft)
+                       adaptive_draft=adaptive_draft, suffix=suffix)
         except BaseException:
             cs.close()
             raise
@@ -250,6 +287,12 @@ class Engine(EngineQueue):
     @property
     def model(self) -> Any:
         return self.ctx_tgt.model
+
+    @property
+    def spec_n_max(self) -> int:
+        """The most tokens one draft call may return: common_speculative_n_max of the types, and the suffix
+        type's n_max (what the cost-aware draft length chooses within)."""
+        return self._spec_n_max
 
     @property
     def ctx_tgt_seq_rm_type(self) -> int:
@@ -364,6 +407,11 @@ class Engine(EngineQueue):
         """Whether any request is waiting or running."""
         with self._lock:
             return bool(self._waiting) or any(s.job is not None for s in self.slots)
+
+    def load_counts(self) -> tuple[int, int]:
+        """(busy slots, waiting requests) now: llama-server's requests_processing / requests_deferred."""
+        with self._lock:
+            return sum(s.job is not None for s in self.slots), len(self._waiting)
 
     def _has_work(self) -> bool:
         # under self._lock
@@ -600,7 +648,11 @@ class Engine(EngineQueue):
                         n = len(s.spec_draft)
                         s.spec_full = n >= s.spec_cap
                         if n:
-                            del s.spec_draft[ctl.trim(s.id, n, s.spec_cap, len(generating)) :]
+                            keep = ctl.trim(s.id, n, s.spec_cap, len(generating))
+                            if keep == 0:  # not verified: its acceptance is learned from what follows
+                                ctl.shadow(s.id, s.spec_draft, eng.last_impl(s.id) if self._multi_impl else None,
+                                           s.spec_full)
+                            del s.spec_draft[keep:]
                 for s in drafting:
                     assert s.job is not None
                     if len(s.spec_draft) < s.job.request.n_draft_min:
@@ -645,6 +697,7 @@ class Engine(EngineQueue):
         ctx_tgt.decode(batch)
         t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
+        self.metrics.record_decode(batch.n_tokens, sum(s.job is not None for s in self.slots))
         if not self._draft_catch_up:
             if not eng.process(batch):
                 raise PyspecError("failed to process speculative batch")
@@ -734,6 +787,8 @@ class Engine(EngineQueue):
         saved = eng.save_sampler(s.id) if may_restore else None
         accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
+        if s.spec_cap > 0:  # a new draft (not one re-verified after a checkpoint restore): vLLM's counters
+            self.metrics.record_draft(job.stats.spec, n_draft, len(accepted) - 1)
         n_rollback = n_draft + 1 - len(accepted)
         use_ckpt_tgt = self.slot_memory.tgt_needs_checkpoint(n_rollback)
 
@@ -755,6 +810,8 @@ class Engine(EngineQueue):
         if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_full)
+        if self.draft_ctl is not None:
+            self.draft_ctl.observe(s.id, accepted)  # resolves a shadow draft (a no-op when fixed)
         if self.on_event is not None:
             self._event("accept", seq_id=s.id, accepted=list(accepted))
 
@@ -826,7 +883,12 @@ class Engine(EngineQueue):
         s.spec_i_batch = []
         s.i_batch = -1
         s.t_last_used = time.perf_counter()
-        job.handle._finish(completion(job, s.id))
+        if self.backend.has_spec:
+            self.backend.end(s.id)  # the suffix type's output joins the global index now
+        result = completion(job, s.id)
+        st = result.stats
+        self.metrics.record_finish(st.n_prompt - st.n_cached, st.t_prompt_ms, st.n_gen, st.t_gen_ms, reason)
+        job.handle._finish(result)
 
     def _fail(self, s: Slot, error: BaseException) -> None:
         """End the slot's request with ``error``; its memory is cleared (what the failed step left is unknown)."""

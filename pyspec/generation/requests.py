@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyspec.common.params import CommonParamsSampling
+from pyspec.generation.statistics import SpecDecodeCounters
 
 __all__ = ["Completion", "Delta", "Request", "RequestHandle", "RequestStats", "TokenLogprob"]
 
@@ -85,7 +86,15 @@ class Delta:
 
 @dataclass
 class RequestStats:
-    """One request's counters and timings (what llama-server reports as ``timings``)."""
+    """One request's counters and timings (what llama-server reports as ``timings``).
+
+    ``spec`` holds vLLM's speculative counters for this request (drafts, draft tokens, accepted
+    tokens, acceptance per draft position, the histogram by draft length): the engine updates
+    them and its own in one call, so their sum over requests is the engine's
+    (:class:`~pyspec.generation.statistics.EngineMetrics`). ``n_drafted`` / ``n_accepted`` are
+    llama-server's draft_n / draft_n_accepted (a draft re-verified after a checkpoint restore
+    counts its accepted tokens again there, not in ``spec``).
+    """
 
     n_prompt: int = 0  # prompt tokens
     n_cached: int = 0  # prompt tokens reused from the slot's memory
@@ -99,6 +108,26 @@ class RequestStats:
     t_draft_s: float = 0.0  # this request's share of the draft calls' wall time
     # (drafted, accepted) of every verified draft, in order: what a draft-length policy had to work with
     drafts: list[tuple[int, int]] = field(default_factory=list)
+    spec: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """[i]: this request's drafts whose token i was accepted (vLLM's acceptance per position)."""
+        return self.spec.accepted_per_pos
+
+    @property
+    def draft_length_histogram(self) -> dict[int, int]:
+        """{k: this request's verified drafts of k tokens}."""
+        return self.spec.drafts_by_length
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft, the target's own included (vLLM's mean acceptance length)."""
+        return self.spec.mean_acceptance_length
+
+    def speculative(self) -> dict[str, Any]:
+        """The HTTP responses' ``speculative`` object: vLLM's counters for this request, by their names."""
+        return self.spec.as_dict()
 
     @property
     def acceptance(self) -> float:

@@ -1,18 +1,29 @@
-"""What a generation produced and what it cost, for the fixed-prompt loops (Python driver, C++ loop).
+"""What a generation produced and what it cost: the fixed-prompt loops' results (Python driver, C++ loop),
+and the one home of the speculative counters that requests and the engine report.
 
 SequenceResult and GenerationStats are deprecated for callers: pyspec.LLM and
 Engine return a :class:`~pyspec.generation.requests.Completion`, whose
 ``stats`` (RequestStats) carry the same counters per request.
+
+:class:`SpecDecodeCounters` are vLLM's speculative-decoding counters (drafts, draft tokens,
+accepted tokens, acceptance per draft position) plus a histogram by draft length, for one request
+(``RequestStats.spec``) or a whole engine; :class:`EngineMetrics` holds the engine's, with
+llama-server's server_metrics counters, and :meth:`EngineMetrics.record_draft` is the one call
+by which the engine step updates a request's counters and the engine's together, so the sum
+over requests is the engine's total.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-__all__ = ["COUNTER_NAMES", "GenerationStats", "ImplStats", "SequenceResult"]
+__all__ = ["COUNTER_NAMES", "EngineMetrics", "GenerationStats", "ImplStats", "MetricsSnapshot", "SequenceResult",
+           "SpecDecodeCounters"]
 
 # the counters of struct common_speculative_impl (speculative.cpp), compared by the parity harness
 COUNTER_NAMES = ("n_call_begin", "n_call_draft", "n_call_accept", "n_gen_drafts", "n_acc_drafts",
@@ -133,3 +144,151 @@ class GenerationStats:
             "n_checkpoint_restores": self.n_checkpoint_restores,
             "impls": [asdict(i) for i in self.impls],
         }
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Speculative decoding counters, vLLM's (``vllm:spec_decode_*``) and a histogram by draft length.
+
+    Counted once per draft when it is first verified (a draft re-verified after a checkpoint
+    restore is not a new draft); a draft is at least one token.
+
+    n_drafts            verified drafts (vllm:spec_decode_num_drafts)
+    n_draft_tokens      their tokens (vllm:spec_decode_num_draft_tokens; llama-server's draft_n)
+    n_accepted_tokens   accepted draft tokens (vllm:spec_decode_num_accepted_tokens)
+    accepted_per_pos    [i]: drafts whose token i was accepted (vllm:spec_decode_num_accepted_tokens_per_pos)
+    drafts_by_length    {k: drafts of k tokens}
+    accepted_by_length  {k: tokens accepted from the drafts of k tokens}
+    """
+
+    n_drafts: int = 0
+    n_draft_tokens: int = 0
+    n_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafts_by_length: dict[int, int] = field(default_factory=dict)
+    accepted_by_length: dict[int, int] = field(default_factory=dict)
+
+    def record(self, n_draft: int, n_accepted: int) -> None:
+        """One verified draft of ``n_draft`` tokens of which the first ``n_accepted`` were accepted."""
+        if not 0 <= n_accepted <= n_draft:
+            raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens")
+        if n_draft == 0:
+            return
+        self.n_drafts += 1
+        self.n_draft_tokens += n_draft
+        self.n_accepted_tokens += n_accepted
+        pos = self.accepted_per_pos
+        if len(pos) < n_draft:
+            pos.extend([0] * (n_draft - len(pos)))
+        for i in range(n_accepted):
+            pos[i] += 1
+        self.drafts_by_length[n_draft] = self.drafts_by_length.get(n_draft, 0) + 1
+        self.accepted_by_length[n_draft] = self.accepted_by_length.get(n_draft, 0) + n_accepted
+
+    def add(self, other: SpecDecodeCounters) -> None:
+        """Add ``other``'s counts to these (a sum over requests)."""
+        self.n_drafts += other.n_drafts
+        self.n_draft_tokens += other.n_draft_tokens
+        self.n_accepted_tokens += other.n_accepted_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
+        for i, v in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += v
+        for k, v in other.drafts_by_length.items():
+            self.drafts_by_length[k] = self.drafts_by_length.get(k, 0) + v
+        for k, v in other.accepted_by_length.items():
+            self.accepted_by_length[k] = self.accepted_by_length.get(k, 0) + v
+
+    def copy(self) -> SpecDecodeCounters:
+        return SpecDecodeCounters(self.n_drafts, self.n_draft_tokens, self.n_accepted_tokens,
+                                  list(self.accepted_per_pos), dict(self.drafts_by_length),
+                                  dict(self.accepted_by_length))
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.n_accepted_tokens / self.n_draft_tokens if self.n_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """vLLM's mean acceptance length: tokens per verified draft, the target's own token included
+        (1 + accepted / drafts); 0 when nothing was drafted."""
+        return 1.0 + self.n_accepted_tokens / self.n_drafts if self.n_drafts else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (the HTTP responses' ``speculative`` object; histogram keys as strings)."""
+        return {
+            "num_drafts": self.n_drafts,
+            "num_draft_tokens": self.n_draft_tokens,
+            "num_accepted_tokens": self.n_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_length_histogram": {str(k): v for k, v in sorted(self.drafts_by_length.items())},
+            "accepted_by_draft_length": {str(k): v for k, v in sorted(self.accepted_by_length.items())},
+        }
+
+
+@dataclass
+class MetricsSnapshot:
+    """The engine's counters at one moment (a copy: reading it races with nothing)."""
+
+    spec: SpecDecodeCounters
+    n_prompt_tokens_processed: int  # prompt tokens decoded (not reused from a slot's memory)
+    t_prompt_processing_ms: float
+    n_tokens_predicted: int
+    t_tokens_generation_ms: float
+    n_decode: int  # target decodes
+    n_busy_slots: int  # the busy slots of every decode, summed
+    n_tokens_max: int  # the largest target batch
+    n_requests_finished: dict[str, int]  # by stop reason
+    t_start: float  # time.time() when the engine was made
+
+
+class EngineMetrics:
+    """One engine's counters since it was made: llama-server's server_metrics (server-context.cpp) and
+    the speculative counters (:class:`SpecDecodeCounters`). The engine step writes; any thread reads
+    a :meth:`snapshot`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.spec = SpecDecodeCounters()
+        self.n_prompt_tokens_processed = 0
+        self.t_prompt_processing_ms = 0.0
+        self.n_tokens_predicted = 0
+        self.t_tokens_generation_ms = 0.0
+        self.n_decode = 0
+        self.n_busy_slots = 0
+        self.n_tokens_max = 0
+        self.n_requests_finished: dict[str, int] = {}
+        self.t_start = time.time()
+
+    def record_draft(self, request: SpecDecodeCounters, n_draft: int, n_accepted: int) -> None:
+        """A verified draft of one request: its counters and the engine's, together."""
+        with self._lock:
+            request.record(n_draft, n_accepted)
+            self.spec.record(n_draft, n_accepted)
+
+    def record_decode(self, n_tokens: int, n_busy: int) -> None:
+        """One target decode of ``n_tokens`` rows with ``n_busy`` busy slots (llama-server's on_decoded)."""
+        with self._lock:
+            self.n_decode += 1
+            self.n_busy_slots += n_busy
+            self.n_tokens_max = max(self.n_tokens_max, n_tokens)
+
+    def record_finish(self, n_prompt_processed: int, t_prompt_ms: float, n_predicted: int, t_gen_ms: float,
+                      reason: str) -> None:
+        """A request that a slot served ended (llama-server's on_prediction, at the slot's release)."""
+        with self._lock:
+            self.n_prompt_tokens_processed += n_prompt_processed
+            self.t_prompt_processing_ms += t_prompt_ms
+            self.n_tokens_predicted += n_predicted
+            self.t_tokens_generation_ms += t_gen_ms
+            self.n_requests_finished[reason] = self.n_requests_finished.get(reason, 0) + 1
+
+    def snapshot(self) -> MetricsSnapshot:
+        with self._lock:
+            return MetricsSnapshot(self.spec.copy(), self.n_prompt_tokens_processed, self.t_prompt_processing_ms,
+                                   self.n_tokens_predicted, self.t_tokens_generation_ms, self.n_decode,
+                                   self.n_busy_slots, self.n_tokens_max, dict(self.n_requests_finished),
+                                   self.t_start)

@@ -3,10 +3,20 @@
 - ``/v1/completions``, ``/v1/chat/completions`` (streaming and not), ``/v1/models``:
   what the official ``openai`` client calls;
 - ``/completion``, ``/tokenize``, ``/detokenize``, ``/health``, ``/props``,
-  ``/slots``: llama-server's native API with its field names (``content``,
-  ``tokens``, ``stop_type``, ``timings`` with ``draft_n`` / ``draft_n_accepted``...).
+  ``/slots``, ``/apply-template``, ``/chat/completions/input_tokens``: llama-server's native API
+  with its field names (``content``, ``tokens``, ``stop_type``, ``generation_settings``,
+  ``timings`` with ``draft_n`` / ``draft_n_accepted``...).
 
-Every completion reports the request's speculative statistics in ``timings``.
+Prompts are read as llama-server reads them (a text, token ids, both mixed, or a list of prompts),
+tokenized here and submitted as token ids, ``n`` choices each; a prompt that does not fit a slot
+gets llama-server's ``exceed_context_size_error`` before anything is queued.
+
+Every completion reports the request's speculative statistics in ``timings`` (llama-server's
+``draft_n`` / ``draft_n_accepted``) and in a ``speculative`` object (vLLM's counters: drafts, draft
+tokens, accepted tokens, acceptance per position, mean acceptance length, histogram by draft
+length). With ``metrics=True``, ``/metrics`` serves the engine's counters in Prometheus text
+format under llama-server's and vLLM's names (pyspec.server.metrics); off, it answers 501 as
+llama-server does without ``--metrics``.
 A bad request gets a 4xx with ``{"error": {"code", "message", "type"}}`` and
 queues nothing; a client that disconnects cancels its request; with an API key
 every endpoint but ``/health`` and the model list wants ``Authorization: Bearer KEY``.
@@ -15,12 +25,13 @@ every endpoint but ``/health`` and the model list wants ``Authorization: Bearer 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +46,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pyspec.errors import BadRequest, PyspecError
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
+from pyspec.server.metrics import CONTENT_TYPE, render_metrics
 from pyspec.server.params import (
+    Parsed,
+    Prompt,
     ServerDefaults,
+    apply_template_request,
     chat_request,
     completion_request,
     detokenize_request,
@@ -54,9 +69,19 @@ _FINISH = {"eog": "stop", "stop": "stop", "n_predict": "length", "context": "len
 _STOP_TYPE = {"eog": "eos", "stop": "word", "n_predict": "limit", "context": "limit", "cancelled": "none"}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(status: int, message: str, kind: str = "invalid_request_error", **extra: Any) -> JSONResponse:
     # llama-server's error body, which the openai client reads as well
-    return JSONResponse({"error": {"code": status, "message": message, "type": kind}}, status_code=status)
+    return JSONResponse({"error": {"code": status, "message": message, "type": kind, **extra}}, status_code=status)
+
+
+class _ContextExceeded(Exception):
+    """A prompt as long as a slot's context, or longer: llama-server's exceed_context_size_error."""
+
+    def __init__(self, n_prompt: int, n_ctx: int) -> None:
+        # server-context.cpp's message, and its fields (server-common.cpp format_error_response)
+        super().__init__(f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+                         "try increasing it")
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
 class _ApiKey:
@@ -68,15 +93,17 @@ class _ApiKey:
     refusal takes says nothing about how much of a guess was right.
     """
 
-    def __init__(self, app: ASGIApp, key: str | None) -> None:
+    def __init__(self, app: ASGIApp, key: str | Sequence[str] | None) -> None:
         self.app = app
-        self.key = key.encode("utf-8") if key else None
+        keys = [key] if isinstance(key, str) else list(key or ())
+        self.keys = [k.encode("utf-8") for k in keys if k]  # several: llama-server's --api-key a,b / --api-key-file
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is not None and scope["type"] == "http" and scope["path"] not in _PUBLIC:
+        if self.keys and scope["type"] == "http" and scope["path"] not in _PUBLIC:
             given = _presented_key(scope["headers"])
-            # compare_digest on bytes: constant time for equal lengths, and any bytes are allowed
-            if given is None or not hmac.compare_digest(given, self.key):
+            # compare_digest on bytes: constant time for equal lengths, and any bytes are allowed; every
+            # key is compared, so the time says nothing about which one came close
+            if given is None or not sum(hmac.compare_digest(given, k) for k in self.keys):
                 await _error(401, "Invalid API Key", "authentication_error")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -114,6 +141,23 @@ async def _body(req: HttpRequest) -> Any:
     return await asyncio.to_thread(parse_json, b"".join(chunks))
 
 
+def _nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
+    """Only ``paths`` of ``obj``, each under its path ("generation_settings/n_predict"); all of it when
+    none is asked (llama-server's response_fields, server-common.cpp json_get_nested_values)."""
+    if not paths:
+        return obj
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = obj
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
+    return out
+
+
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
     return {"id": lp.id, "token": lp.text, "bytes": list(lp.token_bytes), "logprob": lp.logprob,
             "top_logprobs": [{"id": i, "token": t, "bytes": list(b), "logprob": v} for i, t, b, v in lp.top[:n_top]]}
@@ -122,68 +166,164 @@ def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
 class _Api:
     """The handlers, over one started engine."""
 
-    def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None) -> None:
+    def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
+                 metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
+                 tags: Sequence[str] = (), props: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.aliases, self.tags = sorted(set(aliases)), sorted(set(tags))  # llama-server keeps them in std::sets
         self.defaults = defaults
         self.slot_save_path = slot_save_path
+        self.metrics_on = metrics
+        self.slots_on = slots
+        self.props_on = props
         self.created = int(time.time())
 
     # --- helpers ----------------------------------------------------------------
 
-    async def _request(self, build: Callable[[Any, ServerDefaults, int, int], tuple[Request, bool]],
-                       body: Any) -> tuple[Request, bool]:
-        """(Request, stream) from a body, checked in a worker thread (a long grammar or prompt is scanned there)."""
-        return await asyncio.to_thread(build, body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+    async def _request(self, build: Callable[[Any, ServerDefaults, int, int], Parsed],
+                       body: Any) -> tuple[Parsed, list[Request]]:
+        """The body read and checked, and one Request of token ids per choice, in a worker thread (a long
+        grammar or prompt is scanned there, and the prompts are tokenized there)."""
+        def run() -> tuple[Parsed, list[Request]]:
+            parsed = build(body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+            return parsed, self._choices(parsed)
 
-    def _submit(self, req: Request) -> RequestHandle:
+        return await asyncio.to_thread(run)
+
+    def _prompt_tokens(self, r: Request, prompt: Prompt | None) -> list[int]:
+        """One prompt's tokens, as llama-server makes them: a chat rendered with its template, a text
+        tokenized with BOS, a mixed list piece by piece (server-common.cpp tokenize_mixed: only a
+        leading text gets BOS). _ContextExceeded when it leaves no room in a slot."""
+        e = self.engine
+        if prompt is None:
+            from pyspec.generation.chat import render_chat
+
+            assert r.messages is not None
+            text = render_chat(e.model, r.messages, add_generation_prompt=r.add_generation_prompt,
+                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
+            toks = e.tokenize_chat(text)
+        else:
+            toks = []
+            for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
+                if isinstance(part, str):
+                    toks += e.vocab.tokenize(part, add_special=r.add_special and k == 0,
+                                             parse_special=r.parse_special)
+                else:
+                    toks.append(part)
+        if len(toks) >= e.n_ctx_seq:  # the engine needs room for one token more (server-context.cpp: >= n_ctx)
+            raise _ContextExceeded(len(toks), e.n_ctx_seq)
+        return toks
+
+    def _choices(self, parsed: Parsed) -> list[Request]:
+        """One Request per choice: choice i * n + j is the j-th of prompt i (a chat's messages: one prompt)."""
+        r = parsed.request
+        prompts: list[Prompt | None] = list(parsed.prompts) if r.messages is None else [None]
+        out: list[Request] = []
+        for p in prompts:
+            toks = self._prompt_tokens(r, p)
+            out += [dataclasses.replace(r, prompt=toks, messages=None) for _ in range(parsed.n)]
+        return out
+
+    def _submit(self, reqs: list[Request]) -> list[RequestHandle]:
+        """Every choice queued, or none (a refused one cancels those queued before it)."""
+        handles: list[RequestHandle] = []
         try:
-            return self.engine.submit(req)
+            for req in reqs:
+                handles.append(self.engine.submit(req))
         except (ValueError, TypeError) as e:
+            for h in handles:
+                h.cancel()
             raise BadRequest(str(e)) from None
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
 
-    async def _wait(self, http: HttpRequest, handle: RequestHandle) -> Completion:
-        """The completion, cancelling the request if the client goes away first."""
-        result = asyncio.ensure_future(handle.aresult())
+    async def _wait(self, http: HttpRequest, handles: list[RequestHandle]) -> list[Completion]:
+        """The completions, cancelling every request if the client goes away first."""
+        results = [asyncio.ensure_future(h.aresult()) for h in handles]
         try:
             while True:
-                done, _ = await asyncio.wait({result}, timeout=0.25)
-                if done:
-                    return result.result()
+                done, _ = await asyncio.wait(results, timeout=0.25)
+                if len(done) == len(results):
+                    return [f.result() for f in results]
+                if any(f.exception() is not None for f in done):
+                    next(f for f in done if f.exception() is not None).result()  # raise the first failure
                 if await http.is_disconnected():
-                    handle.cancel()
+                    for h in handles:
+                        h.cancel()
         finally:
-            if not result.done():
-                handle.cancel()
-                result.cancel()
+            for h, f in zip(handles, results, strict=True):
+                if not f.done():
+                    h.cancel()
+                    f.cancel()
 
-    def _stream(self, handle: RequestHandle, first: list[bytes],
-                piece: Callable[[Delta], dict[str, Any] | None],
-                final: Callable[[Completion], list[dict[str, Any]]], done_marker: bool) -> StreamingResponse:
+    def _stream(self, handles: list[RequestHandle], first: list[bytes],
+                piece: Callable[[int, Delta], dict[str, Any] | None],
+                final: Callable[[list[Completion]], list[dict[str, Any]]], done_marker: bool) -> StreamingResponse:
+        """SSE of the choices' pieces as they come (``piece(choice, delta)``), then ``final``'s objects."""
+        async def pump(i: int, h: RequestHandle, queue: asyncio.Queue[tuple[int, Delta | None]]) -> None:
+            try:
+                async for d in h:
+                    await queue.put((i, d))
+            except Exception:
+                pass  # the failure is raised again by aresult() below
+            finally:
+                await queue.put((i, None))
+
         async def gen() -> AsyncIterator[bytes]:
+            queue: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+            pumps = [asyncio.ensure_future(pump(i, h, queue)) for i, h in enumerate(handles)]
             try:
                 for b in first:
                     yield b
-                async for d in handle:
-                    obj = piece(d)
+                left = len(handles)
+                while left:
+                    i, d = await queue.get()
+                    if d is None:
+                        left -= 1
+                        continue
+                    obj = piece(i, d)
                     if obj is not None:
                         yield _sse(obj)
-                comp = await handle.aresult()
-                for obj in final(comp):
+                comps = [await h.aresult() for h in handles]
+                for obj in final(comps):
                     yield _sse(obj)
                 if done_marker:
                     yield b"data: [DONE]\n\n"
             except Exception as e:  # the request failed inside the engine: say so in the stream
                 yield _sse({"error": {"code": 500, "message": str(e), "type": "server_error"}})
             finally:
-                handle.cancel()  # a client that went away (the generator is closed) stops the request
+                for h in handles:
+                    h.cancel()  # a client that went away (the generator is closed) stops the requests
+                for t in pumps:
+                    t.cancel()
 
         return StreamingResponse(gen(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _usage(self, c: Completion) -> dict[str, int]:
-        return {"prompt_tokens": len(c.prompt_tokens), "completion_tokens": len(c.tokens),
-                "total_tokens": len(c.prompt_tokens) + len(c.tokens)}
+    def _usage(self, comps: list[Completion], n: int = 1) -> dict[str, Any]:
+        # OpenAI's totals over the choices: each prompt counted once (n choices share it)
+        n_prompt = sum(len(c.prompt_tokens) for c in comps[::n])
+        n_gen = sum(len(c.tokens) for c in comps)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
+                "prompt_tokens_details": {"cached_tokens": sum(c.stats.n_cached for c in comps[::n])}}
+
+    def _generation_settings(self, r: Request) -> dict[str, Any]:
+        """The settings a completion ran with (llama-server's generation_settings, task_params::to_json)."""
+        s = r.sampling or self.engine.sampling
+        return {"n_predict": r.n_predict, "seed": s.seed, "temperature": s.temp, "dynatemp_range": s.dynatemp_range,
+                "dynatemp_exponent": s.dynatemp_exponent, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                "top_n_sigma": s.top_n_sigma, "xtc_probability": s.xtc_probability,
+                "xtc_threshold": s.xtc_threshold, "typical_p": s.typ_p, "repeat_last_n": s.penalty_last_n,
+                "repeat_penalty": s.penalty_repeat, "presence_penalty": s.penalty_present,
+                "frequency_penalty": s.penalty_freq, "mirostat": s.mirostat, "mirostat_tau": s.mirostat_tau,
+                "mirostat_eta": s.mirostat_eta, "stop": list(r.stop), "n_probs": r.n_probs,
+                "min_keep": s.min_keep, "grammar": s.grammar, "ignore_eos": s.ignore_eos,
+                "cache_prompt": r.cache_prompt, "id_slot": r.slot_id,
+                "speculative.n_max": r.n_draft_max, "speculative.n_min": r.n_draft_min}
 
     # --- llama-server's native endpoints ------------------------------------------
 
@@ -194,9 +334,11 @@ class _Api:
         m = self.engine.model
         return JSONResponse({
             "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pyspec",
-                      "meta": {"n_vocab": self.engine.n_vocab, "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd,
-                               "n_params": m.n_params, "size": m.size}}],
+            "data": [{"id": self.model_name, "aliases": self.aliases, "tags": self.tags, "object": "model",
+                      "created": self.created, "owned_by": "pyspec",
+                      "meta": {"n_vocab": self.engine.n_vocab, "n_ctx": self.engine.n_ctx_seq,
+                               "n_ctx_train": m.n_ctx_train, "n_embd": m.n_embd, "n_params": m.n_params,
+                               "size": m.size}}],
         })
 
     async def props(self, _: HttpRequest) -> Response:
@@ -221,8 +363,32 @@ class _Api:
             "build_info": f"pyspec {__version__}, llama.cpp {LLAMA_CPP_REVISION}",
         })
 
+    async def props_change(self, req: HttpRequest) -> Response:
+        # llama-server's POST /props (server-context.cpp): 501 without --props; with it, a success that
+        # changes nothing (no property is writable there either)
+        if not self.props_on:
+            return _error(501, "This server does not support changing global properties. Start it with `--props`",
+                          "not_supported_error")
+        await _body(req)  # a body that is not JSON is still a 400
+        return JSONResponse({"success": True})
+
+    async def metrics(self, _: HttpRequest) -> Response:
+        if not self.metrics_on:
+            return _error(501, "This server does not support metrics endpoint. Start it with `--metrics`",
+                          "not_supported_error")
+        e = self.engine
+        snap = e.metrics.snapshot()
+        n_processing, n_waiting = e.load_counts()
+        text = render_metrics(snap, model_name=self.model_name, n_processing=n_processing, n_waiting=n_waiting)
+        return Response(text, media_type=CONTENT_TYPE,
+                        headers={"Process-Start-Time-Unix": str(int(snap.t_start))})
+
     async def slots(self, _: HttpRequest) -> Response:
-        return JSONResponse(self.engine.slot_info())
+        if not self.slots_on:  # llama-server's answer under --no-slots (server-context.cpp)
+            return _error(501, "This server does not support slots endpoint. Start it with `--slots`",
+                          "not_supported_error")
+        # each slot's context as llama-server reports it (n_ctx, per slot)
+        return JSONResponse([{"id": i["id"], "n_ctx": self.engine.n_ctx_seq, **i} for i in self.engine.slot_info()])
 
     async def slot_action(self, req: HttpRequest) -> Response:
         slot_id, action = slot_action_request(req.path_params["id"], req.query_params.get("action", ""),
@@ -269,22 +435,27 @@ class _Api:
         toks = detokenize_request(await _body(req), self.engine.n_vocab)
         return JSONResponse({"content": self.engine.vocab.detokenize(toks)})
 
-    def _native_final(self, c: Completion, n_probs: int, stream: bool) -> dict[str, Any]:
+    def _native_final(self, c: Completion, r: Request, stream: bool, index: int = 0,
+                      return_tokens: bool = True) -> dict[str, Any]:
+        n_probs = r.n_probs
         out: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "content": "" if stream else c.text,
-            "tokens": [] if stream else c.tokens,
+            "tokens": c.tokens if return_tokens and not stream else [],
             "id_slot": c.slot_id,
             "stop": True,
             "model": self.model_name,
             "tokens_predicted": len(c.tokens),
             "tokens_evaluated": len(c.prompt_tokens),
+            "generation_settings": self._generation_settings(r),
+            "prompt": self.engine.vocab.detokenize(c.prompt_tokens, unparse_special=True),  # BOS as text too
             "tokens_cached": c.stats.n_cached,
             "has_new_line": "\n" in c.text,
-            "truncated": False,
+            "truncated": False,  # pyspec never drops a part of the prompt to fit it
             "stop_type": _STOP_TYPE.get(c.stop_reason, "none"),
             "stopping_word": c.stopping_word,
             "timings": c.stats.timings(),
+            "speculative": c.stats.speculative(),
         }
         if n_probs and not stream:
             out["completion_probabilities"] = [_lp_json(lp, n_probs) for lp in c.logprobs]
@@ -292,110 +463,156 @@ class _Api:
 
     async def completion(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = await self._request(native_request, body)
-        h = self._submit(r)
-        if not stream:
-            return JSONResponse(self._native_final(await self._wait(req, h), r.n_probs, False))
+        parsed, reqs = await self._request(native_request, body)
+        hs = self._submit(reqs)
+        if not parsed.stream:
+            comps = await self._wait(req, hs)
+            outs = [_nested_values(parsed.response_fields, self._native_final(c, r, False, i, parsed.return_tokens))
+                    for i, (c, r) in enumerate(zip(comps, reqs, strict=True))]
+            return JSONResponse(outs[0] if len(outs) == 1 else outs)  # several prompts or n: a list
 
-        def piece(d: Delta) -> dict[str, Any]:
-            out: dict[str, Any] = {"index": 0, "content": d.text, "tokens": d.tokens, "stop": False,
-                                   "id_slot": -1}
-            if r.n_probs:
-                out["completion_probabilities"] = [_lp_json(lp, r.n_probs) for lp in d.logprobs]
+        def piece(i: int, d: Delta) -> dict[str, Any]:
+            out: dict[str, Any] = {"index": i, "content": d.text, "tokens": d.tokens if parsed.return_tokens else [],
+                                   "stop": False, "id_slot": -1}
+            if parsed.request.n_probs:
+                out["completion_probabilities"] = [_lp_json(lp, parsed.request.n_probs) for lp in d.logprobs]
             return out
 
-        return self._stream(h, [], piece, lambda c: [self._native_final(c, r.n_probs, True)], False)
+        return self._stream(hs, [], piece, lambda cs: [self._native_final(c, r, True, i)
+                                                       for i, (c, r) in enumerate(zip(cs, reqs, strict=True))],
+                            False)
+
+    async def apply_template(self, req: HttpRequest) -> Response:
+        """llama-server's /apply-template: the chat rendered as the prompt it would be ({"prompt": text})."""
+        from pyspec.generation.chat import render_chat
+
+        body = await _body(req)
+
+        def run() -> str:
+            r = apply_template_request(body, self.defaults)
+            assert r.messages is not None
+            return render_chat(self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
+                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
+
+        return JSONResponse({"prompt": await asyncio.to_thread(run)})
+
+    async def chat_input_tokens(self, req: HttpRequest) -> Response:
+        """llama-server's /chat/completions/input_tokens: how many tokens the chat's prompt would be."""
+        from pyspec.generation.chat import render_chat
+
+        body = await _body(req)
+
+        def run() -> int:
+            r = apply_template_request(body, self.defaults)
+            assert r.messages is not None
+            text = render_chat(self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
+                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
+            return len(self.engine.tokenize_chat(text))
+
+        return JSONResponse({"input_tokens": await asyncio.to_thread(run)})
 
     # --- OpenAI-compatible endpoints -----------------------------------------------
 
     async def v1_completions(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = await self._request(completion_request, body)
-        h = self._submit(r)
+        parsed, reqs = await self._request(completion_request, body)
+        n_probs = parsed.request.n_probs
+        hs = self._submit(reqs)
         cid = f"cmpl-{uuid.uuid4().hex}"
 
         def logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
-            if not r.n_probs:
+            if not n_probs:
                 return None
             offs, pos = [], offset
             for lp in lps:
                 offs.append(pos)
                 pos += len(lp.text)
             return {"tokens": [lp.text for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                    "top_logprobs": [{t: v for _, t, _, v in lp.top[: r.n_probs]} for lp in lps],
+                    "top_logprobs": [{t: v for _, t, _, v in lp.top[:n_probs]} for lp in lps],
                     "text_offset": offs}
 
-        def chunk(text: str, finish: str | None, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        def choice(i: int, text: str, finish: str | None, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+            return {"text": text, "index": i, "logprobs": logprobs(lps, offset), "finish_reason": finish}
+
+        def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                    "choices": [{"text": text, "index": 0, "logprobs": logprobs(lps, offset),
-                                 "finish_reason": finish}]}
+                    "choices": choices}
 
-        if not stream:
-            c = await self._wait(req, h)
-            out = chunk(c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
-            out["usage"] = self._usage(c)
-            out["timings"] = c.stats.timings()
-            return JSONResponse(out)
-
-        sent = [0]
-
-        def piece(d: Delta) -> dict[str, Any] | None:
-            if not d.text and not d.logprobs:
-                return None
-            out = chunk(d.text, None, d.logprobs, sent[0])
-            sent[0] += len(d.text)
+        def totals(out: dict[str, Any], comps: list[Completion]) -> dict[str, Any]:
+            out["usage"] = self._usage(comps, parsed.n)
+            out["timings"] = comps[0].stats.timings()
+            out["speculative"] = comps[0].stats.speculative()
             return out
 
-        def final(c: Completion) -> list[dict[str, Any]]:
-            out = chunk("", _FINISH.get(c.stop_reason, "stop"), [], sent[0])
-            out["usage"] = self._usage(c)
-            out["timings"] = c.stats.timings()
-            return [out]
+        if not parsed.stream:
+            comps = await self._wait(req, hs)
+            return JSONResponse(totals(envelope([choice(i, c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
+                                                 for i, c in enumerate(comps)]), comps))
 
-        return self._stream(h, [], piece, final, True)
+        sent = [0] * len(hs)
+
+        def piece(i: int, d: Delta) -> dict[str, Any] | None:
+            if not d.text and not d.logprobs:
+                return None
+            out = envelope([choice(i, d.text, None, d.logprobs, sent[i])])
+            sent[i] += len(d.text)
+            return out
+
+        def final(comps: list[Completion]) -> list[dict[str, Any]]:
+            outs = [envelope([choice(i, "", _FINISH.get(c.stop_reason, "stop"), [], sent[i])])
+                    for i, c in enumerate(comps)]
+            totals(outs[-1], comps)
+            return outs
+
+        return self._stream(hs, [], piece, final, True)
 
     async def v1_chat(self, req: HttpRequest) -> Response:
         body = await _body(req)
-        r, stream = await self._request(chat_request, body)
+        parsed, reqs = await self._request(chat_request, body)
+        n_probs = parsed.request.n_probs
         n_top = int(body.get("top_logprobs") or 0) if body.get("logprobs") else 0
-        h = self._submit(r)
+        hs = self._submit(reqs)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
         def logprobs(lps: list[TokenLogprob]) -> dict[str, Any] | None:
-            if not r.n_probs:
+            if not n_probs:
                 return None
             return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
                                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)}
                                                   for _, t, b, v in lp.top[:n_top]]} for lp in lps]}
 
-        def chunk(delta: dict[str, Any], finish: str | None, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def chunk(i: int, delta: dict[str, Any], finish: str | None, lps: list[TokenLogprob]) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
                     "model": self.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
+                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
-        if not stream:
-            c = await self._wait(req, h)
-            return JSONResponse({
+        def totals(out: dict[str, Any], comps: list[Completion]) -> dict[str, Any]:
+            out["usage"] = self._usage(comps, parsed.n)
+            out["timings"] = comps[0].stats.timings()
+            out["speculative"] = comps[0].stats.speculative()
+            return out
+
+        if not parsed.stream:
+            comps = await self._wait(req, hs)
+            return JSONResponse(totals({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}],
-                "usage": self._usage(c),
-                "timings": c.stats.timings(),
-            })
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}
+                            for i, c in enumerate(comps)],
+            }, comps))
 
-        def piece(d: Delta) -> dict[str, Any] | None:
+        def piece(i: int, d: Delta) -> dict[str, Any] | None:
             if not d.text and not d.logprobs:
                 return None
-            return chunk({"content": d.text}, None, d.logprobs)
+            return chunk(i, {"content": d.text}, None, d.logprobs)
 
-        def final(c: Completion) -> list[dict[str, Any]]:
-            out = chunk({}, _FINISH.get(c.stop_reason, "stop"), [])
-            out["usage"] = self._usage(c)
-            out["timings"] = c.stats.timings()
-            return [out]
+        def final(comps: list[Completion]) -> list[dict[str, Any]]:
+            outs = [chunk(i, {}, _FINISH.get(c.stop_reason, "stop"), []) for i, c in enumerate(comps)]
+            totals(outs[-1], comps)
+            return outs
 
-        first = [_sse(chunk({"role": "assistant", "content": ""}, None, []))]
-        return self._stream(h, first, piece, final, True)
+        first = [_sse(chunk(i, {"role": "assistant", "content": ""}, None, [])) for i in range(len(hs))]
+        return self._stream(hs, first, piece, final, True)
 
 
 def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[HttpRequest], Awaitable[Response]]:
@@ -404,6 +621,8 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
             return await handler(req)
         except BadRequest as e:
             return _error(400, str(e))
+        except _ContextExceeded as e:
+            return _error(400, str(e), "exceed_context_size_error", n_prompt_tokens=e.n_prompt, n_ctx=e.n_ctx)
         except _TooLarge:
             return _error(413, f"the request body is larger than {_MAX_BODY} bytes")
         except PyspecError as e:
@@ -414,22 +633,36 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
     return run
 
 
-def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | None = None,
-               defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None) -> Starlette:
-    """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job)."""
+def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Sequence[str] | None = None,
+               defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
+               metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
+               model_tags: Sequence[str] = (), props: bool = False) -> Starlette:
+    """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
+
+    ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
+    ``api_key``: one key or several, any of which is accepted. ``slots=False``: ``GET /slots`` answers
+    501 (llama-server's ``--no-slots``). ``model_aliases`` / ``model_tags``: the model list's
+    ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``). ``props``: ``POST /props`` answers as
+    llama-server's under ``--props`` (501 without)."""
     if not engine.running:
         engine.start()
-    api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None)
+    api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
+               metrics, slots, model_aliases, model_tags, props)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
         Route("/models", _guard(api.models), methods=["GET"]),
         Route("/v1/models", _guard(api.models), methods=["GET"]),
         Route("/props", _guard(api.props), methods=["GET"]),
+        Route("/props", _guard(api.props_change), methods=["POST"]),
         Route("/slots", _guard(api.slots), methods=["GET"]),
+        Route("/metrics", _guard(api.metrics), methods=["GET"]),
         Route("/slots/{id}", _guard(api.slot_action), methods=["POST"]),
         Route("/tokenize", _guard(api.tokenize), methods=["POST"]),
         Route("/detokenize", _guard(api.detokenize), methods=["POST"]),
+        Route("/apply-template", _guard(api.apply_template), methods=["POST"]),
+        Route("/chat/completions/input_tokens", _guard(api.chat_input_tokens), methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", _guard(api.chat_input_tokens), methods=["POST"]),
         Route("/completion", _guard(api.completion), methods=["POST"]),
         Route("/completions", _guard(api.completion), methods=["POST"]),
         Route("/v1/completions", _guard(api.v1_completions), methods=["POST"]),

@@ -25,9 +25,9 @@ from pyspec.core.grammar import check_grammar
 from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
 
-__all__ = ["MAX_FILENAME_BYTES", "MAX_JSON_DEPTH", "ServerDefaults", "chat_request", "completion_request",
-           "detokenize_request", "native_request", "parse_json", "slot_action_request", "slot_filename",
-           "tokenize_request"]
+__all__ = ["MAX_FILENAME_BYTES", "MAX_JSON_DEPTH", "Parsed", "Prompt", "ServerDefaults", "apply_template_request",
+           "chat_request", "completion_request", "detokenize_request", "native_request", "parse_json",
+           "slot_action_request", "slot_filename", "tokenize_request"]
 
 
 @dataclasses.dataclass
@@ -39,6 +39,7 @@ class ServerDefaults:
     n_draft_max: int | None = None  # None: the engine's speculative n_max
     n_draft_min: int = 0
     cache_prompt: bool = True
+    chat_template: str | None = None  # chat: a template text or llama.cpp built-in name (--chat-template)
 
 
 _MISSING = object()
@@ -336,8 +337,6 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
 
 def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> dict[str, Any]:
     body = _object(body)
-    n = _int(body, "n", 1, 1)  # one choice per request
-    del n
     n_predict = _int(body, "n_predict", -1, 1 << 30, "max_completion_tokens", "max_tokens")
     # llama-server's "speculative.n_max" / "speculative.n_min", flat or nested
     n_draft = _int(body, "speculative.n_max", 0, 1 << 16)
@@ -360,17 +359,47 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
     }
 
 
-def _prompt(body: Mapping[str, Any], n_vocab: int, name: str = "prompt") -> str | list[int]:
+# one prompt: a text, token ids, or texts and token ids mixed ([12, 34, "text", 56]: tokenize_mixed)
+Prompt = str | list[int | str]
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _prompts(body: Mapping[str, Any], n_vocab: int, name: str = "prompt") -> list[Prompt]:
+    """The prompts of a completion body, as llama-server reads them (server-common.cpp
+    tokenize_input_prompts): a list without a token id at its top is a list of prompts, each a text,
+    token ids, texts and ids mixed, or ``{"prompt": ...}``; anything else is one prompt."""
     p = _get(body, name)
     if p is _MISSING:
         raise BadRequest(f"'{name}' is required")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
+    if isinstance(p, list) and p and not any(_is_token(t) for t in p):
+        return [_subprompt(f"'{name}' (prompt {i})", q, n_vocab) for i, q in enumerate(p)]
+    return [_subprompt(f"'{name}'", p, n_vocab)]
+
+
+def _subprompt(where: str, p: Any, n_vocab: int) -> Prompt:
+    """One prompt (server-common.cpp tokenize_input_subprompt); ``where`` names it in messages."""
+    if isinstance(p, Mapping) and "prompt" in p:  # llama-server's {"prompt": ..., "multimodal_data": ...}
+        if p.get("multimodal_data"):
+            raise BadRequest(f"{where}: multimodal data needs a multimodal model, which pyspec does not serve")
+        p = p["prompt"]
     if isinstance(p, str):
-        return _text(name, p)
-    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return _token_ids(name, p, n_vocab)
-    raise BadRequest(f"'{name}' must be a string or a list of token ids (one prompt per request), got {_kind(p)}")
+        return _text(where.strip("'"), p)
+    # token ids, or ids and texts mixed (json_is_array_of_mixed_numbers_strings: at least one of each)
+    if isinstance(p, list) and p and all(_is_token(t) or isinstance(t, str) for t in p) and any(map(_is_token, p)):
+        bad = next((t for t in p if _is_token(t) and not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise BadRequest(f"{where}: token {_kind(bad)} is outside the vocabulary (0..{n_vocab - 1})")
+        for t in p:
+            if isinstance(t, str):
+                _text(where.strip("'"), t)
+        return list(p)
+    if isinstance(p, list) and not p:
+        raise BadRequest(f"{where} is an empty list of tokens")
+    raise BadRequest(f"{where} must be a string, a list of tokens, a JSON object containing a prompt string, "
+                     f"or a list of mixed strings & tokens, got {_kind(p)}")
 
 
 def _token_ids(name: str, toks: list[int], n_vocab: int) -> list[int]:
@@ -438,27 +467,62 @@ def _finish(req: Request) -> Request:
     return req
 
 
-def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> tuple[Request, bool]:
-    """llama-server's /completion body -> (Request, stream)."""
+@dataclasses.dataclass
+class Parsed:
+    """A completion body read: the request's settings, its prompts and choices per prompt.
+
+    ``request`` carries everything but the prompt (a chat's messages are in it); the server turns
+    each of ``prompts`` (none for a chat: its messages are the one prompt) into tokens and submits
+    ``n`` requests for each (llama-server's ``n`` / ``n_cmpl``: choice ``i * n + j``)."""
+
+    request: Request
+    prompts: list[Prompt]
+    n: int
+    stream: bool
+    response_fields: list[str] = dataclasses.field(default_factory=list)  # /completion: only these ("a/b": nested)
+    # /completion's "tokens": llama-server sends them only when asked, pyspec unless told not to
+    return_tokens: bool = True
+
+
+def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
+    # llama-server (server-task.cpp): n_cmpl, else n; at most one per slot
+    n = _int(body, "n_cmpl", 1, n_parallel) if "n_cmpl" in body else _int(body, "n", 1, n_parallel)
+    return 1 if n is None else n
+
+
+def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
+    """llama-server's /completion body -> Parsed."""
     c = _common(body, d, n_vocab, n_parallel)
     n_probs = _int(body, "n_probs", 0, 100) or 0
-    req = Request(prompt=_prompt(body, n_vocab), n_probs=n_probs, add_special=True, parse_special=True, **c)
-    return _finish(req), _bool(body, "stream", False)
+    req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
+    fields = _get(body, "response_fields")
+    if fields is _MISSING:
+        fields = []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise BadRequest("'response_fields' must be a list of strings")
+    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
+                  [_text("response_fields", f) for f in fields], _bool(body, "return_tokens", True))
 
 
-def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int,
-                       n_parallel: int) -> tuple[Request, bool]:
-    """OpenAI's /v1/completions body -> (Request, stream)."""
+def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
+    """OpenAI's /v1/completions body -> Parsed."""
     c = _common(body, d, n_vocab, n_parallel)
     if _bool(body, "echo", False):
         raise BadRequest("'echo' is not supported")
     n_probs = _int(body, "logprobs", 0, 20) or 0
-    req = Request(prompt=_prompt(body, n_vocab), n_probs=n_probs, add_special=True, parse_special=True, **c)
-    return _finish(req), _bool(body, "stream", False)
+    req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
+    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False))
 
 
-def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> tuple[Request, bool]:
-    """OpenAI's /v1/chat/completions body -> (Request, stream)."""
+def apply_template_request(body: Mapping[str, Any], d: ServerDefaults) -> Request:
+    """llama-server's /apply-template body (a chat body) -> a Request holding its messages and template."""
+    body = _object(body)
+    return Request(messages=_messages(body), add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                   chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body))
+
+
+def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
+    """OpenAI's /v1/chat/completions body -> Parsed."""
     c = _common(body, d, n_vocab, n_parallel)
     msgs = _messages(body)
     n_probs = 0
@@ -466,8 +530,8 @@ def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_par
         n_probs = _int(body, "top_logprobs", 0, 20) or 0
         n_probs = max(n_probs, 1)  # the chosen token's log-probability needs the row; top list trimmed later
     req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                  chat_template_kwargs=_template_kwargs(body), **c)
-    return _finish(req), _bool(body, "stream", False)
+                  chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body), **c)
+    return Parsed(_finish(req), [], _n_choices(body, n_parallel), _bool(body, "stream", False))
 
 
 def _object(body: Any) -> Mapping[str, Any]:

@@ -12,6 +12,9 @@ Targets:
   state     sequence-state blobs into Context.state_seq_set (KV and hybrid contexts)
   ngram     lookup-cache files: the port's loader, the shared check and the C++ loader agree
   gguf      model files whose header and metadata are mutated, then a context and a decode
+  gguf_doors  every tiny model, the LoRA, a control vector and a split set, mutated in their
+            structure (types, element types, empty / repeated keys, counts, tensor shapes),
+            through every door (Model, split lists, LoraAdapter, load_control_vector, quantize)
   api       call sequences over contexts, batches, memory, outputs, samplers, the port and
             the reference, decoded from the input bytes
   params    speculative and sampling parameters through both engines: same tokens, or the
@@ -36,7 +39,8 @@ import numpy as np
 from pyspec.common.params import LLAMA_DEFAULT_SEED
 from pyspec.errors import FuzzFinding as Finding
 
-__all__ = ["CLEAN", "TARGETS", "Input", "mutate", "seeds", "setup"]
+__all__ = ["CLEAN", "DOORS", "TARGETS", "GgufFile", "Input", "door_sets", "mutate", "mutate_gguf", "open_door",
+           "open_door_unguarded", "run_door", "seeds", "setup"]
 
 
 def _clean_types() -> tuple[type[BaseException], ...]:
@@ -244,6 +248,313 @@ def target_gguf(data: bytes) -> None:
         c.close()
     finally:
         m.close()
+
+
+# --- structured GGUF mutations: every door -------------------------------------------------
+
+# GGUF value types (gguf.h) and the byte size of the scalar ones
+_GT_ARRAY, _GT_STRING = 9, 8
+_GT_SIZE = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class GgufFile:
+    """A GGUF file as lists of metadata and tensor infos, with its tensor data kept as bytes.
+
+    ``kvs``: [key, type, element type (-1 for a scalar), count, payload] where payload is
+    the value's encoding after its type / element type / count fields; ``tensors``:
+    [name, dims, ggml type, offset]. :meth:`encode` writes the header back and pads to the
+    alignment, so a mutation of the header keeps the data where the offsets point.
+    """
+
+    def copy(self) -> GgufFile:
+        """A copy to mutate (the payloads and the data are shared: bytes do not change)."""
+        g = object.__new__(GgufFile)
+        g.version, g.data, g.n_kv_delta, g.n_tensors_delta = self.version, self.data, 0, 0
+        g.kvs = [list(kv) for kv in self.kvs]
+        g.tensors = [[n, list(d), t, o] for n, d, t, o in self.tensors]
+        return g
+
+    def __init__(self, data: bytes) -> None:
+        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        off = 24
+
+        def string() -> bytes:
+            nonlocal off
+            (n,) = struct.unpack_from("<Q", data, off)
+            off += 8 + n
+            return data[off - n : off]
+
+        self.kvs: list[list[Any]] = []
+        for _ in range(n_kv):
+            key = string()
+            (t,) = struct.unpack_from("<I", data, off)
+            off += 4
+            start = off
+            if t == _GT_ARRAY:
+                elem, n = struct.unpack_from("<IQ", data, off)
+                off += 12
+                start = off
+                if elem == _GT_STRING:
+                    for _ in range(n):
+                        string()
+                else:
+                    off += n * _GT_SIZE[elem]
+                self.kvs.append([key, t, elem, n, data[start:off]])
+            elif t == _GT_STRING:
+                string()
+                self.kvs.append([key, t, -1, 1, data[start:off]])
+            else:
+                off += _GT_SIZE[t]
+                self.kvs.append([key, t, -1, 1, data[start:off]])
+        self.tensors: list[list[Any]] = []
+        for _ in range(n_tensors):
+            name = string()
+            (nd,) = struct.unpack_from("<I", data, off)
+            dims = list(struct.unpack_from(f"<{nd}Q", data, off + 4))
+            off += 4 + 8 * nd
+            ttype, toff = struct.unpack_from("<IQ", data, off)
+            off += 12
+            self.tensors.append([name, dims, ttype, toff])
+        align = self.alignment()
+        self.data = data[(off + align - 1) // align * align :]
+        self.n_kv_delta = self.n_tensors_delta = 0  # header counts that lie
+
+    def alignment(self) -> int:
+        for key, t, _, _, payload in self.kvs:
+            if key == b"general.alignment" and t == 4 and len(payload) == 4:  # a mutation may leave another size
+                (a,) = struct.unpack("<I", payload)
+                if a and a & (a - 1) == 0:
+                    return int(a)
+        return 32
+
+    def value(self, key: bytes) -> Any:
+        for k, t, _, _, payload in self.kvs:
+            if k == key and t == _GT_STRING:
+                return payload[8:].decode("utf-8", "replace")
+        return None
+
+    def encode(self) -> bytes:
+        out = bytearray(b"GGUF")
+        out += struct.pack("<IQQ", self.version, (len(self.tensors) + self.n_tensors_delta) % 2**64,
+                           (len(self.kvs) + self.n_kv_delta) % 2**64)
+        for key, t, elem, n, payload in self.kvs:
+            out += struct.pack("<Q", len(key)) + key + struct.pack("<I", t)
+            if t == _GT_ARRAY:
+                out += struct.pack("<IQ", elem & 0xFFFFFFFF, n % 2**64)
+            out += payload
+        for name, dims, ttype, toff in self.tensors:
+            out += struct.pack("<Q", len(name)) + name + struct.pack("<I", len(dims) & 0xFFFFFFFF)
+            out += b"".join(struct.pack("<Q", d % 2**64) for d in dims)
+            out += struct.pack("<IQ", ttype & 0xFFFFFFFF, toff % 2**64)
+        align = self.alignment()
+        out += b"\0" * (-len(out) % align)
+        return bytes(out) + self.data
+
+
+def _payload(inp: Input, t: int, n: int = 1) -> bytes:
+    """``n`` values of type ``t`` (strings short and printable), from the input."""
+    if t == _GT_STRING:
+        return b"".join(struct.pack("<Q", len(w)) + w
+                        for w in (bytes(97 + inp.num(0, 25) for _ in range(inp.num(0, 6))) for _ in range(n)))
+    size = _GT_SIZE.get(t, 4)
+    if size == 4 and inp.byte() < 128:
+        return b"".join(struct.pack("<I", inp.wild(0, 64) & 0xFFFFFFFF) for _ in range(n))
+    return inp.bytes(size * n).ljust(size * n, b"\x01")
+
+
+def _rule_keys(g: GgufFile) -> list[bytes]:
+    """The keys pyspec.core.gguf_keys.RULES names, for this file's architecture."""
+    from pyspec.core.gguf_keys import RULES
+
+    arch = g.value(b"general.architecture") or "llama"
+    return [r.key.replace("{arch}", arch).encode() for r in RULES] + [b"split.count", b"general.architecture"]
+
+
+def mutate_gguf(g: GgufFile, inp: Input) -> None:
+    """One structured mutation of ``g``, as the input chooses."""
+    op = inp.num(0, 13)
+    kvs, tensors = g.kvs, g.tensors
+    kv = inp.choice(kvs) if kvs else None
+    if op == 0 and kv is not None:  # another value type, the payload re-made to fit (or not)
+        kv[1] = inp.choice([*_GT_SIZE, _GT_STRING, _GT_ARRAY, 13, 255])
+        if kv[1] == _GT_ARRAY:
+            kv[2] = inp.choice([*_GT_SIZE, _GT_STRING])
+            kv[3] = inp.wild(0, 8)
+            kv[4] = _payload(inp, kv[2], min(kv[3], 4096))
+        else:
+            kv[2], kv[3] = -1, 1
+            if inp.byte() < 230:
+                kv[4] = _payload(inp, kv[1])
+    elif op == 1 and kv is not None and kv[1] == _GT_ARRAY:  # another element type, same count
+        kv[2] = inp.choice([*_GT_SIZE, _GT_STRING, _GT_ARRAY, 13])
+        if inp.byte() < 230:
+            kv[4] = _payload(inp, kv[2], min(kv[3], 1 << 16))
+    elif op == 2 and kv is not None:  # an empty key
+        kv[0] = b""
+    elif op == 3 and kv is not None:  # a key twice
+        kvs.insert(inp.num(0, len(kvs)), list(kv))
+    elif op == 4 and kv is not None:  # renamed to a key llama.cpp reads with a typed getter
+        kv[0] = inp.choice(_rule_keys(g))
+    elif op == 5:  # a typed key added, of any type and shape
+        t = inp.choice([*_GT_SIZE, _GT_STRING, _GT_ARRAY])
+        key = inp.choice(_rule_keys(g))
+        if t == _GT_ARRAY:
+            elem, n = inp.choice([*_GT_SIZE, _GT_STRING]), inp.wild(0, 8)
+            kvs.insert(inp.num(0, len(kvs)), [key, t, elem, n, _payload(inp, elem, min(n, 4096))])
+        else:
+            kvs.insert(inp.num(0, len(kvs)), [key, t, -1, 1, _payload(inp, t)])
+    elif op == 6 and kv is not None and kv[1] == _GT_ARRAY:  # a count that lies, or a fitting one
+        n = inp.choice([0, 1, kv[3] - 1, kv[3] + 1, 2**31, 2**32 + 1, 2**63, 2**64 - 1, inp.wild(0, 64)])
+        kv[3] = max(n, 0)
+        if inp.byte() < 100 and kv[3] <= 1 << 16:
+            kv[4] = _payload(inp, kv[2], kv[3])
+    elif op == 7 and tensors:  # a tensor shape
+        t = inp.choice(tensors)
+        dims = t[1]
+        k = inp.num(0, 5)
+        if k == 0 and dims:
+            dims[inp.num(0, len(dims) - 1)] = inp.choice([0, 1, 2, 3, 7, 31, 4096, 2**31, 2**32, 2**62, 2**64 - 1])
+        elif k == 1:
+            dims.append(inp.wild(1, 4))
+        elif k == 2 and dims:
+            dims.pop()
+        elif k == 3 and len(dims) >= 2:
+            dims[0], dims[1] = dims[1], dims[0]
+        elif k == 4:
+            t[1] = dims * inp.num(2, 3)  # more than GGML_MAX_DIMS
+        else:
+            dims[:] = [d + inp.num(-1, 1) for d in dims]
+    elif op == 8 and tensors:  # a tensor type or offset
+        t = inp.choice(tensors)
+        if inp.byte() & 1:
+            t[2] = inp.wild(0, 41)
+        else:
+            t[3] = inp.choice([0, 1, 32, t[3] + 32, 2**40, 2**64 - 1, inp.wild(0, 1 << 20)])
+    elif op == 9 and tensors:  # a tensor name twice, or empty
+        t = inp.choice(tensors)
+        if inp.byte() & 1:
+            tensors.insert(inp.num(0, len(tensors)), [t[0], list(t[1]), t[2], t[3]])
+        else:
+            t[0] = b""
+    elif op == 10:  # header counts that lie
+        if inp.byte() & 1:
+            g.n_kv_delta = inp.choice([-1, 1, 2**40])
+        else:
+            g.n_tensors_delta = inp.choice([-1, 1, 2**40])
+    elif op == 11 and kv is not None:  # a key dropped
+        kvs.remove(kv)
+    elif op == 12 and kv is not None and kv[1] == _GT_STRING:  # a string value's length lies
+        (n,) = struct.unpack_from("<Q", kv[4])
+        kv[4] = struct.pack("<Q", inp.choice([0, n + 1, 2**63, inp.wild(0, 256)]) % 2**64) + kv[4][8:]
+    elif op == 13:
+        g.version = inp.choice([1, 2, 3, 4, 0xFFFFFFFF])
+
+
+def door_sets() -> dict[str, list[Path]]:
+    """The unmutated files of every kind: each tiny model, the LoRA, a control vector, a split set."""
+    from pyspec.testing import derived
+    from pyspec.testing import models as tm
+
+    if "door_sets" in S:
+        return dict(S["door_sets"])
+    sets = {name: [path] for name, path in sorted(tm.make_all().items())}
+    # the quantized copies the tests make (pyspec.testing.quantize), where they exist already
+    for path in sorted(tm.make_target().parent.glob("pyspec-tiny-*-q8_0.gguf")):
+        sets[path.stem.removeprefix("pyspec-tiny-")] = [path]
+    folder = TMP / "doors"
+    folder.mkdir(exist_ok=True)
+    sets["lora"] = [derived.make_lora(folder / "lora.gguf").path]
+    rng = np.random.default_rng(3)
+    n_embd = int(S["target"].n_embd) if "target" in S else 64
+    sets["cvec"] = [derived.make_control_vector(folder / "cvec.gguf",
+                                                {1: rng.standard_normal(n_embd).astype(np.float32)})]
+    sets["split"] = derived.make_split_target(folder, max_tensors=8)
+    S["door_sets"] = sets
+    S["door_bytes"] = {name: [p.read_bytes() for p in paths] for name, paths in sets.items()}
+    return dict(sets)
+
+
+DOORS = ("model", "vocab", "lora", "cvec", "quantize", "split")
+
+
+def _door(door: str, paths: list[Path]) -> Any:
+    from pyspec import Model
+    from pyspec.core.adapters import LoraAdapter, load_control_vector
+    from pyspec.core.quantize import quantize
+
+    if door in ("model", "vocab"):  # a vocab_only load reads the tokenizer keys, not the hyperparameters
+        return Model(paths[0], vocab_only=door == "vocab")
+    if door == "split":
+        return Model(paths if len(paths) > 1 else paths[0])
+    if door == "lora":
+        return LoraAdapter(S["target"], paths[0])
+    if door == "cvec":
+        return load_control_vector(paths[0])
+    if door == "quantize":
+        return quantize(paths[0], TMP / "quantized.gguf", "q8_0", nthread=1, dry_run=True)
+    raise ValueError(f"door must be one of {DOORS}, not {door!r}")
+
+
+def run_door(door: str, paths: list[Path]) -> Any:
+    """Hand ``paths`` to one door; the object it made (closed) or the clean exception."""
+    r = _call(_door, door, paths)
+    if hasattr(r, "close"):
+        r.close()
+    return r
+
+
+def open_door(door: str, paths: list[str]) -> str:
+    """Hand files to one door and raise what it raises (for crash-safe Worker calls)."""
+    r = _door(door, [Path(p) for p in paths])
+    if hasattr(r, "close"):
+        r.close()
+    return "opened"
+
+
+def open_door_unguarded(door: str, paths: list[str]) -> str:
+    """:func:`open_door` with pyspec.core.gguf_keys' rules switched off: what llama.cpp does
+    with the file (the test that each rule guards a real abort)."""
+    from pyspec.core import gguf_keys
+
+    rules = gguf_keys._check_rules
+    gguf_keys._check_rules = lambda *a, **k: ""
+    try:
+        return open_door(door, paths)
+    finally:
+        gguf_keys._check_rules = rules
+
+
+def target_gguf_doors(data: bytes) -> None:
+    """A tiny model, the LoRA, a control vector or a split set, mutated 1-6 times in its
+    structure (value and element types, empty and repeated keys, counts, tensor shapes),
+    through a door chosen by the input (any file through any door)."""
+    sets = door_sets()
+    inp = Input(data)
+    names = sorted(sets)
+    name = inp.choice(names)
+    raw = S["door_bytes"][name]
+    which = inp.num(0, len(raw) - 1)
+    parsed = S.setdefault("door_parsed", {})
+    if (name, which) not in parsed:  # parsing a 32000-token header is the slow part: once per file
+        parsed[name, which] = GgufFile(raw[which])
+    g = parsed[name, which].copy()
+    for _ in range(inp.num(1, 6)):
+        mutate_gguf(g, inp)
+    folder = TMP / "mutated"
+    folder.mkdir(exist_ok=True)
+    if name == "split":
+        paths = []
+        for i, (src, blob) in enumerate(zip(sets[name], raw, strict=True)):
+            dst = folder / src.name
+            dst.write_bytes(g.encode() if i == which else blob)
+            paths.append(dst)
+        door = "split" if inp.byte() < 200 else inp.choice(list(DOORS))
+    else:
+        paths = [folder / "m.gguf"]
+        paths[0].write_bytes(g.encode())
+        natural = {"lora": "lora", "cvec": "cvec"}.get(name, "model")
+        door = natural if inp.byte() < 170 else inp.choice(list(DOORS))
+    run_door(door, paths)
 
 
 # --- call sequences -------------------------------------------------------------------
@@ -560,7 +871,7 @@ def target_cli(data: bytes) -> None:
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "grammar": target_grammar, "state": target_state, "ngram": target_ngram, "gguf": target_gguf,
-    "api": target_api, "params": target_params, "cli": target_cli,
+    "api": target_api, "params": target_params, "cli": target_cli, "gguf_doors": target_gguf_doors,
 }
 
 
@@ -594,6 +905,10 @@ def seeds(target: str) -> list[bytes]:
         return [rec, rec * 3, b"", rec[:-3]]
     if target == "gguf":
         return [S["gguf"][:8192]] if "gguf" in S else []
+    if target == "gguf_doors":  # control bytes: one seed per file kind and door, then random ones
+        n = len(door_sets())
+        return [bytes([k, 0, 3] + [j * 37 % 256 for j in range(40)]) for k in range(n)] + \
+            [bytes(random.Random(i).randrange(256) for _ in range(64)) for i in range(16)]
     return [bytes(random.Random(i).randrange(256) for _ in range(256)) for i in range(8)]
 
 

@@ -749,9 +749,11 @@ def tiny_model_paths(types: str | Sequence[Any] = "none") -> tuple[Path, Path | 
     """
     from pyspec.common.params import CommonSpeculativeType as T
     from pyspec.generation.contexts import draft_kind, parse_types  # test support may import any layer
+    from pyspec.suffix.names import split_suffix_type
     from pyspec.testing.models_dflash import make_cyclic_dflash, make_cyclic_dspark  # it imports this module
 
-    parsed = parse_types(types) if isinstance(types, str) else list(types)
+    # "suffix" (pyspec's own type) needs no model of its own: the target is the cyclic one
+    parsed: list[Any] = parse_types(split_suffix_type(types)[0]) if isinstance(types, str) else list(types)
     kind = draft_kind(parsed)
     if kind == "dflash":
         kind = "dspark" if T.DRAFT_DSPARK in parsed else "dflash"

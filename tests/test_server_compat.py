@@ -1,0 +1,300 @@
+"""The HTTP server behaves as llama-server where its tests specify it (vendor/llama.cpp/tools/server/tests/unit):
+token-list and mixed prompts, several prompts, ``n`` choices, ``usage``, the context-exceeded error,
+``/apply-template``, ``/completion``'s fields, ``--no-slots`` and several API keys."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from pyspec import Context, Model
+from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.chat import render_chat
+from pyspec.generation.engine import Engine, greedy_sampling
+from pyspec.server.app import create_app
+from pyspec.server.params import ServerDefaults
+from pyspec.testing import models as tm
+
+N_PARALLEL = 3
+N_CTX = 256  # per slot
+PROMPT = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n"
+MESSAGES = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+# llama-server's test_context_size_exceeded in turns the tiny model's template takes (no system turn but the first)
+LONG_CHAT = [{"role": "user", "content": "What is the best book"}, {"role": "assistant", "content": "Book"}] * 100 \
+    + [{"role": "user", "content": "And then?"}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    model = Model(tm.make_chat_target())
+    ctx = Context(model, n_ctx=N_CTX * N_PARALLEL, n_batch=64, n_ubatch=64, n_seq_max=N_PARALLEL, n_threads=1,
+                  n_threads_batch=1)
+    spec = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+    spec.ngram_simple.size_n, spec.ngram_simple.size_m = 2, 6
+    eng = Engine(ctx, spec, greedy_sampling(), n_parallel=N_PARALLEL, owned=[ctx, model], adaptive_draft=False)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def http(engine: Engine) -> Iterator[TestClient]:
+    app = create_app(engine, model_name="tiny", defaults=ServerDefaults(sampling=greedy_sampling()))
+    with TestClient(app) as client:
+        yield client
+
+
+def _tokens(engine: Engine, text: str, bos: bool = True) -> list[int]:
+    return engine.vocab.tokenize(text, add_special=bos, parse_special=True)
+
+
+def _events(r: Any) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# --- prompts ----------------------------------------------------------------------------
+
+
+def test_a_token_list_prompt_is_the_text_prompt(http: TestClient, engine: Engine):
+    text = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8}).json()
+    toks = http.post("/completion", json={"prompt": _tokens(engine, PROMPT), "n_predict": 8}).json()
+    assert toks["tokens"] == text["tokens"] and toks["tokens_evaluated"] == text["tokens_evaluated"]
+
+
+def test_a_mixed_prompt_is_tokenized_piece_by_piece_with_bos_only_before_a_leading_text(http: TestClient,
+                                                                                        engine: Engine):
+    ids = _tokens(engine, " x = 1", bos=False)
+    r = http.post("/completion", json={"prompt": ["def f():", *ids, "\n    return x"], "n_predict": 4}).json()
+    expected = _tokens(engine, "def f():") + ids + _tokens(engine, "\n    return x", bos=False)
+    assert r["tokens_evaluated"] == len(expected)
+    assert r["prompt"] == engine.vocab.detokenize(expected, unparse_special=True)
+    lead = http.post("/completion", json={"prompt": [*ids, "\n    return x"], "n_predict": 4}).json()
+    assert lead["tokens_evaluated"] == len(ids + _tokens(engine, "\n    return x", bos=False))  # no BOS
+
+
+def test_several_prompts_are_several_completions_in_order(http: TestClient):
+    one = [http.post("/completion", json={"prompt": p, "n_predict": 6}).json() for p in ("def a():", "class B:")]
+    both = http.post("/completion", json={"prompt": ["def a():", "class B:"], "n_predict": 6}).json()
+    assert isinstance(both, list) and [r["index"] for r in both] == [0, 1]
+    assert [r["content"] for r in both] == [r["content"] for r in one]
+
+
+def test_several_prompts_in_v1_completions_are_choices(http: TestClient):
+    r = http.post("/v1/completions", json={"prompt": ["def a():", [1, 2, 3]], "max_tokens": 4}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert r["usage"]["completion_tokens"] == 8
+
+
+def test_a_prompt_object_holds_its_prompt(http: TestClient):
+    a = http.post("/completion", json={"prompt": [{"prompt": "def a():"}], "n_predict": 4}).json()
+    b = http.post("/completion", json={"prompt": "def a():", "n_predict": 4}).json()
+    assert a["content"] == b["content"]
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [1.5], [{"text": "x"}], [[1, {"a": 1}]], [["x"]]])
+def test_a_prompt_of_the_wrong_shape_is_400(http: TestClient, prompt: Any):
+    r = http.post("/completion", json={"prompt": prompt, "n_predict": 4})
+    assert r.status_code == 400 and "'prompt" in r.json()["error"]["message"]
+
+
+# --- n choices and usage ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_in_v1_completions(http: TestClient, stream: bool):
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2, "stream": stream})
+    assert r.status_code == 200, r.text
+    if not stream:
+        body = r.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1]
+        assert body["choices"][0]["text"] == body["choices"][1]["text"]  # greedy: the same text twice
+        usage = body["usage"]
+    else:
+        events = _events(r)
+        texts = {0: "", 1: ""}
+        for e in events:
+            for c in e["choices"]:
+                texts[c["index"]] += c["text"]
+        assert texts[0] == texts[1] != ""
+        finishes = [c for e in events for c in e["choices"] if c["finish_reason"]]
+        assert sorted(c["index"] for c in finishes) == [0, 1]
+        usage = events[-1]["usage"]
+    n_prompt = usage["prompt_tokens"]
+    assert usage["completion_tokens"] == 10 and usage["total_tokens"] == n_prompt + 10  # the prompt counted once
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_in_chat_completions_with_a_pinned_slot(http: TestClient, stream: bool):
+    # llama-server's test_chat_completions_multiple_choices: id_slot pins them, nothing locks up
+    for _ in range(2):
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 8, "n": 2, "id_slot": 0,
+                                                    "stream": stream})
+        assert r.status_code == 200, r.text
+        if not stream:
+            choices = r.json()["choices"]
+            assert [c["index"] for c in choices] == [0, 1]
+            assert all(c["message"]["role"] == "assistant" and c["finish_reason"] == "length" for c in choices)
+        else:
+            events = _events(r)
+            roles = [c["index"] for e in events for c in e["choices"] if c["delta"].get("role") == "assistant"]
+            assert sorted(roles) == [0, 1]
+            assert sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"] == "length") == [0, 1]
+            assert events[-1]["usage"]["completion_tokens"] == 16
+
+
+def test_more_choices_than_slots_is_400_naming_n(http: TestClient):
+    r = http.post("/v1/completions", json={"prompt": "x", "n": N_PARALLEL + 1})
+    assert r.status_code == 400 and "'n'" in r.json()["error"]["message"]
+
+
+def test_usage_counts_prompt_and_completion_tokens(http: TestClient, engine: Engine):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6}).json()
+    n_prompt = len(engine.tokenize_chat(render_chat(engine.model, MESSAGES)))
+    assert r["usage"]["prompt_tokens"] == n_prompt
+    assert r["usage"]["completion_tokens"] == 6 and r["usage"]["total_tokens"] == n_prompt + 6
+    assert "cached_tokens" in r["usage"]["prompt_tokens_details"]
+    c = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}).json()
+    assert c["usage"]["prompt_tokens"] == len(_tokens(engine, PROMPT)) and c["usage"]["completion_tokens"] == 3
+
+
+# --- errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/completion", {"prompt": "x " * 400}),
+    ("/completion", {"prompt": "x " * 400, "stream": True}),
+    ("/v1/completions", {"prompt": "x " * 400}),
+    ("/v1/chat/completions", {"messages": LONG_CHAT}),
+    ("/v1/chat/completions", {"messages": LONG_CHAT, "stream": True}),  # an error before the stream: a 400
+])
+def test_a_prompt_that_does_not_fit_a_slot_is_llama_servers_exceed_context_size_error(http: TestClient,
+                                                                                      engine: Engine, path: str,
+                                                                                      body: dict[str, Any]):
+    r = http.post(path, json=body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error" and err["code"] == 400
+    assert err["n_prompt_tokens"] > N_CTX and err["n_ctx"] == N_CTX
+    assert f"({err['n_prompt_tokens']} tokens) exceeds the available context size ({N_CTX} tokens)" in err["message"]
+    assert not engine.busy()
+
+
+def test_a_bad_request_keeps_llama_servers_error_object(http: TestClient):
+    r = http.post("/completion", json={"n_predict": 4})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"code": 400, "message": "'prompt' is required", "type": "invalid_request_error"}}
+
+
+# --- endpoints and fields ---------------------------------------------------------------
+
+
+def test_apply_template_returns_the_rendered_chat(http: TestClient, engine: Engine):
+    r = http.post("/apply-template", json={"messages": MESSAGES})
+    assert r.status_code == 200
+    assert r.json() == {"prompt": render_chat(engine.model, MESSAGES)}
+    assert http.post("/apply-template", json={"messages": []}).status_code == 400
+
+
+@pytest.mark.parametrize("path", ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"])
+def test_chat_input_tokens_counts_the_rendered_prompt(http: TestClient, engine: Engine, path: str):
+    r = http.post(path, json={"messages": MESSAGES})
+    assert r.json() == {"input_tokens": len(engine.tokenize_chat(render_chat(engine.model, MESSAGES)))}
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == r.json()["input_tokens"]
+
+
+# llama-server's server_task_result_cmpl_final::to_json_non_oaicompat
+COMPLETION_FIELDS = {"index", "content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated",
+                     "generation_settings", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word",
+                     "tokens_cached", "timings"}
+
+
+def test_completion_has_llama_servers_fields(http: TestClient, engine: Engine):
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "temperature": 0.0, "top_k": 7,
+                                       "stop": ["zzz"]}).json()
+    assert COMPLETION_FIELDS <= set(r)
+    assert r["prompt"] == engine.vocab.detokenize(_tokens(engine, PROMPT), unparse_special=True)  # BOS as text
+    assert (r["tokens_predicted"], r["stop_type"], r["truncated"], r["model"]) == (4, "limit", False, "tiny")
+    g = r["generation_settings"]
+    assert (g["n_predict"], g["temperature"], g["top_k"], g["stop"]) == (4, 0.0, 7, ["zzz"])
+
+
+def test_response_fields_select_nested_values(http: TestClient):
+    # llama-server's test_completion_response_fields
+    fields = ["content", "generation_settings/n_predict", "prompt", "no/such"]
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 3, "response_fields": fields}).json()
+    assert set(r) == {"content", "generation_settings/n_predict", "prompt"}
+    assert r["generation_settings/n_predict"] == 3 and isinstance(r["content"], str)
+    assert http.post("/completion", json={"prompt": "x", "response_fields": "content"}).status_code == 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_false_leaves_the_tokens_out(http: TestClient, stream: bool):
+    # llama-server's test_completion: "tokens" is [] unless return_tokens (pyspec sends them unless told not)
+    body = {"prompt": PROMPT, "n_predict": 4, "stream": stream}
+    off = http.post("/completion", json={**body, "return_tokens": False})
+    on = http.post("/completion", json=body)
+    if stream:
+        assert all(e["tokens"] == [] for e in _events(off)) and any(e["tokens"] for e in _events(on))
+    else:
+        assert off.json()["tokens"] == [] and len(on.json()["tokens"]) == 4
+
+
+def test_streamed_completion_ends_with_the_fields(http: TestClient):
+    events = _events(http.post("/completion", json={"prompt": PROMPT, "n_predict": 4, "stream": True}))
+    assert COMPLETION_FIELDS <= set(events[-1]) and events[-1]["stop"] is True
+    assert all(e["stop"] is False for e in events[:-1])
+
+
+def test_chat_uses_the_servers_chat_template(engine: Engine):
+    app = create_app(engine, defaults=ServerDefaults(sampling=greedy_sampling(), chat_template="chatml"))
+    with TestClient(app) as c:
+        assert c.post("/apply-template", json={"messages": MESSAGES}).json()["prompt"] == \
+            render_chat(engine.model, MESSAGES, template="chatml")
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
+    expected = engine.tokenize_chat(render_chat(engine.model, MESSAGES, template="chatml"))
+    assert r["usage"]["prompt_tokens"] == len(expected)
+    assert len(expected) != len(engine.tokenize_chat(render_chat(engine.model, MESSAGES)))
+
+
+def test_slots_report_each_slots_context(http: TestClient):
+    # llama-server's test_server_slots: n_ctx per slot
+    slots = http.get("/slots").json()
+    assert [s["n_ctx"] for s in slots] == [N_CTX] * N_PARALLEL and [s["id"] for s in slots] == [0, 1, 2]
+
+
+def test_models_list_the_aliases_and_tags(engine: Engine):
+    # llama-server's test_server_model_aliases_and_tags
+    with TestClient(create_app(engine, model_name="code", model_aliases=["tinyllama-2", "fim", "code"],
+                               model_tags=["chat", "small"])) as c:
+        model = c.get("/v1/models").json()["data"][0]
+    assert (model["id"], model["aliases"], model["tags"]) == ("code", ["code", "fim", "tinyllama-2"], ["chat", "small"])
+    assert model["meta"]["n_ctx"] == N_CTX
+
+
+def test_post_props_needs_the_props_option(http: TestClient, engine: Engine):
+    r = http.post("/props", json={})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    with TestClient(create_app(engine, props=True)) as c:
+        assert c.post("/props", json={"n_ctx": 1}).json() == {"success": True}
+        assert c.get("/props").json()["default_generation_settings"]["n_ctx"] == N_CTX  # nothing changed
+
+
+def test_no_slots_answers_501_as_llama_server(engine: Engine):
+    with TestClient(create_app(engine, slots=False)) as c:
+        r = c.get("/slots")
+    assert r.status_code == 501
+    assert r.json()["error"] == {"code": 501, "type": "not_supported_error",
+                                 "message": "This server does not support slots endpoint. Start it with `--slots`"}
+
+
+def test_any_of_several_api_keys_is_accepted(engine: Engine):
+    with TestClient(create_app(engine, api_key=["k1", "k2"])) as c:
+        codes = [c.get("/props", headers={"Authorization": f"Bearer {k}"}).status_code for k in ("k1", "k2", "k3")]
+        assert codes == [200, 200, 401]
+        assert c.get("/props").status_code == 401
