@@ -34,6 +34,7 @@ _repo = Path(__file__).resolve().parents[1]
 if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("libllama*")):
     sys.path.insert(0, str(_repo))
 
+from pyspec.generation.driver import greedy_sampling  # noqa: E402
 from pyspec.generation.engine import Engine  # noqa: E402
 from pyspec.generation.requests import Request  # noqa: E402
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_traces: {types} on {name} ...", file=sys.stderr, flush=True)
                 with Engine.load(args.model, types=types.replace("+", ","), n_parallel=1, n_ctx=4096,
                                  n_threads=args.threads, n_max=16, adaptive_draft=not args.fixed_draft,
-                                 batch_invariant=args.batch_invariant) as eng:
+                                 batch_invariant=args.batch_invariant, sampling=greedy_sampling()) as eng:
                     eng.start()
                     runs.append(run_trace(eng, prompts, args.n_predict))
             r = dict(runs[0], seconds=statistics.median(x["seconds"] for x in runs))

@@ -298,7 +298,7 @@ def test_shadow_drafts_bring_a_sequence_held_at_zero_back_to_drafting():
         steps += 1
         assert steps < DraftLengthController.PROBE_FIRST, "no draft verified before the first probe"
         ctl.shadow(0, list(range(8)), full=True)
-        ctl.observe(0, list(range(8)) + [99])
+        ctl.observe(0, [*range(8), 99])
 
 
 def test_reset_seq_drops_a_pending_shadow():
