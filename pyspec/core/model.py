@@ -16,6 +16,7 @@ import numpy as np
 from pyspec.core.backend import Device, default_offload_devices, ensure_backend, find_device, system_info
 from pyspec.core.backend import devices as list_devices
 from pyspec.core.cstrings import c_text, read_meta, read_str
+from pyspec.core.ext_error import last_error
 from pyspec.core.gguf_keys import model_files_problem
 from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
