@@ -304,6 +304,13 @@ class _Api:
         return StreamingResponse(gen(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def _totals(self, out: dict[str, Any], comps: list[Completion], n: int) -> dict[str, Any]:
+        """``out`` with the response's usage (over the choices), timings and speculative counters."""
+        out["usage"] = self._usage(comps, n)
+        out["timings"] = comps[0].stats.timings()
+        out["speculative"] = comps[0].stats.speculative()
+        return out
+
     def _usage(self, comps: list[Completion], n: int = 1) -> dict[str, Any]:
         # OpenAI's totals over the choices: each prompt counted once (n choices share it)
         n_prompt = sum(len(c.prompt_tokens) for c in comps[::n])
@@ -538,16 +545,11 @@ class _Api:
             return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                     "choices": choices}
 
-        def totals(out: dict[str, Any], comps: list[Completion]) -> dict[str, Any]:
-            out["usage"] = self._usage(comps, parsed.n)
-            out["timings"] = comps[0].stats.timings()
-            out["speculative"] = comps[0].stats.speculative()
-            return out
-
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            return JSONResponse(totals(envelope([choice(i, c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
-                                                 for i, c in enumerate(comps)]), comps))
+            choices = [choice(i, c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
+                       for i, c in enumerate(comps)]
+            return JSONResponse(self._totals(envelope(choices), comps, parsed.n))
 
         sent = [0] * len(hs)
 
@@ -561,7 +563,7 @@ class _Api:
         def final(comps: list[Completion]) -> list[dict[str, Any]]:
             outs = [envelope([choice(i, "", _FINISH.get(c.stop_reason, "stop"), [], sent[i])])
                     for i, c in enumerate(comps)]
-            totals(outs[-1], comps)
+            self._totals(outs[-1], comps, parsed.n)
             return outs
 
         return self._stream(hs, [], piece, final, True)
@@ -586,20 +588,14 @@ class _Api:
                     "model": self.model_name,
                     "choices": [{"index": i, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}]}
 
-        def totals(out: dict[str, Any], comps: list[Completion]) -> dict[str, Any]:
-            out["usage"] = self._usage(comps, parsed.n)
-            out["timings"] = comps[0].stats.timings()
-            out["speculative"] = comps[0].stats.speculative()
-            return out
-
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            return JSONResponse(totals({
+            return JSONResponse(self._totals({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}
                             for i, c in enumerate(comps)],
-            }, comps))
+            }, comps, parsed.n))
 
         def piece(i: int, d: Delta) -> dict[str, Any] | None:
             if not d.text and not d.logprobs:
@@ -608,7 +604,7 @@ class _Api:
 
         def final(comps: list[Completion]) -> list[dict[str, Any]]:
             outs = [chunk(i, {}, _FINISH.get(c.stop_reason, "stop"), []) for i, c in enumerate(comps)]
-            totals(outs[-1], comps)
+            self._totals(outs[-1], comps, parsed.n)
             return outs
 
         first = [_sse(chunk(i, {"role": "assistant", "content": ""}, None, [])) for i in range(len(hs))]
