@@ -214,3 +214,20 @@ def test_bench_ratio_to_the_cpp_loop_pairs_each_run_with_the_loops_run_beside_it
     assert row is not None and loop is not None
     assert row.cpp_ratio == pytest.approx(0.95)
     assert row.gen_tps / loop.gen_tps == pytest.approx(0.90)  # what the medians give
+
+
+def test_bench_oracle_reports_each_row_against_the_best_cap_per_prompt(tmp_path, capsys):
+    js = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--tiny", *NGRAM, "--engines", "python,fixed", "--oracle", "2,4", "--n-predict", "16",
+                   "--repeat", "1", "--n-prompts", "2", "--quiet", "--json", str(js)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(js.read_text())
+    assert data["oracle"] == [2, 4]
+    row = next(r for r in data["rows"] if (r["type"], r["engine"]) == ("ngram-simple", "python"))
+    assert len(row["vs_oracle_prompts"]) == 2 and all(v > 0 for v in row["vs_oracle_prompts"])
+    assert set(row["oracle_n_prompts"]) <= {0, 2, 4}
+    assert len(data["oracle_best"]) == 2
+    assert "vs oracle:" in out
+    assert cli.main(["bench", "--tiny", "--oracle", "2,x"]) == 1
+    assert "--oracle takes draft lengths" in capsys.readouterr().err

@@ -21,6 +21,12 @@ the ratio to the C++ loop (median over prompts and repeats of the paired ratio);
 the wall time per step outside llama_decode /
 llama_encode; whether the tokens equal plain decoding's, and the C++ loop's, for
 every prompt and repeat.
+
+With ``oracle=(2, 4, 8, ...)`` each type also runs with llama.cpp's fixed draft
+lengths capped at each of those lengths (:class:`~pyspec.generation.draft_length.CappedDraftLength`);
+per prompt, the best of them and of the ``fixed`` engine, chosen in hindsight,
+is the **oracle**, and each row says how close it comes (its paired speed-up
+over the oracle's, per prompt, with the spread over repeats).
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ from typing import Any
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_type_to_str
 from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
-from pyspec.generation.draft_length import CostCurve, oracle_speedup
+from pyspec.generation.draft_length import CappedDraftLength, CostCurve, oracle_speedup
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.statistics import GenerationStats, SequenceResult
 
 __all__ = [
-    "BUILTIN_PROMPTS", "ENGINES", "Report", "Row", "Run", "common_log", "format_table", "read_prompts", "run_bench",
+    "BUILTIN_PROMPTS", "ENGINES", "Report", "Row", "Run", "common_log", "format_oracle", "format_table",
+    "read_prompts", "run_bench",
     "run_once", "write_json", "write_plot",
 ]
 
@@ -160,10 +167,21 @@ class Row:
     overhead_us_per_step: float
     same_as_plain: bool | None  # tokens equal plain decoding's for every prompt and repeat
     identical: bool | None  # tokens equal the C++ loop's (or, without it, the other engine's) for every prompt
+    # with --oracle, per prompt: the best fixed draft length in hindsight (x plain), that length (0: the
+    # fixed engine's own), and this row's paired speed-up over it (median over repeats, and the range)
+    oracle_prompts: list[float] = field(default_factory=list)
+    oracle_n_prompts: list[int] = field(default_factory=list)
+    vs_oracle_prompts: list[float] = field(default_factory=list)
+    vs_oracle_range: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def speedup_min(self) -> float | None:
         return min(self.speedup_prompts) if self.speedup_prompts else None
+
+    @property
+    def vs_oracle(self) -> float | None:
+        """The median over prompts of the speed-up over the oracle (1.0: as good as the best fixed length)."""
+        return statistics.median(self.vs_oracle_prompts) if self.vs_oracle_prompts else None
 
 
 @dataclass
@@ -175,6 +193,9 @@ class Report:
     params: dict[str, Any]
     rows: list[Row] = field(default_factory=list)
     cost_curve: dict[int, float] = field(default_factory=dict)  # verify seconds per batch size (medians)
+    oracle: list[int] = field(default_factory=list)  # the draft-length caps tried (--oracle)
+    # per prompt: the best (type, cap, speed-up over plain) over every type and cap, in hindsight
+    oracle_best: list[tuple[str, int, float]] = field(default_factory=list)
     wall_s: float = 0.0
 
     def row(self, type_name: str, engine: str) -> Row | None:
@@ -187,6 +208,7 @@ class Report:
         d = asdict(self)
         for row, out in zip(self.rows, d["rows"], strict=True):
             out["speedup_min"] = row.speedup_min
+            out["vs_oracle"] = row.vs_oracle
         return d
 
 
@@ -199,10 +221,12 @@ def run_once(
     spec_kw: dict[str, Any],
     ctx_kw: dict[str, Any],
     curve: CostCurve | None = None,
+    limit: int | None = None,
 ) -> tuple[SequenceResult, GenerationStats]:
     """One greedy generation on fresh contexts; returns the result and the statistics.
 
-    ``curve``, when given, receives the verify cost curve the run measured (or shared).
+    ``curve``, when given, receives the verify cost curve the run measured (or shared);
+    ``limit`` caps llama.cpp's fixed draft lengths (an oracle candidate; python engine only).
     """
     spec = spec_params(types, **spec_kw)
     with open_contexts(models, spec, **ctx_kw) as cs:
@@ -213,7 +237,8 @@ def run_once(
             return res, st
         with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1,
                                   backend="cpp" if engine == "cpp" else "python",
-                                  adaptive_draft=engine == "python") as gen:
+                                  adaptive_draft=engine == "python",
+                                  draft_controller=None if limit is None else CappedDraftLength(limit)) as gen:
             (res,) = gen.generate([prompt], n_predict)
             if curve is not None and gen.draft_ctl is not None:
                 for n, c in gen.draft_ctl.curve.as_dict().items():
@@ -237,13 +262,21 @@ def run_bench(
     ctx_kw: dict[str, Any] | None = None,
     model_name: str = "",
     progress: Callable[[str], Any] | None = None,
+    oracle: Sequence[int] = (),
 ) -> Report:
-    """Run every type set (plain decoding first) on every engine, ``repeat`` times over all prompts."""
+    """Run every type set (plain decoding first) on every engine, ``repeat`` times over all prompts.
+
+    ``oracle``: draft-length caps; each speculative type also runs with llama.cpp's fixed
+    lengths capped at each (engine name ``fixed@N``), for the oracle columns.
+    """
+    if any(n <= 0 for n in oracle):
+        raise ValueError(f"oracle caps must be positive, got {list(oracle)}")
     spec_kw = spec_kw or {}
     ctx_kw = ctx_kw or {}
     t_start = time.perf_counter()
     sets = [[T.NONE]] + [list(ts) for ts in type_sets if list(ts) != [T.NONE]]
-    report = Report(model_name, n_predict, repeat, list(prompts), {**spec_kw, **ctx_kw, "engines": list(engines)})
+    report = Report(model_name, n_predict, repeat, list(prompts), {**spec_kw, **ctx_kw, "engines": list(engines)},
+                    oracle=sorted(set(oracle)))
     curve = CostCurve(window=999)
 
     # warm-up: page the weights in, so the first timed run is not the slowest
@@ -253,9 +286,9 @@ def run_bench(
 
     def plan(types: list[T]) -> list[str]:
         # plain decoding is the same for python and fixed: run it once
-        if types == [T.NONE] and "python" in engines:
-            return [e for e in engines if e != "fixed"]
-        return list(engines)
+        if types == [T.NONE]:
+            return [e for e in engines if e != "fixed"] if "python" in engines else list(engines)
+        return list(engines) + [f"fixed@{n}" for n in report.oracle]
 
     runs: list[Run] = []
     total = repeat * len(prompts) * sum(len(plan(ts)) for ts in sets)
@@ -267,7 +300,9 @@ def run_bench(
                 for engine in plan(types):
                     if progress is not None:  # a run can take many seconds: say what is being measured
                         progress(f"measuring {_type_key(types)} on {engine} ({done + 1}/{total})...")
-                    res, st = run_once(models, types, engine, prompt, n_predict, spec_kw, ctx_kw, curve)
+                    base, _, cap = engine.partition("@")
+                    res, st = run_once(models, types, "python" if cap else base, prompt, n_predict, spec_kw, ctx_kw,
+                                       curve, int(cap) if cap else None)
                     runs.append(Run(_type_key(types), engine, ip, rep, list(res.tokens), st.n_gen_tokens,
                                     st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted,
                                     st.t_draft_s, list(st.drafts)))
@@ -279,6 +314,8 @@ def run_bench(
         runs += [Run(**{**asdict(r), "engine": "fixed"}) for r in runs if r.type == "none" and r.engine == "python"]
     report.cost_curve = curve.as_dict()
     _summarise(report, runs, sets, engines, repeat, len(prompts), curve)
+    if report.oracle:
+        _oracle(report, runs, repeat, len(prompts), "python" if "python" in engines else engines[0])
     report.wall_s = time.perf_counter() - t_start
     return report
 
@@ -355,6 +392,58 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
             row.identical = all(mine_t[k] == theirs.get(k) for k in mine_t)
 
 
+def _oracle(report: Report, runs: list[Run], repeat: int, n_prompts: int, plain_engine: str) -> None:
+    """The oracle columns: per prompt, the best fixed draft length in hindsight, and each row against it."""
+    def tps(type_key: str, engine: str, ip: int, k: int) -> float:
+        rr = [r for r in runs if r.type == type_key and r.engine == engine and r.prompt == ip and r.repeat == k]
+        t = sum(r.t_gen_s for r in rr)
+        return sum(r.n_gen_tokens for r in rr) / t if t > 0 else 0.0
+
+    cands = [("fixed", 0)] + [(f"fixed@{n}", n) for n in report.oracle]
+    best_all: list[tuple[str, int, float]] = [("none", 0, 1.0)] * n_prompts
+    for row in report.rows:
+        if row.type == "none":
+            continue
+        for ip in range(n_prompts):
+            plain = [tps("none", plain_engine, ip, k) for k in range(repeat)]
+            # each candidate's paired speed-up over plain decoding, median over repeats
+            ratio = {n: statistics.median([tps(row.type, e, ip, k) / p if p > 0 else 0.0
+                                           for k, p in enumerate(plain)])
+                     for e, n in cands if any(r.engine == e and r.type == row.type for r in runs)}
+            if not ratio:
+                continue
+            n_best = max(ratio, key=lambda n: ratio[n])
+            row.oracle_prompts.append(ratio[n_best])
+            row.oracle_n_prompts.append(n_best)
+            e_best = "fixed" if n_best == 0 else f"fixed@{n_best}"
+            mine = [tps(row.type, row.engine, ip, k) / b for k in range(repeat)
+                    if (b := tps(row.type, e_best, ip, k)) > 0]
+            row.vs_oracle_prompts.append(statistics.median(mine) if mine else 0.0)
+            row.vs_oracle_range.append((min(mine), max(mine)) if mine else (0.0, 0.0))
+            if row.engine == plain_engine and ratio[n_best] > best_all[ip][2]:
+                best_all[ip] = (row.type, n_best, ratio[n_best])
+    report.oracle_best = best_all
+
+
+def format_oracle(report: Report) -> str:
+    """Per prompt and row: the speed-up over the oracle (the best fixed length in hindsight), its spread over
+    repeats, and the oracle's length and speed-up over plain decoding."""
+    rows = [r for r in report.rows if r.vs_oracle_prompts]
+    if not rows:
+        return ""
+    out = [f"vs oracle: each prompt's paired speed-up over the best fixed draft length in hindsight (caps "
+           f"{', '.join(map(str, report.oracle))} and the fixed engine's own), median [min-max] of "
+           f"{report.repeat} repeats; the oracle's cap and its speed-up over plain in ()"]
+    for r in rows:
+        cells = [f"{v:.2f} [{lo:.2f}-{hi:.2f}] ({'own' if n == 0 else n}: {o:.2f}x)"
+                 for v, (lo, hi), n, o in zip(r.vs_oracle_prompts, r.vs_oracle_range, r.oracle_n_prompts,
+                                              r.oracle_prompts, strict=True)]
+        out.append(f"  {r.type:<14} {r.engine:<7} " + "  ".join(f"p{i + 1} {c}" for i, c in enumerate(cells)))
+    out.append("best (type, cap) per prompt over every type: " + "  ".join(
+        f"p{i + 1} {t} {'own' if n == 0 else n} {x:.2f}x" for i, (t, n, x) in enumerate(report.oracle_best)))
+    return "\n".join(out)
+
+
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
@@ -362,9 +451,10 @@ def _fmt(x: float | None, spec: str, none: str = "-") -> str:
 def format_table(report: Report) -> str:
     """The report as a text table, then the measured verify cost curve."""
     yn = {None: "-", True: "yes", False: "NO"}
-    head = ("type", "engine", "accept", "drafted", "gen tok/s", "speed-up", "worst", "bound", "vs C++", "overhead",
-            "same as", "same as")
-    lines = [head, ("", "", "", "", "(median)", "vs plain", "prompt", "", "loop", "µs/step", "plain", "C++ loop")]
+    head = ("type", "engine", "accept", "drafted", "gen tok/s", "speed-up", "worst", "bound", "vs", "vs C++",
+            "overhead", "same as", "same as")
+    lines = [head, ("", "", "", "", "(median)", "vs plain", "prompt", "", "oracle", "loop", "µs/step", "plain",
+                    "C++ loop")]
     for r in report.rows:
         spec = r.type != "none"
         lines.append((
@@ -375,6 +465,7 @@ def format_table(report: Report) -> str:
             _fmt(r.speedup, ".2f") + ("x" if r.speedup is not None else ""),
             _fmt(r.speedup_min, ".2f") + ("x" if r.speedup_min is not None else "") if spec else "-",
             _fmt(r.bound, ".2f") + ("x" if r.bound is not None else ""),
+            _fmt(r.vs_oracle, ".2f"),
             _fmt(r.cpp_ratio, ".3f"),
             f"{r.overhead_us_per_step:.0f}",
             yn[r.same_as_plain], yn[r.identical],
@@ -390,6 +481,8 @@ def format_table(report: Report) -> str:
     out.append("bound: the speed-up if every step verified exactly the draft tokens that get accepted (the drafts "
                "of the fixed-length run,\non the verify cost curve below); worst prompt: the lowest per-prompt "
                "speed-up (median over repeats of the paired ratio).")
+    if report.oracle:
+        out.append(format_oracle(report))
     if report.cost_curve:
         c1 = report.cost_curve.get(1) or min(report.cost_curve.values())
         pts = "  ".join(f"{n}:{v / c1:.2f}" for n, v in sorted(report.cost_curve.items()))

@@ -402,7 +402,18 @@ def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_type
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
+            oracle=_oracle_caps(args.oracle),
         )
+
+
+def _oracle_caps(text: str) -> list[int]:
+    try:
+        caps = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--oracle takes draft lengths separated by commas, got {text!r}") from None
+    if any(n <= 0 for n in caps):
+        raise CliError(f"--oracle draft lengths must be positive, got {text!r}")
+    return caps
 
 
 def _print_bench(args: argparse.Namespace, report: Any, prompts: list[str]) -> int:
@@ -546,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="python,fixed,loop",
                    help="python (driver over the port, cost-aware draft length), fixed (the same with llama.cpp's "
                         "fixed draft lengths), cpp (driver over the C++ reference), loop (all C++)")
+    p.add_argument("--oracle", default="", metavar="N,N,...",
+                   help="also run each type with llama.cpp's fixed draft lengths capped at each N (e.g. 2,4,8,16) "
+                        "and report, per prompt, each row against the best of them in hindsight")
     p.add_argument("--json", help="write the numbers to this JSON file")
     p.add_argument("--plot", help="write a PNG of the speed-up against its bound, per type and per prompt")
     p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from the C++ loop's")

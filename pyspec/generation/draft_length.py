@@ -58,6 +58,7 @@ from typing import Any
 
 __all__ = [
     "Acceptance",
+    "CappedDraftLength",
     "CostCurve",
     "DraftLengthController",
     "LinearCost",
@@ -587,3 +588,28 @@ class DraftLengthController:
         if s is None:
             s = self._seqs[seq_id] = _Seq(decay=0.9)
         return s
+
+
+class CappedDraftLength(DraftLengthController):
+    """llama.cpp's fixed draft lengths with at most ``limit`` tokens verified per step.
+
+    The candidates of ``pyspec bench --oracle``: each is llama.cpp run with another
+    draft length, and the best of them per prompt, chosen in hindsight, is what the
+    cost-aware controller is measured against. It learns nothing: what the engine
+    records goes to the base class's statistics, which its choices never read.
+    """
+
+    def __init__(self, limit: int, *, curve: CostCurve | None = None) -> None:
+        if limit <= 0:
+            raise ValueError(f"limit must be positive, got {limit}")
+        super().__init__(curve=curve)
+        self.limit = limit
+
+    def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:
+        return max(0, min(cap, self.limit))
+
+    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1) -> int:
+        return max(0, min(n_draft, self.limit))
+
+    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+        return  # trim keeps every draft of at least one token: nothing goes unverified
