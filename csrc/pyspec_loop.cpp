@@ -23,7 +23,16 @@
 // that ended begins speculation and samples its first token, a sequence
 // without a draft samples, one with a draft verifies it (sample_and_accept_n),
 // restores its checkpoint on a partial acceptance the memory cannot express,
-// accepts and removes the rest with seq_rm.
+// accepts and removes the rest with seq_rm. As the server at 0c1e57098: synthetic
+// acceptance (server_sample_and_accept_synth) where the params ask for it, a replay
+// after a checkpoint restore counts the target's own last token as no accepted
+// draft token, and the sampler is restored with common_sampler_copy.
+//
+// The batch stays a llama_batch decoded with llama_decode where the server now
+// renders a common_batch and calls llama_process(DECODE): llama_decode converts
+// the same rows (llama_batch_compat) and decodes them the same way; the Python
+// engine decodes a core Batch (a llama_batch) and libpyspec_ref's process call
+// takes one (it builds the common_batch, as the python backend does).
 //
 // The speculative and sampler calls go through libpyspec_ref's C API (this
 // file is part of that library), i.e. the very code that engine="cpp" of the
@@ -41,6 +50,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <memory>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -117,6 +127,9 @@ struct slot {
     std::vector<llama_token> spec_draft;
     std::vector<int32_t> spec_i_batch;
     common_prompt_checkpoint spec_ckpt;
+    int32_t spec_n_drafted = 0;   // the size of the draft as made (a replay is shorter)
+    bool spec_is_replay = false;  // the draft is the accepted part of one, re-verified after a checkpoint restore
+    std::mt19937 spec_synth_rng;  // synthetic acceptance's draws (the server's spec_synth_rng)
     int32_t i_batch = -1;
 
     slot() { spec_ckpt.clear(); }
@@ -134,6 +147,7 @@ struct loop {
     std::vector<sampler_ptr> smpls;
     int32_t spec_n_max = 0;
     int32_t n_draft_cap = -1;  // pyspec_loop_params.n_draft_max (< 0: no cap)
+    std::vector<double> synth_probs;  // common_speculative_get_synth_probs (empty: verify by match)
 
     llama_batch batch = {};
     int32_t n_batch   = 0;
@@ -222,6 +236,40 @@ struct loop {
         }
     }
 
+    // server_sample_and_accept_synth (server-context.cpp; engine.py's Engine._accept_synth): the draft
+    // accepted at random with the synthetic probabilities; on replay every token again, the last (the
+    // target's) as generated. Returns the number of tokens written to out
+    int sample_and_accept_synth(slot & s, std::vector<llama_token> & out) {
+        const auto & draft = s.spec_draft;
+        const auto & idxs  = s.spec_i_batch;
+        if (idxs.size() != draft.size() + 1 || synth_probs.size() < draft.size()) {
+            fail(PYSPEC_REF_E_RANGE, "synthetic acceptance: %zu indices and %zu probabilities for a draft of %zu tokens",
+                 idxs.size(), synth_probs.size(), draft.size());
+        }
+        pyspec_ref_sampler * smpl = smpls[s.id].get();
+        std::uniform_real_distribution<double> dist(0.0, 1.0);
+        int n = 0;
+        for (size_t i = 0; i < draft.size(); ++i) {
+            const llama_token id = sample(s, idxs[i]);
+            const bool accept = s.spec_is_replay || dist(s.spec_synth_rng) < synth_probs[i];
+            // a drafted end of generation is not accepted; on replay the last token is the target's
+            if (accept && (s.spec_is_replay || !llama_vocab_is_eog(vocab, draft[i]))) {
+                // synthetic tokens do not advance the grammar; the replay's last token does
+                const bool is_replay_target = s.spec_is_replay && i + 1 == draft.size();
+                check_ref(pyspec_ref_sampler_accept(smpl, draft[i], is_replay_target), "accept_token");
+                out[n++] = draft[i];
+                continue;
+            }
+            check_ref(pyspec_ref_sampler_accept(smpl, id, true), "accept_token");
+            out[n++] = id;
+            return n;
+        }
+        const llama_token id = sample(s, idxs[draft.size()]);
+        check_ref(pyspec_ref_sampler_accept(smpl, id, true), "accept_token");
+        out[n++] = id;
+        return n;
+    }
+
     // Engine.n_draft_max with a fixed controller, i.e. Engine._n_draft_room
     int32_t n_draft_max(const slot & s, int32_t n_active) const {
         // what fits the context (one token kept spare for shifts), the remaining budget and the
@@ -257,7 +305,11 @@ struct loop {
                 if (!s->spec_draft.empty()) {
                     // a previous (partial) draft is reused after a checkpoint restore; more sequences
                     // may generate now than when it was made, so it keeps only its share of the batch
-                    s->spec_draft.resize(std::min(s->spec_draft.size(), (size_t) std::max(0, n_max)));
+                    const size_t n_keep = (size_t) std::max(0, n_max);
+                    if (n_keep < s->spec_draft.size()) {  // the target's own last token is cut: a plain draft now
+                        s->spec_draft.resize(n_keep);
+                        s->spec_is_replay = false;
+                    }
                     continue;
                 }
                 if (n_max <= 0) {
@@ -306,6 +358,7 @@ struct loop {
             const auto & draft = s->spec_draft;
             auto & ckpt = s->spec_ckpt;
             s->n_drafted += (int32_t) draft.size();
+            s->spec_n_drafted = (int32_t) draft.size();
             if (ctx_dft != nullptr) {
                 if (use_ckpt_dft_full) {
                     ckpt_load(ctx_dft, ckpt.data_dft, s->id);
@@ -404,9 +457,11 @@ struct loop {
                 fail(PYSPEC_REF_E_EXCEPTION, "common_sampler_clone failed");
             }
             accept_buf.resize((size_t) n_draft + 1);
-            const int n_acc = check_ref(pyspec_ref_sampler_sample_and_accept_n(
-                smpls[s->id].get(), ctx_tgt, s->spec_i_batch.data(), s->spec_draft.data(), n_draft, false,
-                accept_buf.data(), (int32_t) accept_buf.size()), "sample_and_accept_n");
+            const int n_acc = synth_probs.empty()
+                ? check_ref(pyspec_ref_sampler_sample_and_accept_n(
+                      smpls[s->id].get(), ctx_tgt, s->spec_i_batch.data(), s->spec_draft.data(), n_draft, false,
+                      accept_buf.data(), (int32_t) accept_buf.size()), "sample_and_accept_n")
+                : sample_and_accept_synth(*s, accept_buf);
             const std::vector<llama_token> accepted(accept_buf.begin(), accept_buf.begin() + n_acc);
             s->spec_i_batch.clear();
             const int32_t n_rollback = n_draft + 1 - n_acc;
@@ -416,6 +471,7 @@ struct loop {
             if (n_rollback > 0 && use_ckpt_tgt) {
                 // partial acceptance the memory cannot express: restore the checkpoint and
                 // re-verify the accepted tokens as the next step's draft
+                s->spec_is_replay = true;
                 s->spec_draft = accepted;
                 const auto & ckpt = s->spec_ckpt;
                 ckpt_load(ctx_tgt, ckpt.data_tgt, s->id);
@@ -425,13 +481,20 @@ struct loop {
                     context_seq_rm(ctx_dft, s->id, ckpt.pos_max + 1, -1);
                 }
                 s->tokens.resize((size_t) ckpt.n_tokens);
-                smpls[s->id] = std::move(saved);
+                // the server's common_sampler_copy(smpl_save, slot.smpl)
+                check_ref(pyspec_ref_sampler_copy(saved.get(), smpls[s->id].get()), "sampler copy");
                 continue;
             }
             saved.reset();
 
             check_ref(pyspec_ref_spec_accept(spec.get(), s->id, n_acc - 1), "accept");
-            s->n_accepted += n_acc - 1;
+            // a replay's last draft token was the target's own: not an accepted draft token (the server's count)
+            int32_t n_accepted = n_acc - 1;
+            if (s->spec_is_replay && n_accepted > 0) {
+                n_accepted--;
+            }
+            s->spec_is_replay = false;
+            s->n_accepted += n_accepted;
 
             // the memory keeps the prompt, the sampled token and the accepted draft tokens
             s->tokens.resize(s->tokens.size() - (size_t) n_draft);
@@ -542,7 +605,13 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
         // no implementation selected (no message): no speculation, as RefSpeculative.init
         if (L.spec) {
             L.spec_n_max = std::max(1, pyspec_ref_spec_n_max(L.spec.get()));
+            const int32_t n_synth = check_ref(pyspec_ref_spec_get_synth_probs(L.spec.get(), nullptr, 0), "synth_probs");
+            L.synth_probs.resize((size_t) n_synth);
+            check_ref(pyspec_ref_spec_get_synth_probs(L.spec.get(), L.synth_probs.data(), n_synth), "synth_probs");
         }
+    }
+    if (p.spec != nullptr && (p.spec->synth_len != -1.0 || p.spec->n_synth_rates > 0) && !L.spec) {
+        fail(PYSPEC_REF_E_STATE, "synthetic acceptance requires an initialized speculative decoding context");
     }
 
     pyspec_ref_sampling_params greedy;
@@ -583,6 +652,9 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
             context_seq_rm(L.ctx_dft, s.id, -1, -1);
         }
         check_ref(pyspec_ref_sampler_reset(L.smpls[s.id].get()), "reset");
+        if (!L.synth_probs.empty()) {  // Engine._start: each sequence's own draws, seeded as the server does
+            s.spec_synth_rng.seed(sampling->seed == LLAMA_DEFAULT_SEED ? std::random_device{}() : sampling->seed);
+        }
         for (const llama_token t : s.prompt) {
             L.accept_token(s, t, false);
         }

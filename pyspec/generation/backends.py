@@ -43,6 +43,8 @@ class SpeculativeBackend(Protocol):
     def get_state(self, seq_id: int) -> bytes | None:
         """common_speculative_get_state: the implementation state a prompt checkpoint stashes (None: none)."""
     def set_state(self, seq_id: int, data: bytes) -> None: ...
+    def synth_probs(self) -> list[float]:
+        """common_speculative_get_synth_probs: synthetic acceptance's probabilities (empty: verify by match)."""
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]: ...
     def accept(self, seq_id: int, n_accepted: int) -> None: ...
     def end(self, seq_id: int) -> None:
@@ -155,6 +157,9 @@ class PortBackend(_SamplerSlots):
     def set_state(self, seq_id: int, data: bytes) -> None:
         sp.common_speculative_set_state(self.spec, seq_id, data)
 
+    def synth_probs(self) -> list[float]:
+        return [] if self.spec is None else list(sp.common_speculative_get_synth_probs(self.spec))
+
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         spec = self.spec
         for dp in spec.dparams:
@@ -238,6 +243,9 @@ class RefBackend(_SamplerSlots):
     def set_state(self, seq_id: int, data: bytes) -> None:
         if self.spec is not None:
             self.spec.set_state(seq_id, data)
+
+    def synth_probs(self) -> list[float]:
+        return [] if self.spec is None else list(self.spec.synth_probs())
 
     def draft(self, requests: Sequence[DraftRequest]) -> dict[int, list[int]]:
         result: dict[int, list[int]] = self.spec.draft(requests)

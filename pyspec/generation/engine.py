@@ -79,6 +79,7 @@ from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogpr
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
 from pyspec.generation.statistics import EngineMetrics
+from pyspec.generation.synth import SynthRng, server_sample_and_accept_synth, synth_seed
 from pyspec.suffix.impl import SuffixParams, suffix_n_max
 from pyspec.suffix.index import GlobalSuffixIndex
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
@@ -179,6 +180,11 @@ class Engine(EngineQueue):
             raise PyspecError(
                 "no implementations specified for speculative decoding "
                 "(draft-eagle3 and draft-mtp need spec.draft.ctx_dft)")
+        if spec is not None and spec.has_synth() and not self.backend.has_spec:
+            self.backend.close()
+            raise PyspecError("synthetic acceptance requires an initialized speculative decoding context")
+        # synthetic acceptance (benchmarking, the server's server_sample_and_accept_synth): empty = by match
+        self._synth_probs = self.backend.synth_probs() if self.backend.has_spec else []
         self.vocab = ctx_tgt.model.vocab
         self._pieces = TokenPieces(self.vocab)  # each token's piece and end-of-generation flag, for _emit
         self.n_vocab = self.vocab.n_tokens
@@ -554,6 +560,9 @@ class Engine(EngineQueue):
             s.spec_draft = []
             s.spec_i_batch = []
             s.spec_ckpt.clear()
+            s.spec_is_replay = False
+            if self._synth_probs:  # each request's own draws, seeded as its sampler is
+                s.spec_synth_rng = SynthRng(synth_seed(job.sampling.seed))
             sampler = job.sampler if job.sampler is not None else self.backend.make_sampler(job.sampling)
             job.sampler = None
             self.backend.set_sampler(s.id, sampler)
@@ -621,7 +630,10 @@ class Engine(EngineQueue):
                 if s.spec_draft:
                     # a previous (partial) draft is reused after a checkpoint restore; more slots may
                     # generate now than when it was made, so it keeps only its share of the batch
-                    del s.spec_draft[max(0, self._n_draft_room(s, len(generating))) :]
+                    n_keep = max(0, self._n_draft_room(s, len(generating)))
+                    if n_keep < len(s.spec_draft):  # the target's own last token is cut: a plain draft now
+                        del s.spec_draft[n_keep:]
+                        s.spec_is_replay = False
                     continue
                 n_draft_max = self.n_draft_max(s, len(generating))
                 if n_draft_max <= 0:
@@ -664,6 +676,7 @@ class Engine(EngineQueue):
         for s in drafting:
             assert s.job is not None
             s.job.stats.n_drafted += len(s.spec_draft)
+            s.spec_n_drafted = len(s.spec_draft)
             self.slot_memory.spec_checkpoint(s)
 
         # the generating slots' [sampled, draft...] (the server's update_batch)
@@ -785,7 +798,8 @@ class Engine(EngineQueue):
         # uses the copy, which a target that can drop part of a sequence never needs
         may_restore = self.slot_memory.tgt_needs_checkpoint(n_draft)
         saved = eng.save_sampler(s.id) if may_restore else None
-        accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
+        accepted = self._accept_synth(s) if self._synth_probs else \
+            eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
         if s.spec_cap > 0:  # a new draft (not one re-verified after a checkpoint restore): vLLM's counters
             self.metrics.record_draft(job.stats.spec, n_draft, len(accepted) - 1)
@@ -795,6 +809,7 @@ class Engine(EngineQueue):
         if n_rollback > 0 and use_ckpt_tgt:
             # partial acceptance the memory cannot express: restore the checkpoint and
             # re-verify the accepted tokens as the next step's draft
+            s.spec_is_replay = True
             s.spec_draft = accepted
             self.slot_memory.spec_restore(s)
             eng.restore_sampler(s.id, saved)
@@ -805,8 +820,13 @@ class Engine(EngineQueue):
             eng.drop_saved(saved)
 
         eng.accept(s.id, len(accepted) - 1)
-        job.stats.n_accepted += len(accepted) - 1
-        job.stats.drafts.append((n_draft, len(accepted) - 1))
+        # a replay's last draft token was the target's own: not an accepted draft token (the server's count)
+        n_accepted = len(accepted) - 1
+        if s.spec_is_replay and n_accepted > 0:
+            n_accepted -= 1
+        s.spec_is_replay = False
+        job.stats.n_accepted += n_accepted
+        job.stats.drafts.append((s.spec_n_drafted, n_accepted))
         if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_full)
@@ -821,6 +841,16 @@ class Engine(EngineQueue):
         s.spec_draft = []
         self.slot_memory.drop_rejected(s)
         self._emit(s, accepted, idxs[: len(accepted)])
+
+    def _accept_synth(self, s: Slot) -> list[int]:
+        """server_sample_and_accept_synth on the slot's sampler: the draft accepted at random (benchmarking)."""
+        eng, ctx_tgt, pieces = self.backend, self.ctx_tgt, self._pieces
+        assert s.spec_synth_rng is not None
+        return server_sample_and_accept_synth(
+            lambda idx: eng.sample(s.id, ctx_tgt, idx),
+            lambda tok, grammar: eng.accept_token(s.id, tok, grammar),
+            lambda tok: pieces.get(tok)[1],
+            s.spec_i_batch, s.spec_draft, self._synth_probs, s.spec_synth_rng, s.spec_is_replay)
 
     # --- tokens out (the server's process_token) --------------------------------------
 

@@ -13,6 +13,7 @@ import numpy as np
 from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
 from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
+from pyspec.generation.synth import SynthRng
 
 __all__ = ["Job", "Slot", "common_prefix", "pick_slot"]
 
@@ -59,6 +60,9 @@ class Slot:
         self.spec_ckpt = CommonPromptCheckpoint()
         self.spec_cap = 0  # the most draft tokens asked for this step
         self.spec_full = False  # whether the draft came back as long as asked
+        self.spec_n_drafted = 0  # the size of the draft as made (a replay after a checkpoint restore is shorter)
+        self.spec_is_replay = False  # the draft is the accepted part of one, re-verified after a checkpoint restore
+        self.spec_synth_rng: SynthRng | None = None  # synthetic acceptance's generator (the server's spec_synth_rng)
         self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
         self.t_last_used = 0.0
 
