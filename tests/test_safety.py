@@ -272,3 +272,22 @@ def test_real_states_of_every_memory_kind_pass_the_check_and_restore(target_mode
         c.close()
     if m_mtp:
         m_mtp.close()
+
+
+def test_a_state_whose_cell_extension_names_a_token_outside_the_vocabulary_is_refused():
+    """At 0c1e57098 an M-RoPE cell stores its token (llama_kv_cell_ext.tok), which the restore puts in a ubatch."""
+    m = Model(tm.make_mtp())  # qwen35: IMROPE, so every KV cell carries the extension
+    c = Context(m, **KW, n_seq_max=2)
+    b = Batch(6)
+    b.add_sequence(list(range(10, 16)), 0, 0)
+    c.decode(b)
+    blob = c.state_seq_get(0, 0)
+    # magic, source seq, stream count, cell count; then the first cell: pos, n_seq_id, x, y, tok
+    tok_at = 4 * 4 + 4 + 4 + 8
+    assert int.from_bytes(blob[tok_at:tok_at + 4], "little") == 10
+    c.state_seq_set(1, blob, 0)
+    bad = blob[:tok_at] + (10**6).to_bytes(4, "little") + blob[tok_at + 4:]
+    with pytest.raises(ValueError, match="KV cell token 1000000 is outside the vocabulary"):
+        c.state_seq_set(1, bad, 0)
+    c.close()
+    m.close()

@@ -66,6 +66,7 @@ _MAGIC = 0xAF143CD8  # io_magic of llama-context.cpp
 _PARTIAL_ONLY = 1
 _N_GGML_TYPES = 64  # ggml type ids are small; anything larger is not a type
 _MAX_ROW = 1 << 31  # bytes of one cache row; real rows are kilobytes
+_CELL_EXT = 12  # sizeof(llama_kv_cell_ext) at 0c1e57098: x, y, tok (8 bytes, x and y, before)
 
 
 class _Bad(ValueError):
@@ -103,7 +104,8 @@ class _Reader:
         self.pos += n
 
 
-def _kv_section(r: _Reader, n_stream: int, cells_max: int, ext: int, v_entries: str, n_seq: int = 0) -> None:
+def _kv_section(r: _Reader, n_stream: int, cells_max: int, ext: int, v_entries: str, n_seq: int = 0,
+                n_vocab: int = 0) -> None:
     """One llama_kv_cache::state_write: of a single sequence, or of the whole cache (n_seq = n_seq_max)."""
     got = r.u32("KV stream count")
     if got != n_stream:
@@ -125,7 +127,12 @@ def _kv_section(r: _Reader, n_stream: int, cells_max: int, ext: int, v_entries: 
                 raise _Bad(f"a sequence state cell must belong to 1 sequence, not {n_seq_id}")
             if not 1 <= n_seq_id <= max(n_seq, 1):
                 raise _Bad(f"a KV cell belongs to {n_seq_id} sequences; this context has {n_seq}")
-            r.skip(ext, "KV cell extension")
+            if ext:
+                r.skip(ext - 4, "KV cell extension")
+                # the cell's token goes back into the ubatch that restores it (llama_kv_cache::state_read_meta)
+                tok = r.i32("KV cell extension token")
+                if tok != -1 and not 0 <= tok < n_vocab:
+                    raise _Bad(f"KV cell token {tok} is outside the vocabulary (0..{n_vocab - 1})")
             for _ in range(n_seq_id):
                 seq = r.i32("KV cell sequence id")
                 if n_seq == 0:
@@ -233,31 +240,39 @@ def _walk(data: bytes, layout: tuple[str, ...], ctx: Context, ext: int, v_entrie
     n_stream = 1 if ctx.params.kv_unified else ctx.n_seq_max
     for kind in layout:
         if kind == "kv":
-            _kv_section(r, n_stream, ctx.n_ctx, ext, v_entries, n_seq)
+            _kv_section(r, n_stream, ctx.n_ctx, ext, v_entries, n_seq, ctx.model.vocab.n_tokens)
         else:
             _rec_section(r, n_seq)
     if r.left():
         raise _Bad(f"{r.left()} bytes after the last section")
 
 
-def _ext(ctx: Context) -> int:
-    # M-RoPE models store a llama_kv_cell_ext (two positions) with each KV cell
+def _exts(ctx: Context) -> tuple[int, int]:
+    """The sizes of the llama_kv_cell_ext stored with each KV cell, most likely first.
+
+    llama_kv_cache::has_cell_ext: M-RoPE models (two positions) and per-layer n-gram
+    embedding models (ple.*, the token) store one; the context's own blob confirms which.
+    """
     rope = int(llama.llama_model_rope_type(ctx.model.ptr))
-    return 8 if rope in (c_const("LLAMA_ROPE_TYPE_MROPE"), c_const("LLAMA_ROPE_TYPE_IMROPE")) else 0
+    mrope = rope in (c_const("LLAMA_ROPE_TYPE_MROPE"), c_const("LLAMA_ROPE_TYPE_IMROPE"))
+    arch = ctx.model.meta("general.architecture") or ""
+    ple = ctx.model.meta(f"{arch}.ple.heads_per_ngram") not in (None, "", "0")
+    return (_CELL_EXT, 0) if mrope or ple else (0, _CELL_EXT)
 
 
-def _parses(data: bytes, layout: tuple[str, ...], ctx: Context) -> str | None:
+def _parses(data: bytes, layout: tuple[str, ...], ctx: Context, ext: int) -> str | None:
     """The V-entry reading under which data walks exactly, or None (the first error is kept)."""
     for v_entries in ("all", "none"):  # MLA caches have no V tensors
         try:
-            _walk(data, layout, ctx, _ext(ctx), v_entries)
+            _walk(data, layout, ctx, ext, v_entries)
             return v_entries
         except _Bad:
             continue
     return None
 
 
-def _confirmed_layout(ctx: Context, flags: int) -> tuple[str, ...]:
+def _confirmed_layout(ctx: Context, flags: int) -> tuple[tuple[str, ...], int]:
+    """The sections and the cell extension size of this context's sequence states (flags)."""
     cache = ctx.__dict__.setdefault("_state_layouts", {})
     if flags in cache:
         return cache[flags]
@@ -267,10 +282,11 @@ def _confirmed_layout(ctx: Context, flags: int) -> tuple[str, ...]:
     buf = ffi.new("uint8_t[]", size)
     n = llama.llama_state_seq_get_data_ext(ptr, buf, size, 0, flags)
     own = ffi.buffer(buf, n)[:]
-    for layout in _layouts(ctx, flags):
-        if _parses(own, layout, ctx) is not None:
-            cache[flags] = layout
-            return layout
+    for ext in _exts(ctx):
+        for layout in _layouts(ctx, flags):
+            if _parses(own, layout, ctx, ext) is not None:
+                cache[flags] = layout, ext
+                return layout, ext
     raise ValueError("pyspec cannot verify sequence states for this context's memory layout; restoring is refused")
 
 
@@ -293,11 +309,11 @@ def check_state(ctx: Context, data: bytes) -> None:
 
 
 def _check(ctx: Context, data: bytes, flags: int, whole: bool) -> None:
-    layout = _confirmed_layout(ctx, flags)  # a whole state has the sections of a flags=0 sequence state
+    layout, ext = _confirmed_layout(ctx, flags)  # a whole state has the sections of a flags=0 sequence state
     errors = []
     for v_entries in ("all", "none"):
         try:
-            _walk(data, layout, ctx, _ext(ctx), v_entries, whole)
+            _walk(data, layout, ctx, ext, v_entries, whole)
             return
         except _Bad as e:
             errors.append(str(e))
