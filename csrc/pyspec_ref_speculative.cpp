@@ -259,6 +259,31 @@ static std::string check_dflash(const ref::common_speculative & spec, uint32_t n
     return "";
 }
 
+// The smallest vocabulary among the draft contexts the implementations decode tokens on
+// (draft-simple, EAGLE3, DFlash / DSpark, MTP); INT32_MAX with none. A token outside it makes
+// common_batch::get_sub_batch GGML_ABORT (llama_batch_ext_add_token refuses it): the wrapper
+// checks process()'s batch and the draft requests' id_last against it first.
+static int32_t draft_n_vocab(const ref::common_speculative & spec) {
+    int32_t n_vocab = INT32_MAX;
+    auto take = [&](const llama_context * ctx_dft) {
+        if (ctx_dft != nullptr) {
+            n_vocab = std::min(n_vocab, llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx_dft))));
+        }
+    };
+    for (const auto & impl : spec.impls) {
+        if (const auto * s = dynamic_cast<const ref::common_speculative_impl_draft_simple *>(impl.get())) {
+            take(s->params.ctx_dft);
+        } else if (const auto * e3 = dynamic_cast<const ref::common_speculative_impl_draft_eagle3 *>(impl.get())) {
+            take(e3->params.ctx_dft);
+        } else if (const auto * df = dynamic_cast<const ref::common_speculative_impl_draft_dflash *>(impl.get())) {
+            take(df->params.ctx_dft);
+        } else if (const auto * mtp = dynamic_cast<const ref::common_speculative_impl_draft_mtp *>(impl.get())) {
+            take(mtp->params.ctx_dft);
+        }
+    }
+    return n_vocab;
+}
+
 static const char * spec_type_names[COMMON_SPECULATIVE_TYPE_COUNT + 1] = {};
 
 // common_speculative_process takes a common_batch at this revision; pyspec's C ABI
@@ -609,6 +634,16 @@ int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
         }
     }
 
+    // the audit check (docs/audit.toml ref-draft-token-vocab): get_sub_batch aborts on a token the draft lacks
+    const int32_t n_vocab = draft_n_vocab(*spec->spec);
+    if (b.token != nullptr && n_vocab != INT32_MAX) {
+        for (int32_t k = 0; k < b.n_tokens; ++k) {
+            REQUIRE(b.token[k] >= 0 && b.token[k] < n_vocab, PYSPEC_REF_E_RANGE,
+                    "batch token %d at index %d is outside the draft vocabulary (0..%d)", (int) b.token[k], (int) k,
+                    (int) n_vocab - 1);
+        }
+    }
+
     return guarded([&] {
         const common_batch cb = to_common_batch(spec, b);
         return ref::common_speculative_process(spec->spec, cb) ? 1 : 0;
@@ -668,6 +703,14 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
         REQUIRE(q.out_cap >= 0 && (q.out_cap == 0 || q.out != nullptr), PYSPEC_REF_E_NULL,
                 "seq_id %d: invalid output buffer", (int) q.seq_id);
         seen[q.seq_id] = true;
+    }
+
+    // the audit check (docs/audit.toml ref-draft-token-vocab): the draft batch starts with id_last
+    const int32_t n_vocab_dft = draft_n_vocab(*spec->spec);
+    for (int32_t r = 0; r < n_reqs; ++r) {
+        REQUIRE(n_vocab_dft == INT32_MAX || (reqs[r].id_last >= 0 && reqs[r].id_last < n_vocab_dft), PYSPEC_REF_E_RANGE,
+                "seq_id %d: id_last %d is outside the draft vocabulary (0..%d)", (int) reqs[r].seq_id,
+                (int) reqs[r].id_last, (int) n_vocab_dft - 1);
     }
 
     // common_ngram_map_draft aborts when the history shrank below what it

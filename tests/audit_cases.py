@@ -659,6 +659,51 @@ def ref_accept_without_draft() -> Any:
     return RefSpeculative(_spec(T.NGRAM_SIMPLE), 1).accept(0, 1)
 
 
+def _draft_simple() -> CommonParamsSpeculative:
+    p = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE])
+    p.draft.ctx_tgt, p.draft.ctx_dft = ctx(), Context(M["draft"], **KW)
+    return p
+
+
+OOV = 10**6  # beyond the draft's vocabulary (and the target's)
+
+
+def ref_process_token_outside_draft_vocab() -> Any:
+    from pyspec.reference.speculative import RefSpeculative
+
+    b = Batch(3)
+    b.add_sequence([10, 11, OOV], 0, 0)
+    return RefSpeculative(_draft_simple(), 1).process(b)
+
+
+def ref_draft_id_last_outside_draft_vocab() -> Any:
+    from pyspec.common.speculative import DraftRequest
+    from pyspec.reference.speculative import RefSpeculative
+
+    return RefSpeculative(_draft_simple(), 1).draft([DraftRequest(seq_id=0, n_max=4, pos0=3, id_last=OOV,
+                                                                  prompt=[10, 11, 12])])
+
+
+def port_process_token_outside_draft_vocab() -> Any:
+    from pyspec.common.common import CommonBatch
+
+    p = _draft_simple()
+    spec = sp.common_speculative_init(p, 1)
+    cb = CommonBatch(p.draft.ctx_tgt)
+    cb.add(10, 0, 0, False)
+    cb.add(OOV, 1, 0, True)
+    return sp.common_speculative_process(spec, cb)
+
+
+def port_draft_id_last_outside_draft_vocab() -> Any:
+    spec = sp.common_speculative_init(_draft_simple(), 1)
+    assert spec is not None
+    dp = sp.common_speculative_get_draft_params(spec, 0)
+    dp.drafting, dp.n_max, dp.pos0, dp.id_last, dp.prompt, dp.result = True, 4, 3, OOV, [10, 11, 12], []
+    sp.common_speculative_draft(spec)
+    return dp.result
+
+
 def loop_draft_token_outside_vocab() -> Any:
     from pyspec.common.ngram_cache import LLAMA_NGRAM_MAX
     from pyspec.generation.cpp_loop import cpp_generate
