@@ -11,6 +11,7 @@ import pytest
 from pyspec import Context, Model
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.errors import PyspecError
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.generation.requests import Request
 from pyspec.testing import models as tm
@@ -380,3 +381,74 @@ def test_a_cancelled_request_still_streams_the_text_held_back_for_a_stop_string(
         res = h.result()
     assert res.stop_reason == "cancelled" and res.text
     assert "".join(d.text for d in before + h.pending()) == res.text
+
+
+# --- synthetic acceptance and replays (llama-server 0c1e57098's verification) -----------------------------
+
+
+def _synth_run(target_model: Model, draft_model: Model, backend: str = "python", seed: int = 7,
+               **synth) -> tuple[list[int], int, int]:
+    """Tokens, drafted and accepted counts of one request with draft-simple (n_max 4), greedy with ``seed``."""
+    ctx = Context(target_model, n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    ctxd = Context(draft_model, n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    spec = CommonParamsSpeculative(types=[T.DRAFT_SIMPLE], **synth)
+    spec.draft.ctx_dft = ctxd
+    spec.draft.n_max = 4
+    sampling = greedy_sampling()
+    sampling.seed = seed
+    with Engine(ctx, spec, sampling, backend=backend, owned=[ctxd, ctx], adaptive_draft=False) as eng:
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=32))
+        eng.run_until_idle()
+        r = h.result()
+    return r.tokens, r.stats.n_drafted, r.stats.n_accepted
+
+
+def test_synthetic_acceptance_one_accepts_every_draft_and_zero_gives_the_targets_tokens(target_model, draft_model):
+    plain, n_drafted, _ = _synth_run(target_model, draft_model)
+    assert n_drafted > 0
+    tokens, n_drafted, n_accepted = _synth_run(target_model, draft_model, synth_rates=[1.0] * 4)
+    assert n_drafted > 0 and n_accepted == n_drafted  # the drafts, whatever the target says
+    assert tokens != plain  # so the text is no longer the target's
+    tokens, n_drafted, n_accepted = _synth_run(target_model, draft_model, synth_rates=[0.0] * 4)
+    assert n_drafted > 0 and n_accepted == 0
+    assert tokens == plain  # every draft rejected: the target's tokens
+
+
+def test_synthetic_acceptance_draws_from_the_requests_seed_on_both_backends(target_model, draft_model):
+    a = _synth_run(target_model, draft_model, seed=7, synth_len=2.0)
+    assert 0 < a[2] < a[1]  # a mean accepted length of 2 of 4: some drafts accepted, not all
+    assert _synth_run(target_model, draft_model, seed=7, synth_len=2.0) == a
+    assert _synth_run(target_model, draft_model, backend="cpp", seed=7, synth_len=2.0) == a
+    assert _synth_run(target_model, draft_model, seed=8, synth_len=2.0) != a
+
+
+def test_synthetic_acceptance_without_a_speculative_type_is_refused(target_model):
+    ctx = Context(target_model, n_ctx=N_CTX, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    try:
+        with pytest.raises(PyspecError, match="synthetic acceptance requires an initialized speculative"):
+            Engine(ctx, CommonParamsSpeculative(types=[T.NONE], synth_len=2.0), greedy_sampling())
+    finally:
+        ctx.close()
+
+
+def test_a_replay_after_a_checkpoint_restore_counts_only_accepted_draft_tokens():
+    # an MTP target whose memory cannot drop part of a sequence (n_rs_seq 0): every partial acceptance is
+    # undone through the checkpoint and the accepted part re-verified, ending with the target's own token
+    with Model(tm.make_mtp()) as model:
+        ctx = Context(model, n_ctx=N_CTX * 4, n_batch=32, n_ubatch=16, n_seq_max=1, n_rs_seq=0,
+                      n_threads=1, n_threads_batch=1)
+        ctxd = Context(model, n_ctx=N_CTX * 4, n_batch=32, n_ubatch=16, n_seq_max=1, ctx_type="mtp", ctx_other=ctx,
+                       n_threads=1, n_threads_batch=1)
+        spec = CommonParamsSpeculative(types=[T.DRAFT_MTP])
+        spec.draft.ctx_dft = ctxd
+        spec.draft.n_max = 3
+        with Engine(ctx, spec, greedy_sampling(), owned=[ctxd, ctx], adaptive_draft=False) as eng:
+            h = eng.submit(Request(prompt=PROMPTS[0] * 2, n_predict=32))
+            eng.run_until_idle()
+            st = h.result().stats
+            assert eng.n_checkpoint_restores > 0
+    # the request's count equals the first verification's (vLLM's counter), the drafts' sizes as made
+    assert st.n_accepted == st.spec.n_accepted_tokens
+    assert sum(a for _, a in st.drafts) == st.n_accepted
+    assert sum(d for d, _ in st.drafts) == st.n_drafted
+    assert 0 < st.n_accepted < st.n_drafted
