@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pyspec import Context, Model
-from pyspec.common.params import CommonParamsSpeculative
+from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.errors import LoopInputError, RefError
 from pyspec.ffi import ffi
@@ -35,14 +35,15 @@ def mtp_model():
         yield m
 
 
-def _setup(kind: str, n_seq: int,
-           request: pytest.FixtureRequest) -> tuple[Context, CommonParamsSpeculative | None, list]:
-    """Target context and speculative params for one kind, as the engine's users set them up."""
+def _setup(kind: str, n_seq: int, request: pytest.FixtureRequest,
+           n_rs_seq: int = 4) -> tuple[Context, CommonParamsSpeculative | None, list]:
+    """Target context and speculative params for one kind, as the engine's users set them up
+    (``n_rs_seq``: the MTP target's recurrent rollback; 0 restores a checkpoint on every partial acceptance)."""
     n_ctx = 1024 * n_seq
     contexts: list[Context] = []
     if kind == "mtp":
         model = request.getfixturevalue("mtp_model")
-        ctx = Context(model, n_ctx=n_ctx, n_batch=32, n_ubatch=16, n_seq_max=n_seq, n_rs_seq=4, **THREADS)
+        ctx = Context(model, n_ctx=n_ctx, n_batch=32, n_ubatch=16, n_seq_max=n_seq, n_rs_seq=n_rs_seq, **THREADS)
     else:
         model = request.getfixturevalue("target_model")
         # EAGLE3: one ubatch per batch; when the prompt batches are split into several ubatches its
@@ -89,10 +90,11 @@ def _outcome(rs: list[SequenceResult]) -> tuple:
 
 
 def _engine(ctx: Context, spec: CommonParamsSpeculative | None, prompts: list[str], n_predict: int,
-            backend: str = "python", n_draft_max: int | None = None) -> tuple:
+            backend: str = "python", n_draft_max: int | None = None,
+            sampling: CommonParamsSampling | None = None) -> tuple:
     """What the engine generates with fixed draft lengths (every request's draft capped at ``n_draft_max``),
     one prompt per slot, as SpeculativeGenerator submits them."""
-    with Engine(ctx, spec, greedy_sampling(), n_parallel=len(prompts), backend=backend,
+    with Engine(ctx, spec, sampling or greedy_sampling(), n_parallel=len(prompts), backend=backend,
                 adaptive_draft=False) as eng:
         hs = [eng.submit(Request(prompt=p, n_predict=n_predict, n_draft_max=n_draft_max, cache_prompt=False,
                                  slot_id=i)) for i, p in enumerate(prompts)]
@@ -190,6 +192,63 @@ def test_cpp_loop_stops_at_n_predict_within_a_draft(request: pytest.FixtureReque
         _close(contexts)
 
 
+def _seeded(seed: int) -> CommonParamsSampling:
+    s = greedy_sampling()
+    s.seed = seed
+    return s
+
+
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_cpp_loop_counts_a_replay_after_a_checkpoint_restore_as_the_engine(
+        n_seq: int, request: pytest.FixtureRequest) -> None:
+    # n_rs_seq 0: every partial acceptance restores the checkpoint and re-verifies the accepted part; the
+    # target's own last token of that replay is no accepted draft token on either side (the server's count)
+    prompts = [PROMPT, PROMPT[:50]][:n_seq]
+    ctx, spec, contexts = _setup("mtp", n_seq, request, n_rs_seq=0)
+    try:
+        with Engine(ctx, spec, greedy_sampling(), n_parallel=n_seq, adaptive_draft=False) as eng:
+            hs = [eng.submit(Request(prompt=p, n_predict=N_PREDICT, cache_prompt=False, slot_id=i))
+                  for i, p in enumerate(prompts)]
+            eng.run_until_idle()
+            cs = [h.result() for h in hs]
+            assert eng.n_checkpoint_restores > 0
+    finally:
+        _close(contexts)
+    assert [c.stats.n_accepted for c in cs] == [c.stats.spec.n_accepted_tokens for c in cs]
+    ctx, spec, contexts = _setup("mtp", n_seq, request, n_rs_seq=0)
+    try:
+        results, _ = cpp_generate(ctx, prompts, N_PREDICT, spec)
+    finally:
+        _close(contexts)
+    assert _outcome(results) == ([c.tokens for c in cs], [c.stop_reason for c in cs],
+                                 [c.stats.n_drafted for c in cs], [c.stats.n_accepted for c in cs])
+
+
+@pytest.mark.parametrize("n_rs_seq", [0, 4])
+@pytest.mark.parametrize("kind", ["draft-simple", "mtp"])
+def test_cpp_loop_accepts_synthetically_as_the_engine(kind: str, n_rs_seq: int,
+                                                      request: pytest.FixtureRequest) -> None:
+    # the same std::mt19937 draws per sequence from the same seed: the same decisions, tokens and counts,
+    # also on replays after checkpoint restores (n_rs_seq 0)
+    prompts = [PROMPT, PROMPT[:50]]
+    ctx, spec, contexts = _setup(kind, 2, request, n_rs_seq=n_rs_seq)
+    assert spec is not None
+    spec.synth_len = 1.5
+    try:
+        expected = _engine(ctx, spec, prompts, N_PREDICT, sampling=_seeded(11))
+    finally:
+        _close(contexts)
+    ctx, spec, contexts = _setup(kind, 2, request, n_rs_seq=n_rs_seq)
+    assert spec is not None
+    spec.synth_len = 1.5
+    try:
+        results, st = cpp_generate(ctx, prompts, N_PREDICT, spec, _seeded(11))
+    finally:
+        _close(contexts)
+    assert _outcome(results) == expected
+    assert 0 < st.n_accepted < st.n_drafted
+
+
 # --- bad input: clear Python errors, no crash --------------------------------
 
 
@@ -221,6 +280,11 @@ def test_a_token_outside_the_vocabulary_is_refused(target_ctx: Context) -> None:
 def test_a_non_positive_n_predict_is_refused(target_ctx: Context) -> None:
     with pytest.raises(ValueError, match="n_predict must be in 1"):
         cpp_generate(target_ctx, [[1, 2]], 0)
+
+
+def test_synthetic_acceptance_without_a_speculative_type_is_refused(target_ctx: Context) -> None:
+    with pytest.raises(RefError, match="synthetic acceptance requires an initialized speculative"):
+        cpp_generate(target_ctx, [PROMPT], 4, CommonParamsSpeculative(types=[T.NONE], synth_len=2.0))
 
 
 def test_draft_simple_without_a_draft_context_is_refused(target_ctx: Context) -> None:
