@@ -203,6 +203,10 @@ CASES = [
     # a model's tensors are mapped in place: an alignment below 32 asserts in ggml_backend_tensor_alloc (the fuzzer)
     ("alignment-16-model", "target", "model", lambda g: _set(g, b"general.alignment", U32, struct.pack("<I", 16)), 0,
      "ModelLoadError", "must be aligned", True),
+    # deepseek4.cpp GGML_ASSERTs compress_ratios' length <= LLAMA_MAX_LAYERS (0c1e57098): the rule bounds it everywhere
+    ("compress-ratios-past-max-layers", "target", "model",
+     lambda g: _set(g, b"llama.attention.compress_ratios", ARRAY, struct.pack("<600I", *[1] * 600), U32, 600), 0,
+     "ModelLoadError", "llama.attention.compress_ratios", False),
     # load_control_vector has gguf allocate the data section first: GGML_ASSERT in ggml_init (found by the fuzzer)
     ("tensor-data-past-end-cvec", "cvec", "cvec", lambda g: g.tensors[0].__setitem__(1, [2**40]), 0,
      "AdapterError", "runs past the end of the file", False),

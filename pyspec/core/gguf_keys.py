@@ -1,11 +1,11 @@
 """The one pre-load check of a GGUF file, for every door that hands a file to llama.cpp.
 
-llama.cpp (revision e3a74b299) reads metadata with typed getters that throw on a wrong type
-(llama_model_loader::get_key: a std::runtime_error, which llama_model_load catches) or
-assert (GGML_ASSERT: the process ends): gguf's accessors gguf_get_val_* / gguf_get_arr_*
-assert on a wrong type or on a scalar where an array is expected, get_arr and
-get_key_or_arr assert on an array of the wrong element type, and llama-vocab.cpp reads
-some arrays' data as int32 / float whatever their element type. :data:`RULES` lists every
+llama.cpp (revision 0c1e57098) reads metadata with typed getters that throw on a wrong type
+(llama_model_loader::get_key, and at this revision get_arr / get_key_or_arr on an array of
+the wrong element type: a std::runtime_error, which llama_model_load catches) or assert
+(GGML_ASSERT: the process ends): gguf's accessors gguf_get_val_* / gguf_get_arr_* assert on
+a wrong type or on a scalar where an array is expected (llama-vocab.cpp checks its arrays'
+types itself at this revision), and a few loaders assert on an array's length. :data:`RULES` lists every
 key read at such a site, with the type, element type and count llama.cpp needs there;
 :func:`gguf_problem` walks the file's metadata (a Python walk over the header, no tensor
 data: the tiny models' header with its 32000-token list takes a few milliseconds) and then
@@ -67,14 +67,16 @@ class Rule:
     site: str
     min_count: str = ""
     split_only: bool = False  # read only from the files of a split model (split.count > 1)
+    max_count: int = 0  # the most elements llama.cpp takes (0: no bound of its own)
 
     def expected(self) -> str:
         names = "/".join(TYPE_NAMES[t] for t in sorted(self.types))
         if self.shape == "scalar":
             return f"a single {names}"
+        most = f" of at most {self.max_count} elements" if self.max_count else ""
         if self.shape == "array":
-            return f"an array of {names}"
-        return f"a scalar or an array of {names}"
+            return f"an array{most} of {names}"
+        return f"a scalar or an array{most} of {names}"
 
 
 _ALL = DOORS
@@ -84,6 +86,7 @@ RULES: tuple[Rule, ...] = (
     Rule("general.alignment", "scalar", frozenset({U32}), _ALL, "ggml/src/gguf.cpp gguf_init_from_impl"),
     # llama-vocab.cpp, with gguf's accessors (gguf_get_arr_n / _str / _data assert, the data is cast)
     Rule("tokenizer.ggml.tokens", "array", frozenset({STRING}), _M, "src/llama-vocab.cpp load"),
+    # int32 scores load at 0c1e57098 too; csrc/pyspec_gguf.cpp still refuses them (float32 only, as here)
     Rule("tokenizer.ggml.scores", "array", frozenset({F32}), _M, "src/llama-vocab.cpp load",
          "tokenizer.ggml.tokens"),
     Rule("tokenizer.ggml.token_type", "array", frozenset({I32}), _M, "src/llama-vocab.cpp load",
@@ -108,6 +111,21 @@ RULES: tuple[Rule, ...] = (
     Rule("xielu.alpha_p", "either", frozenset({F32}), _M, "src/models/apertus.cpp"),
     Rule("xielu.beta", "either", frozenset({F32}), _M, "src/models/apertus.cpp"),
     Rule("xielu.eps", "either", frozenset({F32}), _M, "src/models/apertus.cpp"),
+    # keys first read at 0c1e57098 (the loader throws on a wrong element type; checked first for one message)
+    Rule("{arch}.expert_feed_forward_length", "either", _INTS, _M, "src/models/*.cpp load_arch_hparams"),
+    Rule("{arch}.expert_used_count", "either", _INTS, _M, "src/llama-model.cpp load_hparams, granite-swa.cpp"),
+    Rule("{arch}.attention.indexer.types", "either", _INTS, _M, "src/models/dots3note.cpp, glm-dsa.cpp, ..."),
+    # deepseek4.cpp GGML_ASSERTs n_compress_ratios <= LLAMA_MAX_LAYERS before get_arr's own length check
+    Rule("{arch}.attention.compress_ratios", "either", _INTS, _M, "src/models/deepseek4.cpp, dflash.cpp, qwen4exp.cpp",
+         max_count=512),
+    Rule("{arch}.attention.rope_pattern", "array", _INTS, _M, "src/models/granite-swa.cpp"),
+    Rule("{arch}.adapters.token_ids_activate", "array", _VEC_INTS, _M, "src/models/granite-switch.cpp"),
+    Rule("{arch}.adapters.token_ids_substitute", "array", _VEC_INTS, _M, "src/models/granite-switch.cpp"),
+    Rule("{arch}.ple.layers", "array", _VEC_INTS, _M, "src/models/qwen4exp.cpp"),
+    Rule("{arch}.ple.layer_multipliers", "array", frozenset({U64}), _M, "src/models/qwen4exp.cpp"),
+    Rule("{arch}.ple.head_offsets", "array", frozenset({U64}), _M, "src/models/qwen4exp.cpp"),
+    Rule("{arch}.ple.head_vocab_sizes", "array", frozenset({U64}), _M, "src/models/qwen4exp.cpp"),
+    Rule("general.tensor_extra.name", "array", frozenset({STRING}), _M, "src/llama-model.cpp llama_prec_policy::load"),
     # the loader reads split.no of the second and later files with gguf_get_val_u16
     Rule("split.no", "scalar", frozenset({U16}), _M, "src/llama-model-loader.cpp llama_model_loader",
          split_only=True),
@@ -321,7 +339,7 @@ def _check_rules(kv: dict[str, _Value], door: str, in_split: bool) -> str:
             ok = v.type == ARRAY and v.elem in r.types
         else:  # either: a scalar goes through the throwing get_key
             ok = v.type != ARRAY or v.elem in r.types
-        if not ok:
+        if not ok or (r.max_count and v.type == ARRAY and v.count > r.max_count):
             return f"metadata key {key!r} is {_describe(v)}, expected {r.expected()} (read by {r.site})"
         if r.min_count:
             base = kv.get(r.min_count)
