@@ -182,8 +182,10 @@ def test_eagle3_reading_a_layer_the_target_lacks_is_refused(tmp_path, target, en
         ctxd = Context(head, n_ctx=128, n_batch=32, ctx_other=ctx)
         p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
         p.draft.ctx_dft = ctxd
-        # the port says so (SpeculativeError); before the C++, which asserts, Context.check_layer_inp does
-        expected = r"layer 9 (is not a layer of the target|out of range)"
+        # the port raises the C++'s GGML_ABORT message where the constructor aborts, before anything is
+        # set; before the C++ engine's constructor, Context.check_layer_inp refuses the layer
+        expected = {"python": r"^EAGLE3: target layer id 9 exceeds target n_layer 4$",
+                    "cpp": r"layer 9 (is not a layer of the target|out of range)"}[engine]
         with pytest.raises((SpeculativeError, ValueError), match=expected):
             SpeculativeGenerator(ctx, p, backend=engine)
         ctxd.close()
