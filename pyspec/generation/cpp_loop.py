@@ -7,7 +7,8 @@ decisions as :class:`pyspec.generation.engine.Engine` (and so
 ``common_speculative_*`` / ``common_sampler_*`` calls, with no Python between
 the steps. Its tokens and draft counts equal the engine's for the same contexts
 and parameters with fixed draft lengths (``adaptive_draft=False``), with or
-without a per-request draft cap (``n_draft_max``, Request.n_draft_max); its
+without a per-request draft cap (``n_draft_max``, Request.n_draft_max), synthetic
+acceptance included (``spec.synth_len`` / ``synth_rates``, seeded by ``sampling.seed``); its
 timings show what the Python loop costs. The cost-aware draft-length controller
 is Python-only by design: ``adaptive_draft=True`` is refused.
 """

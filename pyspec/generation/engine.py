@@ -16,8 +16,9 @@ target batch the way tools/server/server-context.cpp's update_slots does:
 4. one ``llama_decode``, the speculative process hook, then per slot: a slot
    whose prompt ended begins speculation and samples its first token; a slot
    without a draft samples; a slot with a draft verifies it
-   (sample_and_accept_n), accepts, removes the rejected part from memory or
-   restores its checkpoint.
+   (sample_and_accept_n, or synthetic acceptance for benchmarking:
+   pyspec.generation.synth), accepts, removes the rejected part from memory or
+   restores its checkpoint and re-verifies the accepted part (a replay).
 
 Prefix reuse: a slot keeps the tokens its memory holds after a request ends. A
 new request goes to the free slot whose memory shares the longest prefix with
