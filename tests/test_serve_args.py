@@ -137,8 +137,9 @@ CASES: list[tuple[list[str], str, Any]] = [
      {"n_max": None, "n_min": None, "p_min": None, "ngram_n": 12, "ngram_m": 48}),
     (["-ngld", "all"], "draft_n_gpu_layers", -1),
     (["--n-gpu-layers-draft", "7"], "draft_n_gpu_layers", 7),
-    (["--no-mmap", "--mlock"], "model_kw", {"use_mmap": False, "use_mlock": True}),
-    (["--mmap"], "model_kw", {}),
+    (["--load-mode", "mlock", "-lzm", "off"], "model_kw", {"load_mode": "mlock", "lazy_mode": "off"}),
+    (["-lm", "mmap+mlock"], "model_kw", {"load_mode": "mmap+mlock"}),
+    ([], "model_kw", {}),
     (["--chat-template", "chatml"], "chat_template", "chatml"),
     (["--api-key", "k1"], "api_keys", ["k1"]),
     (["--api-key", "k1,k2"], "api_keys", ["k1", "k2"]),
@@ -219,7 +220,7 @@ REAL_WORLD = (
     "--chat-template chatml --jinja --host 0.0.0.0 --port 8081 --api-key sk-1,sk-2 --alias coder,coder-latest "
     "-n 1024 --metrics --slots --no-webui -cb -kvu --no-context-shift -s 42 --temp 0.2 --top-k 20 --top-p 0.9 "
     "--min-p 0.01 --repeat-penalty 1.05 --log-disable --log-prefix --log-timestamps --timeout 600 "
-    "--cache-reuse 256 --threads-http 8 --reasoning-format none --mlock --no-mmap -sps 0.5 --slot-save-path /tmp"
+    "--cache-reuse 256 --threads-http 8 --reasoning-format none -lm mlock -sps 0.5 --slot-save-path /tmp"
 ).split()
 
 
@@ -237,7 +238,7 @@ def test_a_real_world_llama_server_command_line():
     assert opts.chat_template == "chatml" and opts.metrics and opts.slots
     assert opts.sampling_kw == {"temp": 0.2, "top_k": 20, "top_p": 0.9, "min_p": 0.01, "seed": 42,
                                 "penalty_repeat": 1.05}
-    assert opts.model_kw == {"use_mmap": False, "use_mlock": True}
+    assert opts.model_kw == {"load_mode": "mlock"}
     assert opts.not_applied == ["--log-disable", "--log-prefix", "--log-timestamps", "--timeout", "--cache-reuse",
                                 "--threads-http", "--reasoning-format", "--threads-batch"]
 
@@ -308,14 +309,14 @@ def test_cmd_serve_passes_the_options_on_and_warns_once(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     argv = ["serve", "--port", "0", "-m", "t.gguf", "-c", "1024", "-np", "2", "-ub", "64", "--lora", "x.gguf",
-            "--embedding", "--no-mmap", "-ngld", "3", "--spec-draft-n-max", "5"]
+            "--embedding", "--load-mode", "none", "-ngld", "3", "--spec-draft-n-max", "5"]
     rest, dropped = commands._serve_argv(argv[1:])
     args = commands.build_parser().parse_args(["serve", *rest])
     args.llama_dropped = dropped
     with caplog.at_level(logging.WARNING, logger="pyspec"), pytest.raises(_Loaded):
         commands.cmd_serve(args)
     assert (seen["n_ctx"], seen["n_parallel"], seen["n_ubatch"], seen["n_max"]) == (512, 2, 64, 5)
-    assert seen["model"] == "t.gguf" and seen["use_mmap"] is False
+    assert seen["model"] == "t.gguf" and seen["load_mode"] == "none"
     assert seen["draft_kw"] == {"devices": None, "n_gpu_layers": 3}
     warnings = [r.getMessage() for r in caplog.records if "llama-server options" in r.getMessage()]
     # the context options too when this Engine.load cannot take them: either way one warning

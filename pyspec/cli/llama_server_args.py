@@ -101,6 +101,22 @@ def _items(text: str) -> list[str]:
 
 
 _C_STRING = re.compile(r'"([^"\\]*)"')
+
+
+def _uncommented(text: str) -> str:
+    """text without its comments (a note before the names of an option may quote other options)."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        j = _skip(text, i)
+        if j == i:
+            out.append(text[i])
+            i += 1
+            continue
+        if text[i] in "\"'":
+            out.append(text[i:j])
+        i = j
+    return "".join(out)
 _SET_CALL = re.compile(r"\.set_(examples|excludes)\(\s*(\{[^}]*\}|\w+)\s*\)")
 _SET_ENV = re.compile(r'\.set_env\(\s*"(\w+)"\s*\)')
 _EXAMPLE_LIST = re.compile(r"std::initializer_list<enum llama_example>\s+(\w+)\s*=\s*\{([^}]*)\}")
@@ -120,6 +136,7 @@ def parse_arg_cpp(text: str) -> list[ArgCppOption]:
         end_inner, end_outer = _close(text, inner), _close(text, outer)
         items = _items(text[inner + 1 : end_inner])
         k = next(i for i, it in enumerate(items) if it.startswith("["))  # the handler, a lambda
+        items[:k] = [_uncommented(it).strip() for it in items[:k]]
         names = tuple(_C_STRING.findall(items[0]))
         negations: tuple[str, ...] = ()
         n_values = 0
@@ -203,6 +220,7 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 -lcs --lookup-cache-static
 1 -lcd --lookup-cache-dynamic
 1 -c --ctx-size env=LLAMA_ARG_CTX_SIZE
+1 --kv-unified-per-slot env=LLAMA_ARG_KV_UNIFIED_PER_SLOT
 1 -n --predict --n-predict env=LLAMA_ARG_N_PREDICT
 1 -b --batch-size env=LLAMA_ARG_BATCH
 1 -ub --ubatch-size env=LLAMA_ARG_UBATCH
@@ -225,18 +243,18 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 -s --seed
 1 --sampler-seq --sampling-seq
 0 --ignore-eos
-1 --temp --temperature
+1 --temp --temperature env=LLAMA_ARG_TEMPERATURE
 1 --top-k env=LLAMA_ARG_TOP_K
-1 --top-p
-1 --min-p
+1 --top-p env=LLAMA_ARG_TOP_P
+1 --min-p env=LLAMA_ARG_MIN_P
 1 --top-nsigma --top-n-sigma
 1 --xtc-probability
 1 --xtc-threshold
 1 --typical --typical-p
 1 --repeat-last-n
-1 --repeat-penalty
-1 --presence-penalty
-1 --frequency-penalty
+1 --repeat-penalty env=LLAMA_ARG_REPEAT_PENALTY
+1 --presence-penalty env=LLAMA_ARG_PRESENCE_PENALTY
+1 --frequency-penalty env=LLAMA_ARG_FREQUENCY_PENALTY
 1 --dry-multiplier
 1 --dry-base
 1 --dry-allowed-length
@@ -277,19 +295,23 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 -mmu --mmproj-url env=LLAMA_ARG_MMPROJ_URL
 0 --mmproj-auto !--no-mmproj !--no-mmproj-auto env=LLAMA_ARG_MMPROJ_AUTO
 0 --mmproj-offload !--no-mmproj-offload env=LLAMA_ARG_MMPROJ_OFFLOAD
+1 -mmdev --mmproj-device env=MTMD_BACKEND_DEVICE
 1 --image-min-tokens env=LLAMA_ARG_IMAGE_MIN_TOKENS
 1 --image-max-tokens env=LLAMA_ARG_IMAGE_MAX_TOKENS
 1 --mtmd-batch-max-tokens env=LLAMA_ARG_MTMD_BATCH_MAX_TOKENS
+1 --video-fps env=LLAMA_ARG_VIDEO_FPS
+1 --video-timestamp-interval env=LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL
+1 --video-ffmpeg-dir env=LLAMA_ARG_VIDEO_FFMPEG_DIR
 1 --rpc env=LLAMA_ARG_RPC
-0 --mlock env=LLAMA_ARG_MLOCK
-0 --mmap !--no-mmap env=LLAMA_ARG_MMAP
-0 -dio --direct-io !-ndio !--no-direct-io env=LLAMA_ARG_DIO
+1 -lm --load-mode env=LLAMA_ARG_LOAD_MODE
+1 -lzm --lazy-mode env=LLAMA_ARG_LAZY_MODE
 1 --numa env=LLAMA_ARG_NUMA
 1 -dev --device env=LLAMA_ARG_DEVICE
 0 --list-devices
 1 -ot --override-tensor env=LLAMA_ARG_OVERRIDE_TENSOR
 0 -cmoe --cpu-moe env=LLAMA_ARG_CPU_MOE
 1 -ncmoe --n-cpu-moe env=LLAMA_ARG_N_CPU_MOE
+1 -ncffn --n-cpu-ffn env=LLAMA_ARG_N_CPU_FFN
 1 -ngl --gpu-layers --n-gpu-layers env=LLAMA_ARG_N_GPU_LAYERS
 1 -sm --split-mode env=LLAMA_ARG_SPLIT_MODE
 1 -ts --tensor-split env=LLAMA_ARG_TENSOR_SPLIT
@@ -312,24 +334,26 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 -dr --docker-repo env=LLAMA_ARG_DOCKER_REPO
 1 -hf -hfr --hf-repo env=LLAMA_ARG_HF_REPO
 1 -hff --hf-file env=LLAMA_ARG_HF_FILE
-1 -hfv -hfrv --hf-repo-v env=LLAMA_ARG_HF_REPO_V
-1 -hffv --hf-file-v env=LLAMA_ARG_HF_FILE_V
 1 -hft --hf-token env=HF_TOKEN
 1 --embd-normalize
 1 --host env=LLAMA_ARG_HOST
 1 --port env=LLAMA_ARG_PORT
 0 --reuse-port env=LLAMA_ARG_REUSE_PORT
 1 --path env=LLAMA_ARG_STATIC_PATH
+1 --cors-origins env=LLAMA_ARG_CORS_ORIGINS
+1 --cors-methods env=LLAMA_ARG_CORS_METHODS
+1 --cors-headers env=LLAMA_ARG_CORS_HEADERS
+0 --cors-credentials !--no-cors-credentials env=LLAMA_ARG_CORS_CREDENTIALS
 1 --api-prefix env=LLAMA_ARG_API_PREFIX
-1 --webui-config env=LLAMA_ARG_WEBUI_CONFIG
-1 --ui-config env=LLAMA_ARG_UI_CONFIG
-1 --webui-config-file env=LLAMA_ARG_WEBUI_CONFIG_FILE
-1 --ui-config-file env=LLAMA_ARG_UI_CONFIG_FILE
-0 --webui-mcp-proxy !--no-webui-mcp-proxy env=LLAMA_ARG_WEBUI_MCP_PROXY
-0 --ui-mcp-proxy !--no-ui-mcp-proxy env=LLAMA_ARG_UI_MCP_PROXY
+1 --ui-config --webui-config env=LLAMA_ARG_UI_CONFIG
+1 --ui-config-file --webui-config-file env=LLAMA_ARG_UI_CONFIG_FILE
+0 --ui-mcp-proxy --webui-mcp-proxy !--no-ui-mcp-proxy !--no-webui-mcp-proxy env=LLAMA_ARG_UI_MCP_PROXY
 1 --tools env=LLAMA_ARG_TOOLS
-0 --webui !--no-webui env=LLAMA_ARG_WEBUI
-0 --ui !--no-ui env=LLAMA_ARG_UI
+1 --tools-runtime env=LLAMA_ARG_TOOLS_RUNTIME
+1 --mcp-servers-config env=LLAMA_ARG_MCP_SERVERS_CONFIG
+1 --mcp-servers-json env=LLAMA_ARG_MCP_SERVERS_JSON
+0 -ag --agent !-no-ag !--no-agent env=LLAMA_ARG_AGENT
+0 --ui --webui !--no-ui !--no-webui env=LLAMA_ARG_UI
 0 --embedding --embeddings env=LLAMA_ARG_EMBEDDINGS
 0 --rerank --reranking env=LLAMA_ARG_RERANKING
 1 --api-key env=LLAMA_API_KEY
@@ -354,8 +378,10 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 0 --jinja !--no-jinja env=LLAMA_ARG_JINJA
 1 --reasoning-format env=LLAMA_ARG_THINK
 1 -rea --reasoning env=LLAMA_ARG_REASONING
+1 --reasoning-effort env=LLAMA_ARG_REASONING_EFFORT
 1 --reasoning-budget env=LLAMA_ARG_THINK_BUDGET
 1 --reasoning-budget-message env=LLAMA_ARG_THINK_BUDGET_MESSAGE
+0 --reasoning-preserve !--no-reasoning-preserve env=LLAMA_ARG_REASONING_PRESERVE
 1 --chat-template env=LLAMA_ARG_CHAT_TEMPLATE
 1 --chat-template-file env=LLAMA_ARG_CHAT_TEMPLATE_FILE
 0 --skip-chat-parsing !--no-skip-chat-parsing env=LLAMA_ARG_SKIP_CHAT_PARSING
@@ -365,6 +391,7 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 --sleep-idle-seconds
 0 --log-disable
 1 --log-file env=LLAMA_ARG_LOG_FILE
+0 --log-jsonl !--no-log-jsonl env=LLAMA_ARG_LOG_JSONL
 1 --log-prompts-dir
 1 --log-colors env=LLAMA_ARG_LOG_COLORS
 0 -v --verbose --log-verbose
@@ -391,6 +418,8 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 --spec-draft-n-cpu-moe --spec-draft-ncmoe -ncmoed --n-cpu-moe-draft env=LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE
 1 --spec-draft-n-max env=LLAMA_ARG_SPEC_DRAFT_N_MAX
 1 --spec-draft-n-min env=LLAMA_ARG_SPEC_DRAFT_N_MIN
+1 --spec-synth-len env=LLAMA_ARG_SPEC_SYNTH_LEN
+1 --spec-synth-rates env=LLAMA_ARG_SPEC_SYNTH_RATES
 1 --spec-draft-p-split --draft-p-split env=LLAMA_ARG_SPEC_DRAFT_P_SPLIT
 1 --spec-draft-p-min --draft-p-min env=LLAMA_ARG_SPEC_DRAFT_P_MIN
 0 --spec-draft-backend-sampling !--no-spec-draft-backend-sampling env=LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING
@@ -415,8 +444,6 @@ LLAMA_SERVER_OPTIONS, LLAMA_SERVER_ENV = _table("""
 1 --spec-ngram-size-n
 1 --spec-ngram-size-m
 1 --spec-ngram-min-hits
-1 -mv --model-vocoder
-0 --tts-use-guide-tokens
 0 --embd-gemma-default
 0 --fim-qwen-1.5b-default
 0 --fim-qwen-3b-default
@@ -458,6 +485,18 @@ def _flash_attn(value: str) -> str:
         return "auto"
     raise argparse.ArgumentTypeError(f"unknown value for --flash-attn: {value!r} (on, off or auto)")
 
+
+def _choice(option: str, choices: Sequence[str]) -> Callable[[str], str]:
+    def conv(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {value!r} ({', '.join(choices)})")
+        return value
+    return conv
+
+
+# arg.cpp's --load-mode / --lazy-mode values (Model's load_mode / lazy_mode take the same names)
+_load_mode = _choice("--load-mode", ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"))
+_lazy_mode = _choice("--lazy-mode", ("on", "auto", "off"))
 
 _KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # arg.cpp kv_cache_types
 
@@ -569,9 +608,9 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("-ts", "--tensor-split"), "tensor_split", str),
     Mapped(("-mg", "--main-gpu"), "main_gpu", int),
     Mapped(("--rpc",), "rpc", str),
-    Mapped(("--mlock",), "mlock", None, True),
-    Mapped(("--mmap",), "mmap", None, True),
-    Mapped(("--no-mmap",), "mmap", None, False),
+    # at 0c1e57098 --load-mode replaces --mmap / --no-mmap / --mlock / --direct-io (Model(load_mode=))
+    Mapped(("-lm", "--load-mode"), "load_mode", _load_mode, help="auto, none, mmap, mlock, mmap+mlock or dio"),
+    Mapped(("-lzm", "--lazy-mode"), "lazy_mode", _lazy_mode, help="on-demand reads of large tensors: on, auto or off"),
     Mapped(("-v", "--verbose", "--log-verbose"), "serve_verbose", None, True),
     Mapped(("--host",), "host", str),
     Mapped(("--port",), "port", int),
@@ -687,7 +726,7 @@ class ServeOptions:
     types: str
     spec_kw: dict[str, Any]
     context_kw: dict[str, Any]  # Context keywords (flash_attn_type, type_k, type_v, kv_unified)
-    model_kw: dict[str, Any]  # Model keywords beyond the placement ones (use_mmap, use_mlock)
+    model_kw: dict[str, Any]  # Model keywords beyond the placement ones (load_mode, lazy_mode)
     draft_n_gpu_layers: int | None
     sampling_kw: dict[str, Any]  # CommonParamsSampling fields
     chat_template: str | None
@@ -752,11 +791,7 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     if "threads_batch" in g:
         not_applied.append("--threads-batch")  # pyspec gives the batch the --threads count
 
-    model_kw: dict[str, Any] = {}
-    if g.get("mmap") is False:
-        model_kw["use_mmap"] = False
-    if g.get("mlock"):
-        model_kw["use_mlock"] = True
+    model_kw: dict[str, Any] = {k: g[k] for k in ("load_mode", "lazy_mode") if g.get(k) is not None}
 
     sampling_kw: dict[str, Any] = {k: g[k] for k in ("temp", "top_k", "top_p", "min_p")}
     seed = int(g["seed"])
