@@ -1,4 +1,4 @@
-"""Synthetic acceptance (pyspec.generation.synth): std::mt19937's numbers, server_sample_and_accept_synth's decisions."""
+"""Synthetic acceptance (pyspec.generation.synth): std::mt19937, server_sample_and_accept_synth's decisions."""
 
 from __future__ import annotations
 
