@@ -75,8 +75,9 @@ def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
     for types in groups:
         model: Any = args.target
         if args.real:
-            if draft_kind(types) in ("eagle3", "mtp"):
-                raise SystemExit("--real: the real model has no EAGLE3 head and no MTP block")
+            if draft_kind(types) in ("eagle3", "mtp", "dflash"):
+                raise SystemExit("--real: the real model has no EAGLE3 head, no MTP block and no DFlash / DSpark "
+                                 "drafter (use --tiny, or --target and --draft)")
             from pyspec.generation.contexts import default_model_path
 
             model = default_model_path()
