@@ -562,6 +562,11 @@ int generate(const pyspec_loop_params & p, pyspec_loop_result & out) {
     L.vocab     = llama_model_get_vocab(llama_get_model(p.ctx_tgt));
     L.n_batch   = (int32_t) llama_n_batch(p.ctx_tgt);
     L.n_ctx_seq = (int32_t) llama_n_ctx_seq(p.ctx_tgt);
+    // Engine.n_ctx_seq: at most the model's training context (the server's n_ctx_slot)
+    const int32_t n_ctx_train = llama_model_n_ctx_train(llama_get_model(p.ctx_tgt));
+    if (n_ctx_train > 0) {
+        L.n_ctx_seq = std::min(L.n_ctx_seq, n_ctx_train);
+    }
     L.n_draft_cap = p.n_draft_max;
     const int32_t n_vocab = llama_vocab_n_tokens(L.vocab);
 

@@ -328,3 +328,14 @@ def test_an_output_buffer_smaller_than_n_predict_is_refused_by_the_c_api(target_
     r.tokens_cap = 8
     assert lib.pyspec_loop_generate(p, r) == lib.PYSPEC_REF_OK
     assert bufs[1][0] == 8 and bufs[4][0] == 2  # eight tokens, stopped at n_predict
+
+
+def test_a_prompt_longer_than_the_models_training_context_is_refused(target_model: Model) -> None:
+    # as the engine: a sequence's context is at most n_ctx_train, however many cells the context has
+    n_train = target_model.n_ctx_train
+    ctx = Context(target_model, n_ctx=2 * n_train, n_batch=64, n_seq_max=1, **THREADS)
+    try:
+        with pytest.raises(ValueError, match=f"prompt of {n_train} tokens does not fit the context \\({n_train} per"):
+            cpp_generate(ctx, [[1] * n_train], 4)
+    finally:
+        ctx.close()

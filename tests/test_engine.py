@@ -452,3 +452,14 @@ def test_a_replay_after_a_checkpoint_restore_counts_only_accepted_draft_tokens()
     assert sum(a for _, a in st.drafts) == st.n_accepted
     assert sum(d for d, _ in st.drafts) == st.n_drafted
     assert 0 < st.n_accepted < st.n_drafted
+
+
+def test_a_slots_context_is_at_most_the_models_training_context(target_model):
+    # 8192 cells for one sequence of a model trained on 4096: the server's n_ctx_slot caps the slot at 4096
+    n_train = target_model.n_ctx_train
+    ctx = Context(target_model, n_ctx=2 * n_train, n_batch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    with Engine(ctx, None, greedy_sampling(), owned=[ctx]) as eng:
+        assert ctx.n_ctx_seq == 2 * n_train and eng.n_ctx_seq == n_train
+        assert len(eng.tokenize_request(Request(prompt=[1] * (n_train - 1)))) == n_train - 1
+        with pytest.raises(ValueError, match=f"prompt of {n_train} tokens does not fit the context \\({n_train} per"):
+            eng.submit(Request(prompt=[1] * n_train))

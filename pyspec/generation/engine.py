@@ -189,7 +189,9 @@ class Engine(EngineQueue):
         self.vocab = ctx_tgt.model.vocab
         self._pieces = TokenPieces(self.vocab)  # each token's piece and end-of-generation flag, for _emit
         self.n_vocab = self.vocab.n_tokens
-        self.n_ctx_seq = ctx_tgt.n_ctx_seq
+        # a slot's context: the target's per sequence, at most the model's training context (the server's n_ctx_slot)
+        n_train = ctx_tgt.model.n_ctx_train
+        self.n_ctx_seq = min(ctx_tgt.n_ctx_seq, n_train) if n_train > 0 else ctx_tgt.n_ctx_seq
         self.batch = Batch(ctx_tgt.n_batch, 0, 1)
         # the draft length of each step: llama.cpp's fixed n_max, or the cost-aware choice
         self.draft_ctl: DraftLengthController | None = None
