@@ -34,6 +34,18 @@ def test_the_record_covers_every_file_the_issue_names():
                    "common_params_sampling"):
         assert f"common/common.h :: struct {struct}" in names
     assert "common/common.h :: enum common_speculative_type" in names
+    # what the C helpers and shortcuts rely on (issue 24): the sampler, context and grammar code csrc/ mirrors
+    assert {n for n in names if n.startswith(("src/llama-sampler.cpp ::", "src/llama-context.cpp ::",
+                                              "src/llama-grammar.cpp ::"))} >= {
+        "src/llama-sampler.cpp :: struct llama_sampler_grammar", "src/llama-sampler.cpp :: llama_sampler_top_k_impl",
+        "src/llama-sampler.cpp :: llama_sampler_dist_apply", "src/llama-sampler.cpp :: llama_sampler_infill_apply",
+        "src/llama-context.cpp :: llama_context::llama_context",
+        "src/llama-context.cpp :: llama_context::graph_max_nodes",
+        "src/llama-grammar.cpp :: llama_grammar_parser::parse_sequence",
+        "src/llama-grammar.cpp :: llama_grammar_detect_left_recursion",
+        "src/llama-grammar.cpp :: llama_grammar_advance_stack", "src/llama-grammar.cpp :: llama_grammar_accept_impl"}
+    # the state check's walk follows what the memories write (the cell extension grew at 0c1e57098)
+    assert "src/llama-kv-cells.h :: struct llama_kv_cell_ext" in names
     for src in upstream.read_record():
         for mirror in src.mirrors:
             assert (Path(__file__).resolve().parents[1] / mirror).exists(), mirror
@@ -139,6 +151,10 @@ def test_extract_takes_every_overload_of_a_function_and_skips_declarations():
     assert upstream.extract(text, "f") == (
         "int f(int x) {\n    if (x) { return 1; }\n    return 0;\n}\nint f(float y) {\n    return 2;\n}")
     assert upstream.extract(text, "struct s") == "struct s {\n    int a = 1;\n}"
+    # a constructor's name starts its line: it is found too (common_batch::common_batch, llama_context::llama_context)
+    ctor = "int c::g() {\n    return 1;\n}\nc::c(int x) : v(x) {\n    v++;\n}\n"
+    assert upstream.extract(ctor, "c::c") == "c::c(int x) : v(x) {\n    v++;\n}"
+    assert upstream.extract(ctor, "c::") == "int c::g() {\n    return 1;\n}\nc::c(int x) : v(x) {\n    v++;\n}"
     assert upstream.extract(text, "h") is None
 
 

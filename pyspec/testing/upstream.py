@@ -105,10 +105,10 @@ def extract(text: str, block: str) -> str | None:
         end = _matching_brace(text, m.end() - 1)
         return text[m.start() : end]
     # a function ("NAME"), or every member function of a class ("NAME::"): a line starting at
-    # column 0 that names it, followed by its body
+    # column 0 that names it (a constructor's name starts the line), followed by its body
     pattern = re.escape(block) + (r"~?\w+" if block.endswith("::") else "")
     parts = []
-    for m in re.finditer(rf"^[^\s#/].*\b{pattern}\s*\(", text, re.MULTILINE):
+    for m in re.finditer(rf"^(?=[^\s#/]).*?\b{pattern}\s*\(", text, re.MULTILINE):
         brace = text.find("{", m.end())
         semi = text.find(";", m.end())
         if brace < 0 or (0 <= semi < brace):
