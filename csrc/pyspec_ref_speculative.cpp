@@ -259,15 +259,21 @@ static std::string check_dflash(const ref::common_speculative & spec, uint32_t n
     return "";
 }
 
-// The smallest vocabulary among the draft contexts the implementations decode tokens on
-// (draft-simple, EAGLE3, DFlash / DSpark, MTP); INT32_MAX with none. A token outside it makes
-// common_batch::get_sub_batch GGML_ABORT (llama_batch_ext_add_token refuses it): the wrapper
-// checks process()'s batch and the draft requests' id_last against it first.
-static int32_t draft_n_vocab(const ref::common_speculative & spec) {
+// The smallest vocabulary and n_seq_max among the draft contexts the implementations decode on
+// (draft-simple, EAGLE3, DFlash / DSpark, MTP); INT32_MAX with none. A token or sequence id outside
+// them makes common_batch::get_sub_batch GGML_ABORT (llama_batch_ext_add_token refuses it): the
+// wrapper checks process()'s batch and the draft requests' id_last against them first.
+struct draft_limits {
     int32_t n_vocab = INT32_MAX;
+    int32_t n_seq   = INT32_MAX;
+};
+
+static draft_limits draft_n_vocab(const ref::common_speculative & spec) {
+    draft_limits lim;
     auto take = [&](const llama_context * ctx_dft) {
         if (ctx_dft != nullptr) {
-            n_vocab = std::min(n_vocab, llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx_dft))));
+            lim.n_vocab = std::min(lim.n_vocab, llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx_dft))));
+            lim.n_seq   = std::min(lim.n_seq, (int32_t) llama_n_seq_max(ctx_dft));
         }
     };
     for (const auto & impl : spec.impls) {
@@ -281,7 +287,7 @@ static int32_t draft_n_vocab(const ref::common_speculative & spec) {
             take(mtp->params.ctx_dft);
         }
     }
-    return n_vocab;
+    return lim;
 }
 
 static const char * spec_type_names[COMMON_SPECULATIVE_TYPE_COUNT + 1] = {};
@@ -635,12 +641,15 @@ int pyspec_ref_spec_process(pyspec_ref_spec * spec, const llama_batch * batch) {
     }
 
     // the audit check (docs/audit.toml ref-draft-token-vocab): get_sub_batch aborts on a token the draft lacks
-    const int32_t n_vocab = draft_n_vocab(*spec->spec);
-    if (b.token != nullptr && n_vocab != INT32_MAX) {
-        for (int32_t k = 0; k < b.n_tokens; ++k) {
-            REQUIRE(b.token[k] >= 0 && b.token[k] < n_vocab, PYSPEC_REF_E_RANGE,
-                    "batch token %d at index %d is outside the draft vocabulary (0..%d)", (int) b.token[k], (int) k,
-                    (int) n_vocab - 1);
+    const draft_limits lim = draft_n_vocab(*spec->spec);
+    for (int32_t k = 0; lim.n_vocab != INT32_MAX && k < b.n_tokens; ++k) {
+        REQUIRE(b.token == nullptr || (b.token[k] >= 0 && b.token[k] < lim.n_vocab), PYSPEC_REF_E_RANGE,
+                "batch token %d at index %d is outside the draft vocabulary (0..%d)", b.token ? (int) b.token[k] : 0,
+                (int) k, (int) lim.n_vocab - 1);
+        for (int32_t j = 0; b.seq_id != nullptr && b.n_seq_id != nullptr && j < b.n_seq_id[k]; ++j) {
+            REQUIRE(b.seq_id[k] != nullptr && b.seq_id[k][j] >= 0 && b.seq_id[k][j] < lim.n_seq, PYSPEC_REF_E_RANGE,
+                    "batch index %d: seq_id %d is outside the draft context's sequences (0..%d)", (int) k,
+                    b.seq_id[k] != nullptr ? (int) b.seq_id[k][j] : -1, (int) lim.n_seq - 1);
         }
     }
 
@@ -706,11 +715,13 @@ int pyspec_ref_spec_draft(pyspec_ref_spec * spec, pyspec_ref_draft_request * req
     }
 
     // the audit check (docs/audit.toml ref-draft-token-vocab): the draft batch starts with id_last
-    const int32_t n_vocab_dft = draft_n_vocab(*spec->spec);
+    const draft_limits lim = draft_n_vocab(*spec->spec);
     for (int32_t r = 0; r < n_reqs; ++r) {
-        REQUIRE(n_vocab_dft == INT32_MAX || (reqs[r].id_last >= 0 && reqs[r].id_last < n_vocab_dft), PYSPEC_REF_E_RANGE,
+        REQUIRE(lim.n_vocab == INT32_MAX || (reqs[r].id_last >= 0 && reqs[r].id_last < lim.n_vocab), PYSPEC_REF_E_RANGE,
                 "seq_id %d: id_last %d is outside the draft vocabulary (0..%d)", (int) reqs[r].seq_id,
-                (int) reqs[r].id_last, (int) n_vocab_dft - 1);
+                (int) reqs[r].id_last, (int) lim.n_vocab - 1);
+        REQUIRE(reqs[r].seq_id < lim.n_seq, PYSPEC_REF_E_RANGE,
+                "seq_id %d is outside the draft context's sequences (0..%d)", (int) reqs[r].seq_id, (int) lim.n_seq - 1);
     }
 
     // common_ngram_map_draft aborts when the history shrank below what it

@@ -676,6 +676,24 @@ def ref_process_token_outside_draft_vocab() -> Any:
     return RefSpeculative(_draft_simple(), 1).process(b)
 
 
+def ref_process_seq_outside_draft_context() -> Any:
+    from pyspec.reference.speculative import RefSpeculative
+
+    b = Batch(3)
+    b.add_sequence([10, 11, 12], 0, 5)  # the draft context holds sequence 0 only
+    return RefSpeculative(_draft_simple(), 1).process(b)
+
+
+def port_process_seq_outside_draft_context() -> Any:
+    from pyspec.common.common import CommonBatch
+
+    p = _draft_simple()
+    spec = sp.common_speculative_init(p, 1)
+    cb = CommonBatch(p.draft.ctx_tgt)
+    cb.add(10, 0, 5, True)
+    return sp.common_speculative_process(spec, cb)
+
+
 def ref_draft_id_last_outside_draft_vocab() -> Any:
     from pyspec.common.speculative import DraftRequest
     from pyspec.reference.speculative import RefSpeculative
@@ -702,6 +720,58 @@ def port_draft_id_last_outside_draft_vocab() -> Any:
     dp.drafting, dp.n_max, dp.pos0, dp.id_last, dp.prompt, dp.result = True, 4, 3, OOV, [10, 11, 12], []
     sp.common_speculative_draft(spec)
     return dp.result
+
+
+def _block_draft_without_layers() -> CommonParamsSpeculative:
+    p = CommonParamsSpeculative(types=[T.DRAFT_DFLASH])
+    p.draft.ctx_tgt = p.draft.ctx_dft = ctx()  # a plain model: no target_layer_ids
+    return p
+
+
+def port_dflash_without_target_layers() -> Any:
+    return sp.common_speculative_init(_block_draft_without_layers(), 1)
+
+
+def ref_dflash_without_target_layers() -> Any:
+    from pyspec.reference.speculative import RefSpeculative
+
+    return RefSpeculative(_block_draft_without_layers(), 1)
+
+
+def _eagle3_past_target(engine: str) -> Any:
+    from tests.test_hostile_files import write_eagle3_with_layers
+
+    head = Model(write_eagle3_with_layers(TMP / "e9.gguf", (1, 2, 9)))  # the tiny target has 4 layers
+    c = ctx()
+    p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
+    p.draft.ctx_tgt, p.draft.ctx_dft = c, Context(head, **KW, ctx_other=c)
+    if engine == "port":
+        return sp.common_speculative_init(p, 1)
+    from pyspec.reference.speculative import RefSpeculative
+
+    return RefSpeculative(p, 1)
+
+
+def port_eagle3_layer_past_target() -> Any:
+    return _eagle3_past_target("port")
+
+
+def ref_eagle3_layer_past_target() -> Any:
+    return _eagle3_past_target("ref")
+
+
+def port_sampler_copy_grammar_mismatch() -> Any:
+    with smp.common_sampler_init(M["target"], CommonParamsSampling(grammar='root ::= "a"')) as a, \
+            smp.common_sampler_init(M["target"], CommonParamsSampling()) as b:
+        return smp.common_sampler_copy(a, b)
+
+
+def ref_sampler_copy_other_structure() -> Any:
+    from pyspec.reference.sampling import RefSampler
+
+    with RefSampler(M["target"], CommonParamsSampling(grammar='root ::= "a"')) as a, \
+            RefSampler(M["target"], CommonParamsSampling()) as b:
+        return b.copy_from(a)
 
 
 def loop_draft_token_outside_vocab() -> Any:
