@@ -17,9 +17,6 @@ built-in template of its architecture (:func:`fallback_template`: gemma ->
 
 from __future__ import annotations
 
-import datetime
-import functools
-import json
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,9 +25,10 @@ from typing import Any
 from pyspec.core.model import Model
 from pyspec.core.vocab import Vocab
 from pyspec.errors import ChatTemplateError
+from pyspec.generation.chat_sandbox import RenderPool, TemplateBudget, compile_template, default_pool
 
-__all__ = ["CHAT_TEMPLATE_KEY", "FALLBACK_TEMPLATES", "chat_template", "fallback_template", "render_chat",
-           "render_template", "tokenize_chat"]
+__all__ = ["CHAT_TEMPLATE_KEY", "FALLBACK_TEMPLATES", "RenderPool", "TemplateBudget",
+           "chat_template", "fallback_template", "render_chat", "render_template", "tokenize_chat"]
 
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -75,15 +73,6 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
 def _jinja() -> Any:
     try:
         import jinja2.sandbox
@@ -92,19 +81,12 @@ def _jinja() -> Any:
     return jinja2
 
 
-@functools.lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     _jinja()
     from jinja2 import TemplateError
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        return compile_template(template, _raise_exception)
     except TemplateError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from None
 
@@ -126,11 +108,20 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
 
 
 def render_template(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                    bos_token: str = "", eos_token: str = "", **kwargs: Any) -> str:
-    """Render a Jinja chat template in the sandbox, with the names transformers passes."""
+                    bos_token: str = "", eos_token: str = "", budget: TemplateBudget | RenderPool | None = None,
+                    **kwargs: Any) -> str:
+    """Render a Jinja chat template in the sandbox, with the names transformers passes.
+
+    ``budget``: None renders in this thread (no bound on time or memory: for trusted templates); a
+    TemplateBudget or a RenderPool renders in a worker process within that budget (ChatTemplateError
+    naming the budget when it is exceeded; the messages and kwargs must then be JSON values)."""
     from jinja2 import TemplateError
 
     msgs = _check_messages(messages)
+    if budget is not None:
+        pool = budget if isinstance(budget, RenderPool) else default_pool(budget)
+        return pool.render(template, {"messages": msgs, "add_generation_prompt": add_generation_prompt,
+                                      "bos_token": bos_token, "eos_token": eos_token, **kwargs})
     try:
         out: str = _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                              bos_token=bos_token, eos_token=eos_token, **kwargs)
@@ -142,7 +133,8 @@ def render_template(template: str, messages: Sequence[Mapping[str, Any]], *, add
 
 
 def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
-                template: str | None = None, **kwargs: Any) -> str:
+                template: str | None = None, budget: TemplateBudget | RenderPool | None = None,
+                **kwargs: Any) -> str:
     """The prompt text of ``messages`` for ``model``.
 
     ``template`` None uses the model's own template, or for a model without one
@@ -150,7 +142,8 @@ def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_gene
     warning once per model file); a llama.cpp built-in name ("chatml",
     "llama2", "gemma", ...) uses llama_chat_apply_template; any other string is
     a Jinja template. ``kwargs`` reach the template (e.g.
-    ``enable_thinking``).
+    ``enable_thinking``). ``budget``: as :func:`render_template` (a Jinja template then renders in a
+    worker process within it; a built-in template is llama.cpp's fixed code and renders here).
     """
     from pyspec.generation.chat_builtin import apply_builtin_template, builtin_templates
 
@@ -163,7 +156,8 @@ def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_gene
     specials = {name: (vocab.token_to_piece(tok, special=True) if tok >= 0 else "")
                 for name, tok in (("bos_token", vocab.bos), ("eos_token", vocab.eos))}
     try:
-        return render_template(template, msgs, add_generation_prompt=add_generation_prompt, **specials, **kwargs)
+        return render_template(template, msgs, add_generation_prompt=add_generation_prompt, budget=budget,
+                               **specials, **kwargs)
     except ChatTemplateError as e:
         if "does not compile" not in str(e):
             raise

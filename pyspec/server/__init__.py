@@ -34,13 +34,16 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
           api_key: str | Sequence[str] | None = None, defaults: Any = None,
           slot_save_path: str | Path | None = None, log_level: str = "warning",
           on_listening: Callable[[str], None] | None = None, metrics: bool = False, slots: bool = True,
-          model_aliases: Sequence[str] = (), model_tags: Sequence[str] = (), props: bool = False) -> None:
+          model_aliases: Sequence[str] = (), model_tags: Sequence[str] = (), props: bool = False,
+          template_budget: Any = None, template_workers: int = 2) -> None:
     """Serve ``engine`` until interrupted (uvicorn), then close it.
 
     ``api_key``: one key or several (llama-server's comma list); ``metrics``: serve ``/metrics``
     (``--metrics``); ``slots``: serve ``GET /slots`` (``--no-slots`` answers 501 there);
     ``model_aliases`` / ``model_tags``: listed in ``/v1/models`` (``--alias``, ``--tags``); ``props``:
-    ``POST /props`` accepted (``--props``).
+    ``POST /props`` accepted (``--props``); ``template_budget`` (a
+    :class:`pyspec.generation.chat.TemplateBudget`) / ``template_workers``: the time and memory one Jinja
+    chat template render may use, and the worker processes that render (default 2 s, 256 MiB, 2).
 
     The port is bound before anything is announced: a busy port raises OSError naming it (and
     ``on_listening``, called with the address once bound, never runs). Ctrl-C returns normally.
@@ -55,7 +58,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
     try:
         app = create_app(engine, model_name=model_name, api_key=api_key, defaults=defaults,
                          slot_save_path=slot_save_path, metrics=metrics, slots=slots, model_aliases=model_aliases,
-                         model_tags=model_tags, props=props)
+                         model_tags=model_tags, props=props, template_budget=template_budget,
+                         template_workers=template_workers)
         if on_listening is not None:
             on_listening(f"http://{host}:{sock.getsockname()[1]}")
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))

@@ -25,6 +25,7 @@ every endpoint but ``/health`` and the model list wants ``Authorization: Bearer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import hmac
@@ -44,6 +45,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pyspec.errors import BadRequest, PyspecError
+from pyspec.generation.chat import RenderPool, TemplateBudget
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
 from pyspec.server.metrics import CONTENT_TYPE, render_metrics
@@ -168,8 +170,13 @@ class _Api:
 
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
                  metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
-                 tags: Sequence[str] = (), props: bool = False) -> None:
+                 tags: Sequence[str] = (), props: bool = False, templates: RenderPool | None = None) -> None:
         self.engine = engine
+        # Jinja chat templates render in these worker processes, within their budget (a template is
+        # untrusted code: it could loop or allocate without end)
+        self.templates = templates or RenderPool()
+        # renders waiting for a worker wait here, on the loop, not in a thread of the loop's executor
+        self._render_slots = asyncio.Semaphore(self.templates.size)
         self.model_name = model_name
         self.aliases, self.tags = sorted(set(aliases)), sorted(set(tags))  # llama-server keeps them in std::sets
         self.defaults = defaults
@@ -184,25 +191,30 @@ class _Api:
     async def _request(self, build: Callable[[Any, ServerDefaults, int, int], Parsed],
                        body: Any) -> tuple[Parsed, list[Request]]:
         """The body read and checked, and one Request of token ids per choice, in a worker thread (a long
-        grammar or prompt is scanned there, and the prompts are tokenized there)."""
-        def run() -> tuple[Parsed, list[Request]]:
-            parsed = build(body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
-            return parsed, self._choices(parsed)
+        grammar or prompt is scanned there, and the prompts are tokenized there); a chat's messages
+        rendered by the template workers."""
+        parsed = await asyncio.to_thread(build, body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
+        chat = await self._render(parsed.request) if parsed.request.messages is not None else None
+        return parsed, await asyncio.to_thread(self._choices, parsed, chat)
 
-        return await asyncio.to_thread(run)
+    async def _render(self, r: Request) -> str:
+        """The chat's prompt text: its messages through the template, in a template worker within the budget."""
+        from pyspec.generation.chat import render_chat
 
-    def _prompt_tokens(self, r: Request, prompt: Prompt | None) -> list[int]:
+        assert r.messages is not None
+        async with self._render_slots:
+            return await asyncio.to_thread(
+                render_chat, self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
+                template=r.chat_template, budget=self.templates, **dict(r.chat_template_kwargs or {}))
+
+    def _prompt_tokens(self, r: Request, prompt: Prompt | None, chat: str | None = None) -> list[int]:
         """One prompt's tokens, as llama-server makes them: a chat rendered with its template, a text
         tokenized with BOS, a mixed list piece by piece (server-common.cpp tokenize_mixed: only a
         leading text gets BOS). _ContextExceeded when it leaves no room in a slot."""
         e = self.engine
         if prompt is None:
-            from pyspec.generation.chat import render_chat
-
-            assert r.messages is not None
-            text = render_chat(e.model, r.messages, add_generation_prompt=r.add_generation_prompt,
-                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
-            toks = e.tokenize_chat(text)
+            assert chat is not None  # the chat's rendered messages
+            toks = e.tokenize_chat(chat)
         else:
             toks = []
             for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
@@ -215,13 +227,13 @@ class _Api:
             raise _ContextExceeded(len(toks), e.n_ctx_seq)
         return toks
 
-    def _choices(self, parsed: Parsed) -> list[Request]:
+    def _choices(self, parsed: Parsed, chat: str | None = None) -> list[Request]:
         """One Request per choice: choice i * n + j is the j-th of prompt i (a chat's messages: one prompt)."""
         r = parsed.request
         prompts: list[Prompt | None] = list(parsed.prompts) if r.messages is None else [None]
         out: list[Request] = []
         for p in prompts:
-            toks = self._prompt_tokens(r, p)
+            toks = self._prompt_tokens(r, p, chat)
             out += [dataclasses.replace(r, prompt=toks, messages=None) for _ in range(parsed.n)]
         return out
 
@@ -491,32 +503,16 @@ class _Api:
 
     async def apply_template(self, req: HttpRequest) -> Response:
         """llama-server's /apply-template: the chat rendered as the prompt it would be ({"prompt": text})."""
-        from pyspec.generation.chat import render_chat
-
         body = await _body(req)
-
-        def run() -> str:
-            r = apply_template_request(body, self.defaults)
-            assert r.messages is not None
-            return render_chat(self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
-                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
-
-        return JSONResponse({"prompt": await asyncio.to_thread(run)})
+        r = await asyncio.to_thread(apply_template_request, body, self.defaults)
+        return JSONResponse({"prompt": await self._render(r)})
 
     async def chat_input_tokens(self, req: HttpRequest) -> Response:
         """llama-server's /chat/completions/input_tokens: how many tokens the chat's prompt would be."""
-        from pyspec.generation.chat import render_chat
-
         body = await _body(req)
-
-        def run() -> int:
-            r = apply_template_request(body, self.defaults)
-            assert r.messages is not None
-            text = render_chat(self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
-                               template=r.chat_template, **dict(r.chat_template_kwargs or {}))
-            return len(self.engine.tokenize_chat(text))
-
-        return JSONResponse({"input_tokens": await asyncio.to_thread(run)})
+        r = await asyncio.to_thread(apply_template_request, body, self.defaults)
+        text = await self._render(r)
+        return JSONResponse({"input_tokens": len(await asyncio.to_thread(self.engine.tokenize_chat, text))})
 
     # --- OpenAI-compatible endpoints -----------------------------------------------
 
@@ -632,18 +628,23 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
 def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Sequence[str] | None = None,
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
                metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
-               model_tags: Sequence[str] = (), props: bool = False) -> Starlette:
+               model_tags: Sequence[str] = (), props: bool = False, template_budget: TemplateBudget | None = None,
+               template_workers: int = 2) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
     ``api_key``: one key or several, any of which is accepted. ``slots=False``: ``GET /slots`` answers
     501 (llama-server's ``--no-slots``). ``model_aliases`` / ``model_tags``: the model list's
     ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``). ``props``: ``POST /props`` answers as
-    llama-server's under ``--props`` (501 without)."""
+    llama-server's under ``--props`` (501 without). ``template_budget``: the time and memory one Jinja chat
+    template render may use, in one of ``template_workers`` worker processes (default
+    TemplateBudget(): 2 s, 256 MiB); a render beyond it fails its request with a 400 naming the
+    budget, and the worker is replaced."""
+    templates = RenderPool(template_budget or TemplateBudget(), template_workers)  # checks both first
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots, model_aliases, model_tags, props)
+               metrics, slots, model_aliases, model_tags, props, templates)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
@@ -671,5 +672,13 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, str(exc.detail), kind)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await asyncio.to_thread(templates.warm)  # the first chat does not wait for a worker to start
+        try:
+            yield
+        finally:
+            templates.close()
+
     return Starlette(routes=routes, middleware=[Middleware(_ApiKey, key=api_key)],
-                     exception_handlers={HTTPException: http_error})
+                     exception_handlers={HTTPException: http_error}, lifespan=lifespan)
