@@ -23,7 +23,18 @@ from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.server.app import create_app
-from pyspec.server.params import MAX_FILENAME_BYTES, MAX_JSON_DEPTH, ServerDefaults
+from pyspec.server.params import (
+    MAX_FILENAME_BYTES,
+    MAX_GRAMMAR_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_LOGIT_BIAS,
+    MAX_N_PROBS,
+    MAX_PROMPTS,
+    MAX_RESPONSE_FIELDS,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    ServerDefaults,
+)
 from pyspec.testing import models as tm
 
 N_PARALLEL = 2
@@ -161,6 +172,48 @@ def _cases() -> Iterator[Any]:
 CASES = list(_cases())
 
 
+def _limit_cases() -> Iterator[Any]:
+    """(path, body over the limit, body at the limit, field, limit): the fields whose cost grows per token."""
+    def stops(n: int, length: int) -> str:
+        return f'"stop": {json.dumps([chr(0x41 + i % 26) * length for i in range(n)])}'
+
+    def bias_list(n: int) -> str:
+        return f'"logit_bias": {json.dumps([[i % 50, 1] for i in range(n)])}'
+
+    def bias_object(n: int) -> str:  # an object's keys are distinct: ids 0..n-1 (the chat model has more)
+        return f'"logit_bias": {json.dumps({str(i): 1 for i in range(n)})}'
+
+    def grammar(n_bytes: int) -> str:
+        return f'"grammar": {json.dumps("root ::= " + chr(34) + "a" * (n_bytes - 11) + chr(34))}'
+
+    def prompts(n: int) -> str:
+        return f'"prompt": {json.dumps(["x"] * n)}'
+
+    def fields(n: int) -> str:
+        return f'"response_fields": {json.dumps([f"f{i}" for i in range(n)])}'
+
+    rows = [
+        ("/completion", stops(MAX_STOPS + 1, 1), stops(MAX_STOPS, 1), "stop", MAX_STOPS),
+        ("/completion", stops(1, MAX_STOP_CHARS + 1), stops(MAX_STOPS, MAX_STOP_CHARS), "stop", MAX_STOP_CHARS),
+        ("/v1/chat/completions", stops(MAX_STOPS + 1, 1), stops(MAX_STOPS, 1), "stop", MAX_STOPS),
+        ("/completion", bias_list(MAX_LOGIT_BIAS + 1), bias_list(MAX_LOGIT_BIAS), "logit_bias", MAX_LOGIT_BIAS),
+        ("/v1/completions", bias_object(MAX_LOGIT_BIAS + 1), bias_object(MAX_LOGIT_BIAS), "logit_bias",
+         MAX_LOGIT_BIAS),
+        ("/completion", grammar(MAX_GRAMMAR_BYTES + 1), grammar(MAX_GRAMMAR_BYTES), "grammar", MAX_GRAMMAR_BYTES),
+        ("/completion", f'"n_probs": {MAX_N_PROBS + 1}', f'"n_probs": {MAX_N_PROBS}', "n_probs", MAX_N_PROBS),
+        ("/completion", fields(MAX_RESPONSE_FIELDS + 1), fields(MAX_RESPONSE_FIELDS), "response_fields",
+         MAX_RESPONSE_FIELDS),
+    ]
+    for path, over, at, field, limit in rows:
+        base = CHAT if path == "/v1/chat/completions" else COMPLETION
+        yield pytest.param(path, obj(*base, over), obj(*base, at), field, limit, id=f"{path} {field} {limit}")
+    over_p, at_p = obj('"n_predict": 1', prompts(MAX_PROMPTS + 1)), obj('"n_predict": 1', prompts(MAX_PROMPTS))
+    yield pytest.param("/completion", over_p, at_p, "prompt", MAX_PROMPTS, id=f"/completion prompt {MAX_PROMPTS}")
+
+
+LIMITS = list(_limit_cases())
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     model = Model(tm.make_chat_target())
@@ -203,6 +256,20 @@ def test_a_bad_field_is_a_400_naming_it(client, engine, slot_dir, path, body, fi
     assert needle in err["message"], err["message"]
     assert not engine.busy()
     assert list(slot_dir.iterdir()) == []  # nothing written, nothing restored from
+
+
+@pytest.mark.parametrize("path, over, at, field, limit", LIMITS)
+def test_a_field_beyond_its_per_token_limit_is_a_400_naming_the_field_and_the_limit(client, engine, path, over, at,
+                                                                                   field, limit):
+    r = client.post(path, content=over.encode("utf-8"), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert f"'{field}'" in err["message"] and str(limit) in err["message"], err["message"]
+    assert not engine.busy()
+    # the limit itself is served
+    r = client.post(path, content=at.encode("utf-8"), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text[:300]
 
 
 # NUL among other characters of a class, and an escaped backslash followed by the text x00: not NUL-only

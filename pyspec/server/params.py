@@ -25,9 +25,10 @@ from pyspec.core.grammar import check_grammar
 from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
 
-__all__ = ["MAX_FILENAME_BYTES", "MAX_JSON_DEPTH", "Parsed", "Prompt", "ServerDefaults", "apply_template_request",
-           "chat_request", "completion_request", "detokenize_request", "native_request", "parse_json",
-           "slot_action_request", "slot_filename", "tokenize_request"]
+__all__ = ["MAX_FILENAME_BYTES", "MAX_GRAMMAR_BYTES", "MAX_JSON_DEPTH", "MAX_LOGIT_BIAS", "MAX_N_PROBS",
+           "MAX_PROMPTS", "MAX_RESPONSE_FIELDS", "MAX_STOPS", "MAX_STOP_CHARS", "Parsed", "Prompt", "ServerDefaults",
+           "apply_template_request", "chat_request", "completion_request", "detokenize_request", "native_request",
+           "parse_json", "slot_action_request", "slot_filename", "tokenize_request"]
 
 
 @dataclasses.dataclass
@@ -45,6 +46,21 @@ class ServerDefaults:
 _MISSING = object()
 
 MAX_JSON_DEPTH = 64  # nesting of a request body: every field is at most a few levels deep
+
+# Fields whose cost is paid on every token (or step) of the engine thread that all clients share:
+# bounded so that one request cannot slow the others' steps by more than a small factor (the figures:
+# docs/server.md "Limits", scripts/server_hostile_load.py). Stop strings are searched for, and held back
+# as partial matches, after every token (Python: about 0.3 ms per token at 16 x 128 characters, 145 ms
+# at 1000 x 1000); each top-n log-probability is a token piece looked up per token; each logit bias an
+# entry applied per token; a grammar is matched against every candidate token per token.
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 128  # characters per stop string
+MAX_N_PROBS = 100  # n_probs (llama-server's /completion); OpenAI's logprobs / top_logprobs stay at 20
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_GRAMMAR_BYTES = 128 << 10  # GBNF text (UTF-8 bytes); the C check allows more for the library
+# once per request, but on the event loop or as queued work: bounded too
+MAX_RESPONSE_FIELDS = 64  # /completion's response_fields
+MAX_PROMPTS = 64  # prompts in one completion request (each is a queued request, n times)
 # a JSON integer with more digits than this is out of every field's range; reading it as an int
 # costs quadratic time and Python refuses more than 4300 digits with an error that names no field
 _MAX_INT_DIGITS = 64
@@ -155,10 +171,15 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if v is _MISSING:
         return []
     if isinstance(v, str):
-        return [_text("stop", v)]
-    if isinstance(v, list) and all(isinstance(w, str) for w in v):
-        return [_text("stop", w) for w in v]
-    raise BadRequest("'stop' must be a string or a list of strings")
+        v = [v]
+    if not (isinstance(v, list) and all(isinstance(w, str) for w in v)):
+        raise BadRequest("'stop' must be a string or a list of strings")
+    if len(v) > MAX_STOPS:
+        raise BadRequest(f"'stop' holds {len(v)} strings, more than the {MAX_STOPS} allowed")
+    long = next((w for w in v if len(w) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise BadRequest(f"'stop': a string of {len(long)} characters, more than the {MAX_STOP_CHARS} allowed")
+    return [_text("stop", w) for w in v]
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]{1,20}")
@@ -187,6 +208,8 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
     items = v.items() if isinstance(v, Mapping) else v
     if not isinstance(items, (list, type({}.items()))):
         raise BadRequest("'logit_bias' must be an object {token: bias} or a list of [token, bias]")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(items)} entries, more than the {MAX_LOGIT_BIAS} allowed")
     item: Any
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
@@ -321,6 +344,9 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
     if g is not _MISSING:
         if not isinstance(g, str):
             raise BadRequest(f"'grammar' must be a string (GBNF), got {_kind(g)}")
+        # 4 bytes per character at most: the exact size only when the bound is in doubt
+        if len(g) > MAX_GRAMMAR_BYTES // 4 and (n := len(g.encode("utf-8", "surrogatepass"))) > MAX_GRAMMAR_BYTES:
+            raise BadRequest(f"'grammar' is {n} bytes, more than the {MAX_GRAMMAR_BYTES} allowed")
         try:
             # the engine checks it again with the vocabulary; this names the field, and bounds the
             # text's size before the scan below
@@ -375,6 +401,8 @@ def _prompts(body: Mapping[str, Any], n_vocab: int, name: str = "prompt") -> lis
     if p is _MISSING:
         raise BadRequest(f"'{name}' is required")
     if isinstance(p, list) and p and not any(_is_token(t) for t in p):
+        if len(p) > MAX_PROMPTS:
+            raise BadRequest(f"'{name}' holds {len(p)} prompts, more than the {MAX_PROMPTS} allowed")
         return [_subprompt(f"'{name}' (prompt {i})", q, n_vocab) for i, q in enumerate(p)]
     return [_subprompt(f"'{name}'", p, n_vocab)]
 
@@ -493,13 +521,15 @@ def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
 def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
     """llama-server's /completion body -> Parsed."""
     c = _common(body, d, n_vocab, n_parallel)
-    n_probs = _int(body, "n_probs", 0, 100) or 0
+    n_probs = _int(body, "n_probs", 0, MAX_N_PROBS) or 0
     req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
     fields = _get(body, "response_fields")
     if fields is _MISSING:
         fields = []
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise BadRequest("'response_fields' must be a list of strings")
+    if len(fields) > MAX_RESPONSE_FIELDS:
+        raise BadRequest(f"'response_fields' holds {len(fields)} paths, more than the {MAX_RESPONSE_FIELDS} allowed")
     return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
                   [_text("response_fields", f) for f in fields], _bool(body, "return_tokens", True))
 
