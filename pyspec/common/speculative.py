@@ -253,8 +253,20 @@ class DraftRequest:
                 raise ValueError(f"DraftRequest.{name} must be an int32, got {v!r}")
 
 
+# pyspec's one extension point of the port (not in llama.cpp): draft_token(seq_id, cur_p) -> token, called by
+# draft-simple, draft-eagle3 and draft-mtp for each token that joins a draft (after the p_min check), with the
+# draft sampler's candidates. None (the default) keeps the reference's choice, the top-1 (cur_p.data[0]), and
+# every statement as the C++ has it. Rejection sampling (pyspec.generation.rejection) sets it to draw the token
+# from the draft's distribution instead and to remember that distribution for the verification.
+DraftTokenHook = Callable[[int, Any], int]
+
+
 class CommonSpeculativeImpl:
-    """Mirrors struct common_speculative_impl (speculative.cpp): the interface and counters."""
+    """Mirrors struct common_speculative_impl (speculative.cpp): the interface and counters.
+
+    ``draft_token`` (pyspec, not in llama.cpp; see DraftTokenHook) is None: the reference's drafts."""
+
+    draft_token: DraftTokenHook | None = None
 
     def __init__(self, type: T, n_seq: int, n_max: int) -> None:
         self.type = type
@@ -482,6 +494,9 @@ class CommonSpeculativeImplDraftSimple(CommonSpeculativeImpl):
                     n_drafting -= 1
 
                     continue
+
+                if self.draft_token is not None:  # pyspec: drawn from the draft's distribution (DraftTokenHook)
+                    id = self.draft_token(seq_id, cur_p)
 
                 common_sampler_accept(smpl, id, True)
 
@@ -855,6 +870,9 @@ class CommonSpeculativeImplDraftEagle3(CommonSpeculativeImpl):
                     n_drafting -= 1
 
                     continue
+
+                if self.draft_token is not None:  # pyspec: drawn from the draft's distribution (DraftTokenHook)
+                    id = self.draft_token(seq_id, cur_p)
 
                 common_sampler_accept(smpl, id, True)
 
@@ -1624,6 +1642,9 @@ class CommonSpeculativeImplDraftMtp(CommonSpeculativeImpl):
                     n_drafting -= 1
 
                     continue
+
+                if self.draft_token is not None:  # pyspec: drawn from the draft's distribution (DraftTokenHook)
+                    id = self.draft_token(seq_id, cur_p)
 
                 common_sampler_accept(smpl, id, True)
 

@@ -21,6 +21,7 @@ from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.core.model import Model
 from pyspec.fastpath.sampler import fast_sampler_init
+from pyspec.generation.rejection import RejectionSampling, check_acceptance
 from pyspec.generation.statistics import ImplStats
 from pyspec.suffix.impl import SuffixImpl, SuffixParams, impl_name, speculative_init
 from pyspec.suffix.index import GlobalSuffixIndex
@@ -53,6 +54,9 @@ class SpeculativeBackend(Protocol):
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None: ...
     def sample_and_accept_n(
         self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
+    def sample_and_accept_rejection(
+        self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int], is_replay: bool) -> list[int]:
+        """sample_and_accept_n by the rejection rule (pyspec.generation.rejection; the port only)."""
     def reset_sampler(self, seq_id: int) -> None: ...
     def make_sampler(self, sampling: CommonParamsSampling) -> Any: ...
     def set_sampler(self, seq_id: int, sampler: Any) -> None: ...
@@ -123,9 +127,13 @@ class PortBackend(_SamplerSlots):
     without the vocabulary-sized candidate array for the plain top-k chains."""
 
     name = "python"
+    # draft-simple, draft-eagle3 and draft-mtp draw their drafts from q under rejection sampling
+    _SAMPLED_DRAFTS = (sp.CommonSpeculativeImplDraftSimple, sp.CommonSpeculativeImplDraftEagle3,
+                       sp.CommonSpeculativeImplDraftMtp)
 
     def __init__(self, model_tgt: Model, spec: CommonParamsSpeculative | None, sampling: CommonParamsSampling,
-                 n_seq: int, *, suffix: SuffixParams | None = None, shared: GlobalSuffixIndex | None = None) -> None:
+                 n_seq: int, *, suffix: SuffixParams | None = None, shared: GlobalSuffixIndex | None = None,
+                 rejection: RejectionSampling | None = None) -> None:
         if suffix is not None:
             # the suffix type in front of spec's types (pyspec.suffix.impl.speculative_init)
             state: Any = speculative_init(spec or CommonParamsSpeculative(), n_seq, suffix=suffix, shared=shared,
@@ -141,6 +149,22 @@ class PortBackend(_SamplerSlots):
             sampling,
             n_seq,
         )
+        self.rejection = rejection
+        if rejection is not None:
+            try:
+                for i, smpl in enumerate(self.smpls):
+                    rejection.set_sampler(i, smpl)
+            except BaseException:
+                self.close()
+                raise
+            for impl in self.spec.impls if self.spec is not None else ():
+                if isinstance(impl, self._SAMPLED_DRAFTS):
+                    impl.draft_token = rejection.draft_token
+
+    def set_sampler(self, seq_id: int, sampler: Any) -> None:
+        super().set_sampler(seq_id, sampler)
+        if self.rejection is not None:
+            self.rejection.set_sampler(seq_id, sampler)
 
     def begin(self, seq_id: int, prompt: Sequence[int]) -> None:
         sp.common_speculative_begin(self.spec, seq_id, prompt)
@@ -173,6 +197,8 @@ class PortBackend(_SamplerSlots):
             dp.id_last = r.id_last
             dp.prompt = r.prompt
             dp.result = out[r.seq_id] = []
+            if self.rejection is not None:
+                self.rejection.begin_draft(r.seq_id)
         sp.common_speculative_draft(spec)
         return out
 
@@ -193,6 +219,12 @@ class PortBackend(_SamplerSlots):
 
     def sample_and_accept_n(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]:
         return smp.common_sampler_sample_and_accept_n(self.smpls[seq_id], ctx, draft, idxs)
+
+    def sample_and_accept_rejection(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int],
+                                    is_replay: bool) -> list[int]:
+        if self.rejection is None:
+            raise ValueError("this backend was made without rejection sampling (acceptance='rejection')")
+        return self.rejection.sample_and_accept_n(self.smpls[seq_id], ctx, seq_id, idxs, draft, is_replay)
 
     def reset_sampler(self, seq_id: int) -> None:
         smp.common_sampler_reset(self.smpls[seq_id])
@@ -267,6 +299,10 @@ class RefBackend(_SamplerSlots):
         result: list[int] = self.smpls[seq_id].sample_and_accept_n(ctx, draft, idxs=list(idxs))
         return result
 
+    def sample_and_accept_rejection(self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int],
+                                    is_replay: bool) -> list[int]:
+        raise ValueError("rejection sampling runs on the port only (backend 'python')")
+
     def reset_sampler(self, seq_id: int) -> None:
         self.smpls[seq_id].reset()
 
@@ -288,9 +324,15 @@ BACKENDS: dict[str, type[PortBackend] | type[RefBackend]] = {"python": PortBacke
 
 def make_backend(name: str, model_tgt: Model, spec: CommonParamsSpeculative | None,
                 sampling: CommonParamsSampling, n_seq: int, *, suffix: SuffixParams | None = None,
-                shared: GlobalSuffixIndex | None = None) -> SpeculativeBackend:
+                shared: GlobalSuffixIndex | None = None, acceptance: str = "exact") -> SpeculativeBackend:
     """The backend called ``name`` ("python" or "cpp"); ValueError for another name, and for the
-    suffix type (``suffix``, ``shared``: pyspec.suffix.impl.speculative_init's) on "cpp"."""
+    suffix type (``suffix``, ``shared``: pyspec.suffix.impl.speculative_init's) on "cpp".
+    ``acceptance`` "rejection": the port with rejection sampling (pyspec.generation.rejection)."""
     if name not in BACKENDS:
         raise ValueError(f"engine must be one of {sorted(BACKENDS)}, not {name!r}")
+    if check_acceptance(acceptance):
+        if name != "python":
+            raise ValueError("rejection sampling runs on the port only (backend 'python')")
+        return PortBackend(model_tgt, spec, sampling, n_seq, suffix=suffix, shared=shared,
+                           rejection=RejectionSampling(n_seq))
     return BACKENDS[name](model_tgt, spec, sampling, n_seq, suffix=suffix, shared=shared)

@@ -76,6 +76,7 @@ from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
 from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
+from pyspec.generation.rejection import check_acceptance, check_rejection_sampling
 from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
@@ -122,6 +123,11 @@ class Engine(EngineQueue):
     ``spec``'s types (``spec`` may then be None): per-slot suffix indexes over each request's
     prompt and output, and one bounded global index (:attr:`suffix_index`, ``max_global_tokens``)
     over the finished requests' outputs, shared by the slots. The port only (backend "python").
+
+    ``acceptance`` "exact" (the default) verifies a draft by exact match, as llama.cpp; "rejection" by the
+    speculative sampling rule (pyspec.generation.rejection: the target's distribution kept, more accepted at
+    T > 0; draft-simple, EAGLE3 and MTP then sample their drafts). The port only; no grammar, mirostat,
+    adaptive-p, backend sampling, draft n_min or synthetic acceptance with it.
     """
 
     def __init__(
@@ -138,6 +144,7 @@ class Engine(EngineQueue):
         adaptive_draft: bool = True,
         draft_controller: DraftLengthController | None = None,
         suffix: SuffixParams | None = None,
+        acceptance: str = "exact",
     ) -> None:
         if suffix is not None and not isinstance(suffix, SuffixParams):
             raise TypeError(f"suffix must be SuffixParams, got {type(suffix).__name__}")
@@ -170,8 +177,15 @@ class Engine(EngineQueue):
         # the one cross-request index of this engine, shared by its slots
         self.suffix_index: GlobalSuffixIndex | None = \
             suffix.global_index() if suffix is not None and suffix.max_global_tokens > 0 else None
+        # rejection sampling (pyspec.generation.rejection): a drafted token must not decide whether it is verified
+        self.rejection = check_acceptance(acceptance)
+        if self.rejection and spec is not None and spec.draft.n_min > 0:
+            raise ValueError("acceptance='rejection' needs spec.draft.n_min 0: a draft dropped for being short "
+                             "would be dropped for its own tokens")
+        if self.rejection and spec is not None and spec.has_synth():
+            raise ValueError("acceptance='rejection' and synthetic acceptance exclude each other")
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel,
-                                                        suffix=suffix, shared=self.suffix_index)
+                                                        suffix=suffix, shared=self.suffix_index, acceptance=acceptance)
         if self.backend.has_spec:
             self.slot_memory.spec_state = self.backend
         llama_types = spec is not None and any(t != CommonSpeculativeType.NONE for t in spec.types)
@@ -261,6 +275,7 @@ class Engine(EngineQueue):
         slot_similarity: float = 0.1,
         adaptive_draft: bool = True,
         suffix: SuffixParams | None = None,
+        acceptance: str = "exact",
         context_kw: Mapping[str, Any] | None = None,
         **model_kw: Any,
     ) -> Engine:
@@ -270,7 +285,8 @@ class Engine(EngineQueue):
         ``types`` may name ``suffix`` beside llama.cpp's types (``"suffix,ngram-mod"``): the suffix type with
         ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too.
         ``context_kw``: more Context keywords for the target and draft contexts (``flash_attn_type``, cache types,
-        ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them."""
+        ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them. ``acceptance``: the
+        Engine's ("exact" or "rejection")."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
@@ -288,7 +304,7 @@ class Engine(EngineQueue):
         try:
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
                        n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
-                       adaptive_draft=adaptive_draft, suffix=suffix)
+                       adaptive_draft=adaptive_draft, suffix=suffix, acceptance=acceptance)
         except BaseException:
             cs.close()
             raise
@@ -372,6 +388,9 @@ class Engine(EngineQueue):
             raise ValueError(f"n_draft_max must be >= 0 (or None), got {req.n_draft_max}")
         if isinstance(req.n_draft_min, bool) or not isinstance(req.n_draft_min, int) or req.n_draft_min < 0:
             raise ValueError(f"n_draft_min must be an int >= 0, got {req.n_draft_min!r}")
+        if self.rejection and req.n_draft_min > 0:
+            raise ValueError("n_draft_min must be 0 with acceptance='rejection' (a draft dropped for being short "
+                             "would be dropped for its own tokens)")
         if not isinstance(req.slot_id, int) or not -1 <= req.slot_id < self.n_parallel:
             raise ValueError(f"slot_id must be -1 or 0..{self.n_parallel - 1}, got {req.slot_id}")
         if isinstance(req.stop, str) or not all(isinstance(w, str) for w in req.stop):
@@ -386,6 +405,8 @@ class Engine(EngineQueue):
         sampling = request.sampling if request.sampling is not None else self.sampling
         for tok, _ in sampling.logit_bias:
             self.vocab.check_token(tok)
+        if self.rejection:
+            check_rejection_sampling(sampling)
         sampler = self.backend.make_sampler(sampling) if sampling.grammar else None
         with self._lock:
             if self._closed:
@@ -662,7 +683,7 @@ class Engine(EngineQueue):
                     for s in drafting:  # how much of each draft is worth verifying, now that it is known
                         n = len(s.spec_draft)
                         s.spec_full = n >= s.spec_cap
-                        if n:
+                        if n and not self.rejection:  # rejection sampling: no trim that depends on the draft
                             keep = ctl.trim(s.id, n, s.spec_cap, len(generating))
                             if keep == 0:  # not verified: its acceptance is learned from what follows
                                 ctl.shadow(s.id, s.spec_draft, eng.last_impl(s.id) if self._multi_impl else None,
@@ -801,8 +822,11 @@ class Engine(EngineQueue):
         # uses the copy, which a target that can drop part of a sequence never needs
         may_restore = self.slot_memory.tgt_needs_checkpoint(n_draft)
         saved = eng.save_sampler(s.id) if may_restore else None
-        accepted = self._accept_synth(s) if self._synth_probs else \
-            eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
+        if self.rejection:  # speculative sampling's rule instead of exact match (pyspec.generation.rejection)
+            accepted = eng.sample_and_accept_rejection(s.id, ctx_tgt, idxs, s.spec_draft, s.spec_is_replay)
+        else:
+            accepted = self._accept_synth(s) if self._synth_probs else \
+                eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
         s.spec_i_batch = []
         if s.spec_cap > 0:  # a new draft (not one re-verified after a checkpoint restore): vLLM's counters
             self.metrics.record_draft(job.stats.spec, n_draft, len(accepted) - 1)
