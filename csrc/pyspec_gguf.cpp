@@ -134,8 +134,8 @@ extern "C" int pyspec_gguf_check(const char * path) {
     int rc = 0;
     if (!array_of(g, "tokenizer.ggml.tokens", { GGUF_TYPE_STRING })) {
         rc = pyspec::fail(-1, "tokenizer.ggml.tokens is not an array of strings");
-    } else if (!array_of(g, "tokenizer.ggml.scores", { GGUF_TYPE_FLOAT32 })) {
-        rc = pyspec::fail(-1, "tokenizer.ggml.scores is not an array of float32");
+    } else if (!array_of(g, "tokenizer.ggml.scores", { GGUF_TYPE_FLOAT32, GGUF_TYPE_INT32 })) {
+        rc = pyspec::fail(-1, "tokenizer.ggml.scores is not an array of float32 or int32");
     } else if (!array_of(g, "tokenizer.ggml.token_type", { GGUF_TYPE_INT32 })) {
         rc = pyspec::fail(-1, "tokenizer.ggml.token_type is not an array of int32");
     } else if (!array_of(g, "tokenizer.ggml.merges", { GGUF_TYPE_STRING })) {

@@ -166,14 +166,16 @@ def _split_no_u32(g: fuzz.GgufFile) -> None:
 
 # (id, file set, door, edit, index of the file edited, exception, key named, crashes without the rule)
 CASES = [
+    # the last field: llama.cpp aborts without the rule. Five aborts of e3a74b299 are errors of its own at
+    # 0c1e57098 (typed array reads and gguf's alignment read throw): the rules stay, for one message first
     ("per-layer-float-array", "target", "model", _ff_float_array, 0, "ModelLoadError",
-     "llama.feed_forward_length", True),
+     "llama.feed_forward_length", False),
     ("per-layer-string-array", "target", "model", _head_count_strings, 0, "ModelLoadError",
-     "llama.attention.head_count", True),
+     "llama.attention.head_count", False),
     ("alignment-string-model", "target", "model",
-     lambda g: _set(g, b"general.alignment", STRING, _string(b"32")), 0, "ModelLoadError", "general.alignment", True),
+     lambda g: _set(g, b"general.alignment", STRING, _string(b"32")), 0, "ModelLoadError", "general.alignment", False),
     ("alignment-string-cvec", "cvec", "cvec",
-     lambda g: _set(g, b"general.alignment", STRING, _string(b"32")), 0, "AdapterError", "general.alignment", True),
+     lambda g: _set(g, b"general.alignment", STRING, _string(b"32")), 0, "AdapterError", "general.alignment", False),
     ("suppress-tokens-bytes", "target", "model",
      lambda g: _set(g, b"tokenizer.ggml.suppress_tokens", ARRAY, b"\x05" * 3, 0, 3), 0, "ModelLoadError",
      "tokenizer.ggml.suppress_tokens", False),
@@ -187,7 +189,7 @@ CASES = [
     ("lora-type-empty-array", "lora", "lora",
      lambda g: _set(g, b"general.type", ARRAY, b"", STRING, 0), 0, "AdapterError", "general.type", True),
     ("quantize-per-layer-float-array", "target", "quantize", _ff_float_array, 0, "QuantizeError",
-     "llama.feed_forward_length", True),
+     "llama.feed_forward_length", False),
     ("duplicate-key", "target", "model", lambda g: g.kvs.append(list(g.kvs[1])), 0, "ModelLoadError",
      "appears twice", False),
     ("empty-key-lora", "lora", "lora", lambda g: g.kvs[2].__setitem__(0, b""), 0, "AdapterError", "is empty", False),
@@ -300,3 +302,20 @@ def test_a_mutated_alignment_of_the_wrong_size_still_encodes(sets):
     g = fuzz.GgufFile(sets["cvec"][0].read_bytes())
     _set(g, b"general.alignment", U32, b"\x20")
     assert g.alignment() == 32 and g.encode()[:4] == b"GGUF"
+
+
+def _int32_scores(g: fuzz.GgufFile) -> None:
+    for kv in g.kvs:
+        if kv[0] == b"tokenizer.ggml.scores":
+            n = kv[3]
+            kv[1:] = [ARRAY, I32, n, struct.pack(f"<{n}i", *range(-n, 0))]
+            return
+    raise AssertionError("no tokenizer.ggml.scores")
+
+
+def test_int32_scores_pass_the_check_and_load_as_llama_cpp_loads_them(worker, sets, tmp_path):
+    # llama_vocab::impl::load takes scores as float32 or int32 since 0c1e57098: neither check may refuse them
+    (path,) = _edit("target", sets, tmp_path, _int32_scores)
+    assert gguf_keys.gguf_problem(str(path), "model") == ""
+    r = worker.call("open_door", "model", [str(path)])
+    assert r.status == "ok", r.describe()

@@ -86,8 +86,8 @@ RULES: tuple[Rule, ...] = (
     Rule("general.alignment", "scalar", frozenset({U32}), _ALL, "ggml/src/gguf.cpp gguf_init_from_impl"),
     # llama-vocab.cpp, with gguf's accessors (gguf_get_arr_n / _str / _data assert, the data is cast)
     Rule("tokenizer.ggml.tokens", "array", frozenset({STRING}), _M, "src/llama-vocab.cpp load"),
-    # int32 scores load at 0c1e57098 too; csrc/pyspec_gguf.cpp still refuses them (float32 only, as here)
-    Rule("tokenizer.ggml.scores", "array", frozenset({F32}), _M, "src/llama-vocab.cpp load",
+    # float32 or (since 0c1e57098) int32, as csrc/pyspec_gguf.cpp checks too
+    Rule("tokenizer.ggml.scores", "array", frozenset({F32, I32}), _M, "src/llama-vocab.cpp load",
          "tokenizer.ggml.tokens"),
     Rule("tokenizer.ggml.token_type", "array", frozenset({I32}), _M, "src/llama-vocab.cpp load",
          "tokenizer.ggml.tokens"),
