@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from pyspec.errors import RpcConnectionError, RpcError, RpcUnavailableError
 from pyspec.ffi import c_const, ext, ffi, ggml, lib_dir
 
 __all__ = [
+    "RpcDeviceReport",
     "RpcEndpoint",
     "RpcLink",
     "RpcServer",
@@ -52,6 +54,7 @@ __all__ = [
     "connect",
     "connected",
     "endpoint_name",
+    "probe_peer",
     "server_binary",
     "timeouts",
 ]
@@ -152,6 +155,127 @@ def _raise_for(status: int, what: str, names: Sequence[str], timeout: float) -> 
     raise RpcError(f"{what} on the rpc-server at {where} failed: {detail or status}")
 
 
+# --- checking a peer before ggml-rpc talks to it ------------------------------------
+#
+# ggml-rpc trusts every number a server sends: it makes one device object per
+# reported device (a count of 2**32 - 1 exhausts memory), keeps the alignment and
+# max size each buffer type reports for ever, and aborts on a wrong version or a
+# reply of another size. So connect() first asks the same questions itself, over
+# its own socket with a deadline, and refuses a server whose answers are out of
+# bounds. The framing is that of ggml/src/ggml-rpc/ggml-rpc.cpp at this revision
+# (protocol 7.0.0, tests/test_rpc_peers.py checks these numbers against it):
+# request = command (1 byte) | size (u64) | payload, reply = size (u64) | payload,
+# little-endian, the structs packed.
+
+#: RPC_PROTO_MAJOR_VERSION / RPC_PROTO_MINOR_VERSION (ggml/include/ggml-rpc.h)
+RPC_PROTO_MAJOR = 7
+RPC_PROTO_MINOR = 0
+#: enum rpc_cmd (ggml-rpc.cpp)
+RPC_CMD_GET_ALIGNMENT = 1
+RPC_CMD_GET_MAX_SIZE = 2
+RPC_CMD_GET_DEVICE_MEMORY = 11
+RPC_CMD_HELLO = 14
+RPC_CMD_DEVICE_COUNT = 15
+RPC_CONN_CAPS_SIZE = 24  # transport.h
+
+#: what a peer may report; past a bound connect() raises RpcError naming the field
+MAX_DEVICES = 16  # per server (GGML_RPC_MAX_SERVERS is 16 servers; 16 devices each is plenty)
+MAX_MEMORY = 1 << 50  # 1 PiB per device
+MAX_ALIGNMENT = 1 << 20  # 1 MiB (CPU 64 bytes, CUDA 128, Vulkan at most a few KiB)
+MIN_MAX_SIZE = 1 << 20  # a smaller buffer limit would split a model into a buffer per tensor
+
+
+@dataclass(frozen=True)
+class RpcDeviceReport:
+    """What a server reported for one device, within the bounds above."""
+
+    alignment: int
+    max_size: int
+    free: int
+    total: int
+
+
+def _recv_exact(sock: socket.socket, n: int, name: str, deadline: float, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise RpcConnectionError(
+                f"the rpc-server at {name} closed the connection in the middle of its {what} reply "
+                f"({len(buf)} of {n} bytes)", (name,))
+        buf += chunk
+    return bytes(buf)
+
+
+def _ask(sock: socket.socket, name: str, deadline: float, cmd: int, payload: bytes, reply_size: int,
+         what: str) -> bytes:
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    sock.sendall(struct.pack("<BQ", cmd, len(payload)) + payload)
+    (size,) = struct.unpack("<Q", _recv_exact(sock, 8, name, deadline, what))
+    if size != reply_size:
+        raise RpcError(f"the rpc-server at {name} announced a {what} reply of {size} bytes, not {reply_size} "
+                       f"(protocol {RPC_PROTO_MAJOR}.{RPC_PROTO_MINOR}): not an rpc-server of this llama.cpp")
+    return _recv_exact(sock, size, name, deadline, what)
+
+
+def _bounded(name: str, field: str, value: int, ok: bool, bound: str) -> int:
+    if not ok:
+        raise RpcError(f"the rpc-server at {name} reports {field} = {value}, {bound}: refused")
+    return value
+
+
+def probe_peer(name: str, timeout: float | None = None) -> tuple[RpcDeviceReport, ...]:
+    """Handshake with the rpc-server at ``name`` ("ip:port") and list its devices, checking every number.
+
+    RpcConnectionError if it cannot be reached, closes, or does not answer within
+    ``timeout`` (default ``timeouts.connect``); RpcError naming the server, the field
+    and the value if it speaks another protocol or reports a value out of bounds.
+    """
+    limit = timeouts.connect if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    try:
+        with socket.create_connection(_host_port(name), timeout=limit) as sock:
+            hello = _ask(sock, name, deadline, RPC_CMD_HELLO, bytes(RPC_CONN_CAPS_SIZE),
+                         4 + RPC_CONN_CAPS_SIZE, "HELLO")
+            major, minor, patch = hello[0], hello[1], hello[2]
+            if major != RPC_PROTO_MAJOR or minor > RPC_PROTO_MINOR:
+                raise RpcError(f"the rpc-server at {name} speaks RPC protocol {major}.{minor}.{patch}, this "
+                               f"llama.cpp {RPC_PROTO_MAJOR}.{RPC_PROTO_MINOR}.x: refused")
+            (n_dev,) = struct.unpack("<I", _ask(sock, name, deadline, RPC_CMD_DEVICE_COUNT, b"", 4, "DEVICE_COUNT"))
+            _bounded(name, "device_count", n_dev, 0 < n_dev <= MAX_DEVICES, f"not 1..{MAX_DEVICES}")
+            reports = []
+            for dev in range(n_dev):
+                req = struct.pack("<I", dev)
+                (align,) = struct.unpack("<Q", _ask(sock, name, deadline, RPC_CMD_GET_ALIGNMENT, req, 8,
+                                                    "GET_ALIGNMENT"))
+                _bounded(name, f"alignment of device {dev}", align,
+                         0 < align <= MAX_ALIGNMENT and align & (align - 1) == 0,
+                         f"not a power of two up to {MAX_ALIGNMENT}")
+                (max_size,) = struct.unpack("<Q", _ask(sock, name, deadline, RPC_CMD_GET_MAX_SIZE, req, 8,
+                                                       "GET_MAX_SIZE"))
+                _bounded(name, f"max_size of device {dev}", max_size, max_size >= MIN_MAX_SIZE,
+                         f"below {MIN_MAX_SIZE}")
+                free, total = struct.unpack("<QQ", _ask(sock, name, deadline, RPC_CMD_GET_DEVICE_MEMORY, req, 16,
+                                                        "GET_DEVICE_MEMORY"))
+                _bounded(name, f"total memory of device {dev}", total, total <= MAX_MEMORY,
+                         f"above {MAX_MEMORY} (1 PiB)")
+                _bounded(name, f"free memory of device {dev}", free, free <= total, f"above its total {total}")
+                reports.append(RpcDeviceReport(align, max_size, free, total))
+            return tuple(reports)
+    except TimeoutError:
+        raise RpcConnectionError(
+            f"the rpc-server at {name} did not answer the handshake and device listing within {limit:g} s "
+            "(an rpc-server serves one client at a time: is another process using it?)", (name,)) from None
+    except RpcError:
+        raise
+    except OSError as e:
+        raise RpcConnectionError(f"cannot reach an rpc-server at {name}: {e}", (name,)) from None
+
+
 def connect(server: str | RpcServer) -> RpcEndpoint:
     """Connect to a running rpc-server and learn its devices (once per endpoint and process).
 
@@ -173,14 +297,15 @@ def connect(server: str | RpcServer) -> RpcEndpoint:
         ep_id = int(ext.pyspec_rpc_watch(name.encode()))
         if ep_id < 0:
             raise ValueError(f"RPC server {name!r}: its host name does not resolve to an IPv4 address")
-        try:  # ggml-rpc's own connect has no timeout: find an unreachable host here first
-            socket.create_connection(_host_port(name), timeout=timeouts.connect).close()
-        except OSError as e:
-            raise RpcConnectionError(f"cannot reach an rpc-server at {name}: {e}", (name,)) from None
+        # ggml-rpc's own connect has no timeout, and it trusts what the server reports
+        reports = probe_peer(name)
         status = ffi.new("int32_t *")
         reg = ext.pyspec_rpc_add_server(name.encode(), ep_id, timeouts.connect, status)
         _raise_for(int(status[0]), "connecting", (name,), timeouts.connect)
-        devs = tuple(ggml.ggml_backend_reg_dev_get(reg, i) for i in range(ggml.ggml_backend_reg_dev_count(reg)))
+        n_dev = int(ggml.ggml_backend_reg_dev_count(reg))
+        if n_dev != len(reports):  # it changed its answer between our look and ggml's
+            raise RpcError(f"the rpc-server at {name} reported {len(reports)} devices, then {n_dev}: refused")
+        devs = tuple(ggml.ggml_backend_reg_dev_get(reg, i) for i in range(n_dev))
         ep = RpcEndpoint(name, ep_id, devs)
         _connected[name] = ep
         return ep
@@ -223,6 +348,8 @@ def device_memory(dev: Any, ep: RpcEndpoint) -> tuple[int, int] | None:
     status = ext.pyspec_rpc_dev_memory(dev, free, total, ids, 1, timeouts.call)
     if status != _OK or total[0] == 0:
         return None
+    _bounded(ep.endpoint, "total memory", int(total[0]), total[0] <= MAX_MEMORY, f"above {MAX_MEMORY} (1 PiB)")
+    _bounded(ep.endpoint, "free memory", int(free[0]), free[0] <= total[0], f"above its total {total[0]}")
     return int(free[0]), int(total[0])
 
 
