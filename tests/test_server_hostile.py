@@ -164,3 +164,26 @@ def test_a_bad_budget_is_refused():
             TemplateBudget(**kw)
     with pytest.raises(ValueError, match="size"):
         RenderPool(size=0)
+    with pytest.raises(ValueError, match="max_size"):
+        RenderPool(size=3, max_size=2)
+
+
+@pytest.mark.slow
+def test_a_normal_render_does_not_wait_for_one_that_spins():
+    failed: list[BaseException] = []
+
+    def spin(pool: RenderPool) -> None:
+        try:
+            render_template(SPIN, MSGS, budget=pool)
+        except ChatTemplateError as e:
+            failed.append(e)
+
+    with RenderPool(TemplateBudget(timeout_s=5.0, memory_mib=64), size=1, max_size=2) as pool:
+        pool.warm()
+        t = threading.Thread(target=spin, args=(pool,))
+        t.start()
+        time.sleep(0.2)  # the only warm worker is spinning now
+        assert render_template("{{ messages[0].content }}", MSGS, budget=pool) == "Hello"
+        assert t.is_alive()  # answered by a second worker, not after the spin's budget ran out
+        t.join()
+    assert len(failed) == 1 and "ran longer than 5 s" in str(failed[0])

@@ -5,7 +5,8 @@ much it allocates: ``{% for i in range(99999) %}{% for j in range(99999) %}...``
 ``{{ 'x' * 10**10 }}`` asks for 10 GB. A thread cannot be stopped, so a budgeted render runs in a
 worker process (:class:`RenderPool`): the worker's address space is capped at what it uses idle plus
 the budget's memory (RLIMIT_AS, a MemoryError inside the worker), its CPU time at the budget's time
-per render (RLIMIT_CPU, a safety net should the parent be gone), and the parent kills a worker that
+per render (RLIMIT_CPU, a safety net should the parent be gone) and its priority lowered (nice 10: a
+template that spins takes CPU time from the engine only when it is idle), and the parent kills a worker that
 has not answered after the budget's wall-clock time and starts a new one. The failed render raises
 :class:`pyspec.errors.ChatTemplateError` naming the budget ("template budget 2 s, 256 MiB"); the
 other workers, and the process that asked, go on.
@@ -107,6 +108,8 @@ def _worker_main(memory_mib: int, timeout_s: float, max_output: int) -> None:
 
     from jinja2 import TemplateError
 
+    os.nice(10)  # a template that spins yields the CPU to the server it renders for
+
     compile_template("{{ x }}", _worker_raise).render(x=1)  # jinja2 loaded and warm before the size is taken
     vm = _vm_bytes()
     if vm is not None:
@@ -199,18 +202,25 @@ class _Worker:
 
 
 class RenderPool:
-    """``size`` worker processes rendering Jinja chat templates within ``budget``, for any number of threads.
+    """Worker processes rendering Jinja chat templates within ``budget``, for any number of threads:
+    ``size`` of them kept warm, up to ``max_size`` while renders overlap (so renders that use their
+    whole budget hold up a normal one only when ``max_size`` of them run at once).
 
     :meth:`render` blocks the calling thread (not a process: call it from a worker thread of an event
     loop) for at most the budget's time plus the wait for a free worker (``wait_s``). Workers start on
     first use and again after one is killed; :meth:`close` stops them.
     """
 
-    def __init__(self, budget: TemplateBudget | None = None, size: int = 2, wait_s: float = 30.0) -> None:
+    def __init__(self, budget: TemplateBudget | None = None, size: int = 2, max_size: int | None = None,
+                 wait_s: float = 30.0) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size must be a positive integer, got {size!r}")
+        max_size = max(size, 4) if max_size is None else max_size
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < size:
+            raise ValueError(f"max_size must be an integer of at least size ({size}), got {max_size!r}")
         self.budget = budget or TemplateBudget()
-        self.size = size
+        self.size, self.max_size = size, max_size
+        self._n_slots = size  # workers (started or not) the pool holds: grows up to max_size
         self.wait_s = wait_s
         self._idle: queue.LifoQueue[_Worker | None] = queue.LifoQueue()
         for _ in range(size):
@@ -253,10 +263,16 @@ class RenderPool:
             raise ChatTemplateError("the chat template workers are stopped")
         line = (json.dumps({"template": template, "vars": variables}, ensure_ascii=False) + "\n").encode("utf-8")
         try:
-            w = self._idle.get(timeout=self.wait_s)
+            w = self._idle.get_nowait()
         except queue.Empty:
-            raise ChatTemplateError(f"every chat template worker stayed busy for {self.wait_s:g} s "
-                                      f"(template budget {self.budget.describe()} each)") from None
+            with self._lock:  # every worker busy: one more, up to max_size
+                grow = self._n_slots < self.max_size
+                self._n_slots += grow
+            try:
+                w = None if grow else self._idle.get(timeout=self.wait_s)
+            except queue.Empty:
+                raise ChatTemplateError(f"every chat template worker stayed busy for {self.wait_s:g} s "
+                                        f"(template budget {self.budget.describe()} each)") from None
         keep: _Worker | None = w
         try:
             if w is None or not w.alive():

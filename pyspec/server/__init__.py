@@ -35,15 +35,16 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
           slot_save_path: str | Path | None = None, log_level: str = "warning",
           on_listening: Callable[[str], None] | None = None, metrics: bool = False, slots: bool = True,
           model_aliases: Sequence[str] = (), model_tags: Sequence[str] = (), props: bool = False,
-          template_budget: Any = None, template_workers: int = 2) -> None:
+          template_budget: Any = None, template_workers: int = 2, template_max_workers: int | None = None) -> None:
     """Serve ``engine`` until interrupted (uvicorn), then close it.
 
     ``api_key``: one key or several (llama-server's comma list); ``metrics``: serve ``/metrics``
     (``--metrics``); ``slots``: serve ``GET /slots`` (``--no-slots`` answers 501 there);
     ``model_aliases`` / ``model_tags``: listed in ``/v1/models`` (``--alias``, ``--tags``); ``props``:
     ``POST /props`` accepted (``--props``); ``template_budget`` (a
-    :class:`pyspec.generation.chat.TemplateBudget`) / ``template_workers``: the time and memory one Jinja
-    chat template render may use, and the worker processes that render (default 2 s, 256 MiB, 2).
+    :class:`pyspec.generation.chat.TemplateBudget`) / ``template_workers`` / ``template_max_workers``: the
+    time and memory one Jinja chat template render may use, and the worker processes that render, kept
+    warm and at most (default 2 s, 256 MiB; 2 and 4).
 
     The port is bound before anything is announced: a busy port raises OSError naming it (and
     ``on_listening``, called with the address once bound, never runs). Ctrl-C returns normally.
@@ -59,7 +60,7 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
         app = create_app(engine, model_name=model_name, api_key=api_key, defaults=defaults,
                          slot_save_path=slot_save_path, metrics=metrics, slots=slots, model_aliases=model_aliases,
                          model_tags=model_tags, props=props, template_budget=template_budget,
-                         template_workers=template_workers)
+                         template_workers=template_workers, template_max_workers=template_max_workers)
         if on_listening is not None:
             on_listening(f"http://{host}:{sock.getsockname()[1]}")
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
@@ -96,6 +97,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "busy"
+    # inherited by every accepted connection: a response's headers and body leave at once, not 40 ms
+    # apart (Nagle waiting for the client's delayed ACK on a kept-alive connection)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)

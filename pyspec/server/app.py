@@ -25,9 +25,11 @@ every endpoint but ``/health`` and the model list wants ``Authorization: Bearer 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import hmac
 import json
 import time
@@ -175,8 +177,10 @@ class _Api:
         # Jinja chat templates render in these worker processes, within their budget (a template is
         # untrusted code: it could loop or allocate without end)
         self.templates = templates or RenderPool()
-        # renders waiting for a worker wait here, on the loop, not in a thread of the loop's executor
-        self._render_slots = asyncio.Semaphore(self.templates.size)
+        # renders waiting for a worker wait here, on the loop, and run in threads of their own: a render
+        # that uses its whole budget holds none of the threads that read the other requests
+        self._render_slots = asyncio.Semaphore(self.templates.max_size)
+        self._render_threads = concurrent.futures.ThreadPoolExecutor(self.templates.max_size, "pyspec-template")
         self.model_name = model_name
         self.aliases, self.tags = sorted(set(aliases)), sorted(set(tags))  # llama-server keeps them in std::sets
         self.defaults = defaults
@@ -202,10 +206,11 @@ class _Api:
         from pyspec.generation.chat import render_chat
 
         assert r.messages is not None
+        run = functools.partial(render_chat, self.engine.model, r.messages,
+                                add_generation_prompt=r.add_generation_prompt, template=r.chat_template,
+                                budget=self.templates, **dict(r.chat_template_kwargs or {}))
         async with self._render_slots:
-            return await asyncio.to_thread(
-                render_chat, self.engine.model, r.messages, add_generation_prompt=r.add_generation_prompt,
-                template=r.chat_template, budget=self.templates, **dict(r.chat_template_kwargs or {}))
+            return await asyncio.get_running_loop().run_in_executor(self._render_threads, run)
 
     def _prompt_tokens(self, r: Request, prompt: Prompt | None, chat: str | None = None) -> list[int]:
         """One prompt's tokens, as llama-server makes them: a chat rendered with its template, a text
@@ -629,7 +634,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
                metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
                model_tags: Sequence[str] = (), props: bool = False, template_budget: TemplateBudget | None = None,
-               template_workers: int = 2) -> Starlette:
+               template_workers: int = 2, template_max_workers: int | None = None) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
@@ -637,10 +642,11 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
     501 (llama-server's ``--no-slots``). ``model_aliases`` / ``model_tags``: the model list's
     ``aliases`` and ``tags`` (``--alias a,b`` / ``--tags``). ``props``: ``POST /props`` answers as
     llama-server's under ``--props`` (501 without). ``template_budget``: the time and memory one Jinja chat
-    template render may use, in one of ``template_workers`` worker processes (default
-    TemplateBudget(): 2 s, 256 MiB); a render beyond it fails its request with a 400 naming the
-    budget, and the worker is replaced."""
-    templates = RenderPool(template_budget or TemplateBudget(), template_workers)  # checks both first
+    template render may use, in one of ``template_workers`` worker processes kept warm, up to
+    ``template_max_workers`` while renders overlap (default TemplateBudget(): 2 s, 256 MiB; 2 and 4
+    workers); a render beyond it fails its request with a 400 naming the budget, and the worker is
+    replaced."""
+    templates = RenderPool(template_budget or TemplateBudget(), template_workers, template_max_workers)
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
@@ -679,6 +685,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
             yield
         finally:
             templates.close()
+            api._render_threads.shutdown(wait=False, cancel_futures=True)
 
     return Starlette(routes=routes, middleware=[Middleware(_ApiKey, key=api_key)],
                      exception_handlers={HTTPException: http_error}, lifespan=lifespan)
