@@ -57,7 +57,7 @@ MAX_STOPS = 16  # stop strings per request
 MAX_STOP_CHARS = 128  # characters per stop string
 MAX_N_PROBS = 100  # n_probs (llama-server's /completion); OpenAI's logprobs / top_logprobs stay at 20
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
-MAX_GRAMMAR_BYTES = 128 << 10  # GBNF text (UTF-8 bytes); the C check allows more for the library
+MAX_GRAMMAR_BYTES = 32 << 10  # GBNF text (UTF-8 bytes); the C check allows more for the library
 # once per request, but on the event loop or as queued work: bounded too
 MAX_RESPONSE_FIELDS = 64  # /completion's response_fields
 MAX_PROMPTS = 64  # prompts in one completion request (each is a queued request, n times)
