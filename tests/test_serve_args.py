@@ -329,3 +329,13 @@ def test_the_suffix_type_is_a_type_name_for_serve_and_refused_by_run():
     with pytest.raises(CliError, match="suffix type runs in the Engine"):
         commands._no_suffix("ngram-mod+suffix", "bench")
     commands._no_suffix("ngram-mod", "bench")  # llama.cpp's types pass
+
+
+@pytest.mark.parametrize("argv, named", [(["--template-timeout", "0"], "template timeout"),
+                                         (["--template-memory", "8"], "at least 16 MiB")])
+def test_a_bad_template_budget_is_a_one_line_error_before_any_model_loads(argv, named, capsys):
+    from pyspec.cli import main
+
+    assert main(["serve", "--tiny", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "--template-timeout / --template-memory" in err and named in err

@@ -303,6 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pyspec.cli.bench import common_log
     from pyspec.cli.llama_server_args import resolve
     from pyspec.common.params import CommonParamsSampling
+    from pyspec.generation.chat_sandbox import TemplateBudget
     from pyspec.generation.contexts import REAL_MODEL_PACKAGE
     from pyspec.generation.engine import Engine
     from pyspec.server import SERVER_EXTRA_HINT, bind_socket, serve
@@ -334,6 +335,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("pyspec").warning("pyspec serve: these llama-server options have no effect here: %s",
                                             " ".join(not_applied))
     sampling = CommonParamsSampling(**opts.sampling_kw)
+    try:  # before the models load: a bad budget is a one-line error
+        budget = TemplateBudget(timeout_s=args.template_timeout, memory_mib=args.template_memory)
+    except ValueError as e:
+        raise CliError(f"--template-timeout / --template-memory: {e}") from None
     with common_log(verbose):
         engine = Engine.load(**_model_files(args, opts.types), types=opts.types,
                              n_parallel=opts.parallel, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
@@ -354,7 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, host=args.host, port=args.port, model_name=name, api_key=opts.api_keys or None,
               defaults=defaults, slot_save_path=args.slot_save_path, log_level="info" if verbose else "warning",
               on_listening=listening, metrics=opts.metrics, slots=opts.slots, model_aliases=opts.model_aliases,
-              model_tags=opts.model_tags, props=opts.props)
+              model_tags=opts.model_tags, props=opts.props, template_budget=budget)
     print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -512,6 +517,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="python: the port; cpp: the C++ reference under the same loop")
     p.add_argument("--fixed-draft", action="store_true",
                    help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
+    p.add_argument("--template-timeout", type=float, default=2.0,
+                   help="seconds one chat template render may run, in a worker process (default 2)")
+    p.add_argument("--template-memory", type=int, default=256,
+                   help="MiB one chat template render may allocate (default 256)")
     _add_model_args(p)
     _add_spec_args(p, "none")
     add_llama_server_args(p)
