@@ -25,6 +25,14 @@
 //    expects data reads a size that does not match and fails again. Freeing a
 //    model after its server died therefore frees it, instead of aborting.
 //
+// At 0c1e57098 (protocol 7.0.0) ggml-rpc sends every command after HELLO from a
+// dispatcher thread of its own (rpc_dispatcher::work), while the caller waits on a
+// future. An abort there has no guarded call on its stack, so the callback can only
+// return: a server lost or silent in the middle of a call still aborts the process at
+// this revision (tests/test_rpc.py's kill and freeze cases). The connection's start
+// (connect, HELLO) runs on the caller's thread and is guarded; its aborts for an
+// unreachable server or another protocol version become PYSPEC_RPC_REFUSED.
+//
 // ggml-rpc's sockets are private, so they are found by their peer address in
 // /proc/self/fd (Linux). Without a guarded call on the stack (or while an
 // exception is already unwinding) the callback can only return, and ggml_abort
@@ -80,10 +88,19 @@ using clock_type = std::chrono::steady_clock;
 
 // the message of RPC_STATUS_ASSERT in ggml-rpc.cpp
 const char * const k_rpc_abort_message = "Remote RPC server crashed or returned malformed response";
+// rpc_dispatcher::start's aborts (ggml-rpc.cpp at 0c1e57098), on the caller's thread: a server
+// that cannot be reached or answers HELLO with another protocol version
+const char * const k_rpc_refused_messages[] = {"RPC handshake failed for ", "Failed to connect to "};
 
 struct rpc_lost : std::runtime_error {
     using std::runtime_error::runtime_error;
+    bool refused = false;
 };
+
+bool is_refusal(const char * message) {
+    return message != nullptr && std::any_of(std::begin(k_rpc_refused_messages), std::end(k_rpc_refused_messages),
+                                             [&](const char * m) { return std::strstr(message, m) != nullptr; });
+}
 
 struct endpoint {
     std::string name;   // "host:port" as given
@@ -106,6 +123,7 @@ struct call {           // a guarded call in progress
     clock_type::time_point deadline;
     bool timed_out = false;
     bool failed = false; // the abort callback ran for this call
+    bool refused = false; // ... for a server that could not be reached or speaks another version
 };
 
 struct guard_state {
@@ -306,6 +324,14 @@ void start_watchdog(guard_state & s) {
 
 void on_ggml_abort(const char * message) {
     guard_state & s = S();
+    const bool refused = t_call != nullptr && is_refusal(message);
+    if (refused && std::uncaught_exceptions() == 0) {
+        t_call->failed = true;
+        t_call->refused = true;
+        rpc_lost e("the RPC server refused the connection or speaks another RPC protocol version");
+        e.refused = true;
+        throw e;
+    }
     const bool rpc = message != nullptr && std::strstr(message, k_rpc_abort_message) != nullptr;
     if (!rpc) {
         if (s.previous != nullptr) {
@@ -363,7 +389,7 @@ int32_t leave(call & cl, int32_t status) {
     }
     // llama.cpp catches exceptions in model loading and context creation itself
     if (cl.failed && (status == PYSPEC_RPC_OK || status == PYSPEC_RPC_ERROR)) {
-        status = PYSPEC_RPC_LOST;
+        status = cl.refused ? PYSPEC_RPC_REFUSED : PYSPEC_RPC_LOST;
     }
     if (status == PYSPEC_RPC_LOST && cl.timed_out) {
         status = PYSPEC_RPC_TIMEOUT;
@@ -383,7 +409,7 @@ int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, bool opens
     try {
         f();
     } catch (const rpc_lost & e) {
-        status = PYSPEC_RPC_LOST;
+        status = e.refused ? PYSPEC_RPC_REFUSED : PYSPEC_RPC_LOST;
         pyspec::last_error() = e.what();
     } catch (const std::exception & e) {
         status = PYSPEC_RPC_ERROR;

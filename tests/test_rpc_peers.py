@@ -263,6 +263,37 @@ def test_connect_refuses_a_lying_peer_before_ggml_talks_to_it(peer, lies, messag
     assert p.commands.count(rpc.RPC_CMD_HELLO) == 1
 
 
+class _SecondTime:
+    """A reply rewritten from the second connection on: honest to the probe, lying to ggml-rpc."""
+
+    def __init__(self, lie: bytes) -> None:
+        self.lie = lie
+        self.seen = 0
+
+    def __call__(self, conn: socket.socket, reply: bytes) -> bool:
+        self.seen += 1
+        out = reply if self.seen == 1 else self.lie
+        conn.sendall(struct.pack("<Q", len(out)) + out)
+        return True
+
+
+@pytest.mark.slow
+def test_a_peer_that_changes_its_version_for_ggml_is_refused_without_an_abort(peer):
+    p = peer(Lies(tamper={rpc.RPC_CMD_HELLO: _SecondTime(bytes((6, 0, 0, 0)) + bytes(rpc.RPC_CONN_CAPS_SIZE))}))
+    out = subprocess.run([sys.executable, "-c", _CHILD, p.endpoint], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("RpcConnectionError") and "another RPC protocol version" in out.stdout, out.stdout
+    assert p.commands.count(rpc.RPC_CMD_HELLO) == 2  # ours, then ggml-rpc's
+
+
+@pytest.mark.slow
+def test_a_peer_that_changes_its_device_count_for_ggml_is_refused(peer):
+    p = peer(Lies(tamper={rpc.RPC_CMD_DEVICE_COUNT: _SecondTime(struct.pack("<I", 2))}))
+    out = subprocess.run([sys.executable, "-c", _CHILD, p.endpoint], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("RpcError") and "reported 1 devices, then 2" in out.stdout, out.stdout
+
+
 # --- the honest peer: a real rpc-server -----------------------------------------------------
 
 
