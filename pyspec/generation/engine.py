@@ -184,6 +184,11 @@ class Engine(EngineQueue):
                              "would be dropped for its own tokens")
         if self.rejection and spec is not None and spec.has_synth():
             raise ValueError("acceptance='rejection' and synthetic acceptance exclude each other")
+        if self.rejection and spec is not None and CommonSpeculativeType.DRAFT_MTP in spec.types:
+            # tests/test_rejection.py: with MTP drafts the first two tokens do not follow plain sampling's
+            # distribution (chi-square p ~ 0); refused until the cause is found
+            raise ValueError("acceptance='rejection' is not available with draft-mtp yet: its output distribution "
+                             "was measured to differ from plain sampling's")
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel,
                                                         suffix=suffix, shared=self.suffix_index, acceptance=acceptance)
         if self.backend.has_spec:
