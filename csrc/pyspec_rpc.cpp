@@ -599,6 +599,13 @@ int32_t pyspec_rpc_encode(struct llama_context * ctx, struct llama_batch batch,
     return guarded(eps, n_eps, timeout_s, false, [&] { *result = llama_encode(ctx, batch); });
 }
 
+int32_t pyspec_rpc_process(struct llama_context * ctx, int32_t type, struct llama_batch_ext * batch,
+                           const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result) {
+    *result = -1;
+    return guarded(eps, n_eps, timeout_s, false,
+                   [&] { *result = llama_process(ctx, (enum llama_process_type) type, batch); });
+}
+
 struct llama_model * pyspec_rpc_model_load(const char * path, struct llama_model_params params,
                                            const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * status) {
     llama_model * model = nullptr;

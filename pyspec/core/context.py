@@ -585,13 +585,14 @@ class Context(Handle):
         encode = kind == PROCESS_TYPES["encode"]
         with self.in_use() as ptr:
             n_out = self._check_batch_ext(batch, encode)
-            if self._rpc is not None:
-                raise ValueError("llama_process is not forwarded over RPC: use decode() with a Batch")
             if self._threads > 1:
                 fork.note_compute(self._threads)
             t0 = time.perf_counter_ns()
             with batch.in_use() as bptr:
-                rc = int(llama.llama_process(ptr, kind, bptr))
+                if self._rpc is not None:
+                    rc = self._rpc.process(ptr, kind, bptr)
+                else:
+                    rc = int(llama.llama_process(ptr, kind, bptr))
             self.t_decode_ns += time.perf_counter_ns() - t0
             self._after_compute(batch.n_tokens, n_out, rc)
             if rc == 0 and self._retired:

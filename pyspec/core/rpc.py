@@ -425,6 +425,14 @@ class RpcLink:
                      "llama_decode", timeouts.call)
         return int(rc[0])
 
+    def process(self, ctx_ptr: Any, kind: int, batch_ptr: Any) -> int:
+        """llama_process (the extended batch), guarded."""
+        self.ensure_usable("llama_process")
+        rc = ffi.new("int32_t *")
+        self._status(int(ext.pyspec_rpc_process(ctx_ptr, kind, batch_ptr, self._ids, self._n, timeouts.call, rc)),
+                     "llama_process", timeouts.call)
+        return int(rc[0])
+
     def encode(self, ctx_ptr: Any, batch: Any) -> int:
         """llama_encode, guarded."""
         self.ensure_usable("llama_encode")

@@ -28,6 +28,8 @@ int32_t     pyspec_rpc_decode(struct llama_context * ctx, struct llama_batch bat
                               const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result);
 int32_t     pyspec_rpc_encode(struct llama_context * ctx, struct llama_batch batch,
                               const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result);
+int32_t     pyspec_rpc_process(struct llama_context * ctx, int32_t type, struct llama_batch_ext * batch,
+                               const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * result);
 struct llama_model *   pyspec_rpc_model_load(const char * path, struct llama_model_params params,
                                              const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * status);
 struct llama_context * pyspec_rpc_init_from_model(struct llama_model * model, struct llama_context_params params,
