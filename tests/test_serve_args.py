@@ -339,3 +339,11 @@ def test_a_bad_template_budget_is_a_one_line_error_before_any_model_loads(argv, 
     assert main(["serve", "--tiny", *argv]) == 1
     err = capsys.readouterr().err
     assert "--template-timeout / --template-memory" in err and named in err
+
+
+def test_serve_acceptance_reaches_the_engine(capsys):
+    from pyspec.cli import main
+
+    # the engine's own refusal proves the option reached Engine.load (draft-mtp has no rejection sampling)
+    assert main(["serve", "--tiny", "--types", "draft-mtp", "--acceptance", "rejection", "--port", "0"]) == 1
+    assert "not available with draft-mtp" in capsys.readouterr().err

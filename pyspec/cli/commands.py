@@ -344,6 +344,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              n_parallel=opts.parallel, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
                              n_threads=args.threads or None, sampling=sampling, backend=args.engine,
                              slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
+                             acceptance=args.acceptance,
                              **opts.spec_kw, **load_kw)
         if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see
             _check_threads(argparse.Namespace(threads=args.threads, n_ctx=opts.n_ctx), opts.parallel)
@@ -517,6 +518,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="python: the port; cpp: the C++ reference under the same loop")
     p.add_argument("--fixed-draft", action="store_true",
                    help="llama.cpp's fixed draft lengths instead of the cost-aware choice per step")
+    p.add_argument("--acceptance", choices=("exact", "rejection"), default="exact",
+                   help="draft verification: exact match (llama.cpp) or rejection sampling, which keeps the "
+                        "target's distribution and accepts more at temperature > 0 (docs/rejection.md)")
     p.add_argument("--template-timeout", type=float, default=2.0,
                    help="seconds one chat template render may run, in a worker process (default 2)")
     p.add_argument("--template-memory", type=int, default=256,
