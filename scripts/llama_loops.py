@@ -202,7 +202,9 @@ def compare(model: Model, model_path: Path, exe: Path, type_name: str, k: int, p
     """Both loops on one prompt and one type; identical when llama.cpp's text starts with pyspec's."""
     tokens = model.vocab.tokenize(prompt, add_special=True, parse_special=True)
     res_tokens, p_drafted, p_accepted = run_pyspec(model, type_name, tokens, a)
-    ours = b"".join(model.vocab.token_to_piece_bytes(t) for t in res_tokens)
+    # the example stops at an end-of-generation token without printing it
+    shown_tokens = res_tokens[:-1] if res_tokens and model.vocab.is_eog(res_tokens[-1]) else res_tokens
+    ours = b"".join(model.vocab.token_to_piece_bytes(t) for t in shown_tokens)
     _, spec_cli = spec_args(parse_types(type_name), a)
     out, l_drafted, l_accepted = run_llama(exe, model_path, type_name, prompt, spec_cli, a)
     shown = b"".join(model.vocab.token_to_piece_bytes(t) for t in tokens)
