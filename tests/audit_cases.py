@@ -739,9 +739,7 @@ def ref_dflash_without_target_layers() -> Any:
 
 
 def _eagle3_past_target(engine: str) -> Any:
-    from tests.test_hostile_files import write_eagle3_with_layers
-
-    head = Model(write_eagle3_with_layers(TMP / "e9.gguf", (1, 2, 9)))  # the tiny target has 4 layers
+    head = Model(tm.write_eagle3_with_layers(TMP / "e9.gguf", (1, 2, 9)))  # the tiny target has 4 layers
     c = ctx()
     p = CommonParamsSpeculative(types=[T.DRAFT_EAGLE3])
     p.draft.ctx_tgt, p.draft.ctx_dft = c, Context(head, **KW, ctx_other=c)

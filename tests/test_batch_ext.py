@@ -80,7 +80,7 @@ def test_process_checks_the_batch_before_the_call(target_ctx, target_model) -> N
         with pytest.raises(ValueError, match="needs a model with an encoder"):
             other.process(be, type="encode")
         with pytest.raises(TypeError):
-            other.process(Batch(8, 0, 1))  # type: ignore[arg-type]
+            other.process(Batch(8, 0, 1))
 
 
 def test_an_embedding_entry_goes_through(target_ctx) -> None:
@@ -144,7 +144,7 @@ def test_a_dspark_drafter_without_a_block_size_is_refused_before_llama_init(tmp_
     gguf = md.gguf_module()
     fill = md._dspark_fill("pyspec-tiny-dspark-no-block-size", sample_from_anchor=True)
 
-    class NoBlockSize(gguf.GGUFWriter):  # type: ignore[misc, name-defined]
+    class NoBlockSize(gguf.GGUFWriter):  # type: ignore[name-defined]
         def add_uint32(self, key: str, val: int) -> None:
             if not key.endswith(".block_size"):
                 super().add_uint32(key, val)

@@ -10,10 +10,7 @@ descriptors behind.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 
 import pyspec
@@ -54,52 +51,6 @@ def vocab_with_swapped_tokens(a: int = 1000, b: int = 1001) -> list:
     return out
 
 
-def write_eagle3_with_layers(path: Path, layers: tuple[int, ...]) -> Path:
-    """The tiny EAGLE3 head, but reading len(layers) target layers."""
-    gguf = tm.gguf_module()
-    n_vocab = tm._n_vocab()
-    rng = np.random.default_rng(5)
-
-    def mat(n_out: int, n_in: int) -> np.ndarray:
-        return (rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16)
-
-    def fill(w: Any) -> None:
-        w.add_name("pyspec-hostile-eagle3")
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-        w.add_context_length(tm.N_CTX_TRAIN)
-        w.add_embedding_length(tm.N_EMBD)
-        w.add_block_count(1)
-        w.add_feed_forward_length(tm.N_FF)
-        w.add_head_count(tm.N_HEAD)
-        w.add_head_count_kv(tm.N_HEAD)
-        w.add_layer_norm_rms_eps(tm.RMS_EPS)
-        w.add_rope_freq_base(tm.ROPE_BASE)
-        w.add_rope_dimension_count(tm.HEAD_DIM)
-        w.add_array("eagle3.target_layers", list(layers))
-        w.add_uint32("eagle3.target_hidden_size", tm.N_EMBD)
-        for key, value, vtype, sub_type in tm.llama_vocab_kv():
-            w.add_key_value(key, value, vtype, sub_type)
-        e = tm.N_EMBD
-        for name, data in (
-            ("fc.weight", mat(e, len(layers) * e)),
-            ("output_norm.weight", np.ones(e, np.float32)),
-            ("output.weight", mat(n_vocab, e)),
-            ("d2t", np.arange(n_vocab, dtype=np.int64)),
-            ("blk.0.attn_norm.weight", np.ones(e, np.float32)),
-            ("blk.0.attn_norm_2.weight", np.ones(e, np.float32)),
-            ("blk.0.attn_q.weight", mat(e, 2 * e)),
-            ("blk.0.attn_k.weight", mat(e, 2 * e)),
-            ("blk.0.attn_v.weight", mat(e, 2 * e)),
-            ("blk.0.attn_output.weight", mat(e, e)),
-            ("blk.0.ffn_norm.weight", np.ones(e, np.float32)),
-            ("blk.0.ffn_gate.weight", mat(tm.N_FF, e)),
-            ("blk.0.ffn_up.weight", mat(tm.N_FF, e)),
-            ("blk.0.ffn_down.weight", mat(e, tm.N_FF)),
-        ):
-            w.add_tensor(name, data)
-
-    tm._write_atomic(path, fill, "eagle3")
-    return path
 
 
 # --- broken files -----------------------------------------------------------
@@ -168,14 +119,14 @@ def test_draft_with_a_different_vocabulary_is_refused(tmp_path, target, engine):
 
 
 def test_eagle3_with_two_extract_layers_is_refused_at_load(tmp_path):
-    path = write_eagle3_with_layers(tmp_path / "e2.gguf", (1, 2))
+    path = tm.write_eagle3_with_layers(tmp_path / "e2.gguf", (1, 2))
     with pytest.raises(pyspec.ModelLoadError, match="exactly 3 entries"):
         Model(path)
 
 
 @pytest.mark.parametrize("engine", ["python", "cpp"])
 def test_eagle3_reading_a_layer_the_target_lacks_is_refused(tmp_path, target, engine):
-    path = write_eagle3_with_layers(tmp_path / "e9.gguf", (1, 2, 9))
+    path = tm.write_eagle3_with_layers(tmp_path / "e9.gguf", (1, 2, 9))
     with Model(path) as head:
         assert list(head.target_layer_ids()) == [1, 2, 9]
         ctx = Context(target, n_ctx=128, n_batch=32)

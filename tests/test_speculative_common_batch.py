@@ -38,7 +38,8 @@ def test_an_embedding_is_attached_once():
     row = np.arange(4, dtype=np.float32)
     assert b.set_embd(idx, row)
     assert not b.set_embd(idx, row)  # can only be set once per entry
-    assert b.tokens[idx].embd is not None and b.tokens[idx].embd.shape == (1, 4)
+    embd = b.tokens[idx].embd
+    assert embd is not None and embd.shape == (1, 4)
     e = b.add_embd(np.zeros((1, 4), np.float32), [5, 6, 7, 8], 0, False)
     assert b.tokens[e].id == LLAMA_TOKEN_NULL
     assert b.tokens[e].pos == [5, 0, 0, 0]  # n_pos 1: a text model reads one position

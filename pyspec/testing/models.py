@@ -63,6 +63,7 @@ __all__ = [
     "make_target",
     "tiny_model_paths",
     "vocab_source",
+    "write_eagle3_with_layers",
     "write_empty",
     "write_llama",
     "write_random_bytes",
@@ -818,3 +819,51 @@ def write_random_bytes(path: str | os.PathLike[str], n: int = 4096) -> Path:
         data = b"\0" + data[1:]
     out.write_bytes(data)
     return out
+
+
+def write_eagle3_with_layers(path: Path, layers: tuple[int, ...]) -> Path:
+    """The tiny EAGLE3 head, but reading len(layers) target layers."""
+    gguf = gguf_module()
+    n_vocab = _n_vocab()
+    rng = np.random.default_rng(5)
+
+    def mat(n_out: int, n_in: int) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16)
+
+    def fill(w: Any) -> None:
+        w.add_name("pyspec-hostile-eagle3")
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        w.add_context_length(N_CTX_TRAIN)
+        w.add_embedding_length(N_EMBD)
+        w.add_block_count(1)
+        w.add_feed_forward_length(N_FF)
+        w.add_head_count(N_HEAD)
+        w.add_head_count_kv(N_HEAD)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_rope_freq_base(ROPE_BASE)
+        w.add_rope_dimension_count(HEAD_DIM)
+        w.add_array("eagle3.target_layers", list(layers))
+        w.add_uint32("eagle3.target_hidden_size", N_EMBD)
+        for key, value, vtype, sub_type in llama_vocab_kv():
+            w.add_key_value(key, value, vtype, sub_type)
+        e = N_EMBD
+        for name, data in (
+            ("fc.weight", mat(e, len(layers) * e)),
+            ("output_norm.weight", np.ones(e, np.float32)),
+            ("output.weight", mat(n_vocab, e)),
+            ("d2t", np.arange(n_vocab, dtype=np.int64)),
+            ("blk.0.attn_norm.weight", np.ones(e, np.float32)),
+            ("blk.0.attn_norm_2.weight", np.ones(e, np.float32)),
+            ("blk.0.attn_q.weight", mat(e, 2 * e)),
+            ("blk.0.attn_k.weight", mat(e, 2 * e)),
+            ("blk.0.attn_v.weight", mat(e, 2 * e)),
+            ("blk.0.attn_output.weight", mat(e, e)),
+            ("blk.0.ffn_norm.weight", np.ones(e, np.float32)),
+            ("blk.0.ffn_gate.weight", mat(N_FF, e)),
+            ("blk.0.ffn_up.weight", mat(N_FF, e)),
+            ("blk.0.ffn_down.weight", mat(e, N_FF)),
+        ):
+            w.add_tensor(name, data)
+
+    _write_atomic(path, fill, "eagle3")
+    return path
