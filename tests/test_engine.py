@@ -463,3 +463,31 @@ def test_a_slots_context_is_at_most_the_models_training_context(target_model):
         assert len(eng.tokenize_request(Request(prompt=[1] * (n_train - 1)))) == n_train - 1
         with pytest.raises(ValueError, match=f"prompt of {n_train} tokens does not fit the context \\({n_train} per"):
             eng.submit(Request(prompt=[1] * n_train))
+
+
+def test_the_start_up_probe_holds_the_contexts_against_other_threads(type_contexts, monkeypatch):
+    # common_context_can_seq_rm clears the memory and then decodes two tokens: another thread's call in
+    # between made the probe fail ("speculative decoding is not supported"); it must be refused instead
+    from pyspec.common import common as cm
+    from pyspec.errors import ConcurrentUseError
+
+    cs = type_contexts("ngram-simple")
+    seen: list[str] = []
+    real = cm.llama_process
+
+    def probe(ctx, kind, batch):  # runs between the probe's clear and its decode
+        def other() -> None:
+            try:
+                cs.ctx_tgt.memory.seq_pos_max(0)
+                seen.append("ran")
+            except ConcurrentUseError:
+                seen.append("refused")
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(10)
+        return real(ctx, kind, batch)
+
+    monkeypatch.setattr(cm, "llama_process", probe)
+    eng = Engine(cs.ctx_tgt, cs.spec, greedy_sampling())
+    eng.close()
+    assert seen == ["refused"]

@@ -10,6 +10,7 @@ this module knows how each kind of memory (part, full, recurrent-state, sliding-
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Protocol
 
@@ -61,11 +62,17 @@ class SlotMemory:
         self.ctx_dft = ctx_dft
         # the speculative implementations' state a prompt checkpoint stashes (the server's data_spec)
         self.spec_state = spec_state
-        # how each context can roll back (clears their memory, as the server's start-up does)
-        self.ctx_tgt_seq_rm_type = common_context_can_seq_rm(ctx_tgt)
-        self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
-        if self.ctx_dft is not None:
-            self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
+        # how each context can roll back (clears their memory, as the server's start-up does), under the
+        # contexts' claims: the probe clears the memory and then decodes, and another thread's call in
+        # between would fail it (refused with ConcurrentUseError instead)
+        with contextlib.ExitStack() as claims:
+            claims.enter_context(ctx_tgt.claim())
+            if self.ctx_dft is not None and self.ctx_dft is not ctx_tgt:
+                claims.enter_context(self.ctx_dft.claim())
+            self.ctx_tgt_seq_rm_type = common_context_can_seq_rm(ctx_tgt)
+            self.ctx_dft_seq_rm_type = CommonContextSeqRmType.NO
+            if self.ctx_dft is not None:
+                self.ctx_dft_seq_rm_type = common_context_can_seq_rm(self.ctx_dft)
         # a draft's checkpoint positions are read only by a draft context's rollback and a target's
         # checkpoint restore: without either, the two memory queries a step are skipped
         self.spec_ckpt_pos = self.ctx_dft is not None or self.ctx_tgt_seq_rm_type in (
