@@ -119,6 +119,18 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def settled_threads(quiet_s: float = 0.5, timeout_s: float = 10.0) -> int:
+    """The process's thread count once it has not changed for quiet_s: threads an earlier test left
+    (a server's, a worker's) may still be ending, and one that ends mid-test would read as a missing worker."""
+    deadline = time.monotonic() + timeout_s
+    seen, since = os_threads(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.02)
+        if (now := os_threads()) != seen:
+            seen, since = now, time.monotonic()
+    return seen
+
+
 def wait_for_threads(n: int, timeout_s: float = 10.0) -> int:
     """The process's thread count once it is n (workers leave a moment after they are let go), or the last seen."""
     deadline = time.monotonic() + timeout_s
@@ -137,7 +149,7 @@ def test_release_cpu_workers_lets_this_threads_openmp_pool_go(target_model):
     with Context(target_model, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=3,
                  n_threads_batch=3) as ctx:
         release_cpu_workers()
-        base = wait_for_threads(os_threads())
+        base = settled_threads()
         logits = last_logits(ctx, tokens)
         assert os_threads() == base + 2  # a 3-thread team: this thread and two workers that stay
         assert release_cpu_workers()
@@ -156,7 +168,7 @@ def test_engine_start_releases_the_starting_threads_cpu_workers(target_model):
 
     ctx = Context(target_model, n_ctx=128, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=3, n_threads_batch=3)
     release_cpu_workers()
-    base = wait_for_threads(os_threads())
+    base = settled_threads()
     with Engine(ctx, None, None, owned=[ctx]) as eng:
         assert os_threads() == base + 2  # the memory probe decoded in this thread
         eng.start()
