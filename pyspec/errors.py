@@ -82,7 +82,9 @@ class ContextError(PyspecError):
 
 
 class SnapshotSplitError(ContextError, ValueError):
-    """Recurrent-state snapshots (``n_rs_seq > 0``) asked of a context whose devices cannot run them in one piece."""
+    """Recurrent-state snapshots (``n_rs_seq > 0``) asked of a context that cannot keep them: its devices cannot
+    run them in one piece, or ``n_ubatch`` is not above ``n_rs_seq + 1``. The Engine then rolls back through
+    checkpoints (``n_rs_seq=0``)."""
 
 
 class ClosedError(PyspecError):

@@ -167,6 +167,17 @@ def ctx_n_rs_seq_beyond_the_graph_budget() -> Any:
     return Context(M["mtp"], **{**KW, "n_rs_seq": 262})
 
 
+def ctx_n_rs_seq_not_below_n_ubatch() -> Any:
+    # two sequences of 9 tokens in ubatches of 4, each keeping its last 5 together: split_equal asserts
+    c = Context(M["mtp"], **{**KW, "n_ubatch": 4, "n_seq_max": 2, "n_rs_seq": 4})
+    b = Batch(32, 0, 2)
+    for s in (0, 1):
+        for i in range(9):
+            b.add(1 + i, i, s, i == 8)
+    c.decode(b)
+    return c
+
+
 def ctx_pooling_type_not_an_enum_value() -> Any:
     return ctx(pooling_type=77)
 

@@ -352,8 +352,14 @@ class Context(Handle):
             what = "n_outputs_max" if cp.n_outputs_max else f"n_batch (capped at n_ctx={n_ctx})"
             raise ValueError(
                 f"n_seq_max={cp.n_seq_max} exceeds {what}={n_outputs_max}: every sequence needs an output row")
-        # the memory this context would take, so a typo in n_ctx is an error, not a machine that swaps or hangs
         n_ubatch = min(n_batch, int(cp.n_ubatch) or n_batch)
+        if cp.n_rs_seq > 0 and n_ubatch <= cp.n_rs_seq + 1:
+            # the recurrent memories split a batch keeping each sequence's last n_rs_seq + 1 tokens in
+            # one ubatch: llama_batch_allocr::split_equal asserts n_ubatch > n_keep_tail
+            raise SnapshotSplitError(
+                f"n_rs_seq={cp.n_rs_seq} needs n_ubatch > n_rs_seq + 1 = {cp.n_rs_seq + 1}, got n_ubatch={n_ubatch} "
+                f"(raise n_ubatch, or use n_rs_seq=0: speculative rollbacks then go through checkpoints)")
+        # the memory this context would take, so a typo in n_ctx is an error, not a machine that swaps or hangs
         kv_type = {v: k for k, v in _KV_TYPES.items()}
         bytes_k = _KV_BYTES.get(kv_type.get(int(cp.type_k), "f16"), 4.0)
         bytes_v = _KV_BYTES.get(kv_type.get(int(cp.type_v), "f16"), 4.0)
