@@ -281,10 +281,12 @@ static const float * plain_logits_row(llama_context * ctx, int32_t idx) {
 // llama_synchronize; then, for a row of plain logits, the token the chain [top-k 1, dist]
 // selects, with cur_p left as that chain leaves it (data = buf, buf[0] = {id, logit, 1},
 // size 1, selected 0, sorted) and the time after the synchronization added to *t_us (if given).
+// dist (the chain's second sampler) is applied to that one candidate: it draws from its RNG
+// even then, and a later sampled draw must find the state the chain would have left.
 // LLAMA_TOKEN_NULL, cur_p untouched, where the full path must run: a backend-sampled row,
 // no row, a NaN logit.
 llama_token pyspec_sampler_top1(llama_context * ctx, int32_t idx, int32_t n_vocab, llama_token_data_array * cur_p,
-                                llama_token_data * buf, int64_t * t_us) {
+                                llama_token_data * buf, llama_sampler * dist, int64_t * t_us) {
     llama_synchronize(ctx);
     const int64_t t0  = t_us != nullptr ? ggml_time_us() : 0;
     const float * row = plain_logits_row(ctx, idx);
@@ -300,6 +302,9 @@ llama_token pyspec_sampler_top1(llama_context * ctx, int32_t idx, int32_t n_voca
     cur_p->size     = 1;
     cur_p->selected = 0;
     cur_p->sorted   = true;
+    if (dist != nullptr) {
+        llama_sampler_apply(dist, cur_p);
+    }
     if (t_us != nullptr) {
         *t_us += ggml_time_us() - t0;
     }

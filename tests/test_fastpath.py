@@ -81,6 +81,20 @@ def test_greedy_shortcut_ends_when_the_chain_is_edited(target_model):
     assert py.generate(6) == cpp.generate(6)
 
 
+def test_greedy_shortcut_keeps_the_dists_random_state_in_step(target_model):
+    """dist draws once even from the one candidate top-k 1 leaves: after greedy tokens made by the
+    shortcut, a chain edited to sample from the whole vocabulary draws what the C++ chain draws."""
+    seeded = dataclasses.replace(GREEDY, seed=21)
+    py, cpp = fast_side(target_model, seeded), Side(target_model, seeded, cpp=True)
+    assert py.s.top1
+    assert py.generate(4) == cpp.generate(4)  # the shortcut's tokens
+    for side in (py, cpp):
+        chain = side.s.chain if side.cpp else smp.common_sampler_get(side.s)
+        llama.llama_sampler_free(llama.llama_sampler_chain_remove(chain, 0))
+    assert not py.s.top1
+    assert py.generate(8) == cpp.generate(8)
+
+
 TIE_ROWS = {
     "tie": [1.0, 3.0, 3.0, 2.0],
     "all-equal": [0.0] * 64,

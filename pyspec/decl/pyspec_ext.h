@@ -51,10 +51,11 @@ void pyspec_sampler_row(struct llama_context * ctx, int32_t idx, pyspec_sampler_
 /* the token top-k 1 keeps from a row of n logits (the first of the highest); -1 for a NaN or n < 1 */
 llama_token pyspec_top1(const float * row, int32_t n);
 /* common_sampler_sample for the chain [top-k 1, dist]: synchronize, then the row's top-1 token with
-   cur_p (its data = buf) as that chain leaves it and the time added to *t_us (if not NULL);
-   -1: run the full path */
+   cur_p (its data = buf) and dist's RNG as that chain leaves them and the time added to *t_us (if
+   not NULL); -1: run the full path */
 llama_token pyspec_sampler_top1(struct llama_context * ctx, int32_t idx, int32_t n_vocab,
-                                llama_token_data_array * cur_p, llama_token_data * buf, int64_t * t_us);
+                                llama_token_data_array * cur_p, llama_token_data * buf,
+                                struct llama_sampler * dist, int64_t * t_us);
 /* the k highest of a row of n logits, highest first, where std::partial_sort's order is certain
    (distinct, above all others; no NaN): true and buf[0, k) = {id, logit, 0}; else false */
 #define PYSPEC_TOPK_MAX 32

@@ -59,6 +59,8 @@ class FastSampler(smp.CommonSampler):
         # sampler's address comes back for the next one, so the chain's pointers cannot tell)
         self.plain_top_k = plain_top_k(params, grmr, chain)
         self._cur_k = self._cur_buf[: max(1, self.plain_top_k)]  # self.cur after a shortcut
+        # the chain's dist: the greedy shortcut makes its one draw, as the chain would
+        self._dist = llama.llama_sampler_chain_get(chain, 1) if self.plain_top_k else ffi.NULL
 
     @property
     def top1(self) -> bool:
@@ -72,9 +74,11 @@ class FastSampler(smp.CommonSampler):
 
         The same result without the vocabulary-sized candidate array: top-k 1 is std::partial_sort
         with a strict ``>``, which keeps the first of equal highest logits; dist then selects that
-        one candidate with p = 1. cur_p is left as the chain leaves it.
+        one candidate with p = 1, drawing once from its RNG. cur_p and dist's state are left as the chain
+        leaves them.
         """
-        id = int(ext.pyspec_sampler_top1(cptr, idx, self.n_vocab, self.cur_p, self._cur_ptr, self._t_total_arg))
+        id = int(ext.pyspec_sampler_top1(cptr, idx, self.n_vocab, self.cur_p, self._cur_ptr, self._dist,
+                                         self._t_total_arg))
         if id != LLAMA_TOKEN_NULL:
             self.cur = self._cur_k
         return id
