@@ -347,3 +347,40 @@ def test_serve_acceptance_reaches_the_engine(capsys):
     # the engine's own refusal proves the option reached Engine.load (draft-mtp has no rejection sampling)
     assert main(["serve", "--tiny", "--types", "draft-mtp", "--acceptance", "rejection", "--port", "0"]) == 1
     assert "not available with draft-mtp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--spec-synth-len", " 2.5 "], {"synth_len": 2.5}),
+    (["--spec-synth-rates", "0.9, 0.5,0.25"], {"synth_rates": [0.9, 0.5, 0.25]}),
+    ([], {}),
+])
+def test_synthetic_acceptance_options_reach_the_engine_keywords(argv: list[str], expected: dict[str, Any]):
+    _, opts = _parse(*argv)
+    assert {k: v for k, v in opts.spec_kw.items() if k.startswith("synth")} == expected
+    assert not {"--spec-synth-len", "--spec-synth-rates"} & set(opts.not_applied)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--spec-synth-len", "-1"],  # arg.cpp: -1 is "not set", refused
+    ["--spec-synth-len", "2x"],
+    ["--spec-synth-len", "1_0"],  # std::stod reads no digit separators
+    ["--spec-synth-rates", "0.5,,0.25"],
+    ["--spec-synth-rates", "0.5,high"],
+])
+def test_a_bad_synthetic_acceptance_value_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert argv[0] in capsys.readouterr().err
+
+
+def test_synthetic_acceptance_rates_through_engine_load_accept_every_draft():
+    from pyspec.generation.engine import Engine, Request
+    from pyspec.testing.models import tiny_model_paths
+
+    target, draft = tiny_model_paths("draft-simple")
+    with Engine.load(target, types="draft-simple", draft=draft, n_ctx=256, n_batch=64, n_threads=1, n_max=4,
+                     synth_rates=[1.0] * 4, adaptive_draft=False) as eng:
+        h = eng.submit(Request(prompt="one two three", n_predict=24))
+        eng.run_until_idle()
+        st = h.result().stats
+    assert st.n_drafted > 0 and st.n_accepted == st.n_drafted

@@ -501,6 +501,28 @@ _lazy_mode = _choice("--lazy-mode", ("on", "auto", "off"))
 _KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")  # arg.cpp kv_cache_types
 
 
+def _stod(option: str, text: str) -> float:
+    # arg.cpp reads these with std::stod on the stripped text and refuses trailing characters
+    t = text.strip()
+    try:
+        if "_" in t:  # Python's float takes digit separators, std::stod does not
+            raise ValueError(t)
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r}") from None
+
+
+def _synth_len(value: str) -> float:
+    length = _stod("--spec-synth-len", value)
+    if length == -1.0:  # -1 is the "not set" value, refused as arg.cpp refuses it
+        raise argparse.ArgumentTypeError(f"invalid value for --spec-synth-len: {value!r}")
+    return length
+
+
+def _synth_rates(value: str) -> list[float]:
+    return [_stod("--spec-synth-rates", part) for part in value.split(",")]
+
+
 def _cache_type(value: str) -> str:
     if value.lower() not in _KV_CACHE_TYPES:
         raise argparse.ArgumentTypeError(f"unsupported cache type {value!r} (one of {', '.join(_KV_CACHE_TYPES)})")
@@ -568,6 +590,10 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("--spec-draft-n-max", "--draft-max", "--draft-n"), "n_max", int),
     Mapped(("--spec-draft-n-min", "--draft-min", "--draft-n-min"), "n_min", int),
     Mapped(("--spec-draft-p-min", "--draft-p-min"), "p_min", float),
+    Mapped(("--spec-synth-len",), "synth_len", _synth_len,
+           help="target mean synthetic acceptance length, the target token included (benchmarking only)"),
+    Mapped(("--spec-synth-rates",), "synth_rates", _synth_rates,
+           help="per-position synthetic acceptance probabilities, a comma list (benchmarking only)"),
     # pyspec has one n-gram key size and one draft size for every n-gram type (spec_params)
     Mapped(("--spec-ngram-simple-size-n", "--spec-ngram-map-k-size-n", "--spec-ngram-map-k4v-size-n",
             "--spec-ngram-mod-n-match"), "ngram_n", int),
@@ -781,6 +807,7 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     if g.get("draft") and not g.get("spec_type") and types in ("none", ""):
         types = "draft-simple"  # a draft model given without a type: speculate with it, as asked
     spec_kw = {k: g.get(k) for k in ("n_max", "n_min", "p_min", "ngram_n", "ngram_m")}
+    spec_kw.update({k: g[k] for k in ("synth_len", "synth_rates") if g.get(k) is not None})  # benchmarking only
 
     context_kw: dict[str, Any] = {}
     if "flash_attn" in g:

@@ -104,12 +104,16 @@ def spec_params(
     p_min: float | None = None,
     ngram_n: int | None = None,
     ngram_m: int | None = None,
+    synth_len: float | None = None,
+    synth_rates: Sequence[float] | None = None,
 ) -> CommonParamsSpeculative:
     """CommonParamsSpeculative for ``types``; None keeps llama.cpp's default.
 
     ``ngram_n`` / ``ngram_m`` set the key / draft sizes of ngram-simple,
     ngram-map-k and ngram-map-k4v, and ngram-mod's n_match / n_max
-    (its n_min follows as half of n_max).
+    (its n_min follows as half of n_max). ``synth_len`` / ``synth_rates``:
+    synthetic acceptance for benchmarking (llama-server's ``--spec-synth-len`` /
+    ``--spec-synth-rates``), checked when the speculative context is made.
     """
     sp = CommonParamsSpeculative(types=list(types))
     if n_max is not None:
@@ -128,6 +132,10 @@ def spec_params(
     if ngram_m is not None:
         sp.ngram_mod.n_max = ngram_m
         sp.ngram_mod.n_min = max(1, ngram_m // 2)
+    if synth_len is not None:
+        sp.synth_len = float(synth_len)
+    if synth_rates is not None:
+        sp.synth_rates = [float(r) for r in synth_rates]
     return sp
 
 

@@ -275,6 +275,8 @@ class Engine(EngineQueue):
         p_min: float | None = None,
         ngram_n: int | None = None,
         ngram_m: int | None = None,
+        synth_len: float | None = None,
+        synth_rates: Sequence[float] | None = None,
         sampling: CommonParamsSampling | None = None,
         backend: str = "python",
         slot_similarity: float = 0.1,
@@ -291,14 +293,16 @@ class Engine(EngineQueue):
         ``suffix`` (default SuffixParams(), its n_max from ``n_max`` when given); ``suffix`` given selects it too.
         ``context_kw``: more Context keywords for the target and draft contexts (``flash_attn_type``, cache types,
         ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them. ``acceptance``: the
-        Engine's ("exact" or "rejection")."""
+        Engine's ("exact" or "rejection"). ``synth_len`` / ``synth_rates``: synthetic acceptance (benchmarking,
+        llama-server's ``--spec-synth-len`` / ``--spec-synth-rates``)."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
         if wants_suffix and suffix is None:
             suffix = SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
         parsed = parse_types(rest)
-        spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m)
+        spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m,
+                           synth_len=synth_len, synth_rates=synth_rates)
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
