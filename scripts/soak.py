@@ -25,7 +25,7 @@ first cycle). All of RSS is printed beside it: it adds the pages of the
 memory-mapped model files, which the kernel may drop and fault in again as the
 page cache needs.
 The tiny cyclic models repeat themselves, so every type drafts.
-``--each`` runs the soak once per speculative type (the 8 of llama.cpp) and engine,
+``--each`` runs the soak once per speculative type (the 10 of llama.cpp) and engine,
 each in a fresh process so one run's allocator state does not flatter the next,
 and prints one row per run. Run from the repository root.
 """
@@ -51,6 +51,7 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.parity.harness import continued_prompt
 from pyspec.testing import models as tm
+from pyspec.testing.models_dflash import make_cyclic_dflash, make_cyclic_dspark
 
 PROMPTS = [
     "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n" * 2,
@@ -91,13 +92,15 @@ class Setup:
     def __init__(self, types: list[T], n_threads_ctx: int) -> None:
         self.types = types
         self.n_threads_ctx = n_threads_ctx
-        needs = {T.DRAFT_MTP: "mtp", T.DRAFT_EAGLE3: "eagle3", T.DRAFT_SIMPLE: "draft"}
+        needs = {T.DRAFT_MTP: "mtp", T.DRAFT_EAGLE3: "eagle3", T.DRAFT_SIMPLE: "draft", T.DRAFT_DFLASH: "dflash",
+                 T.DRAFT_DSPARK: "dspark"}
         # the cyclic target repeats itself, so every n-gram type finds matches and drafts (on
         # the random target they never would); its draft and EAGLE3 head are made for it
         self.models = {"target": Model(tm.make_cyclic_target())}
         for t in types:
             if t in needs:
-                maker = {"mtp": tm.make_mtp, "eagle3": tm.make_cyclic_eagle3, "draft": tm.make_cyclic_draft}[needs[t]]
+                maker = {"mtp": tm.make_mtp, "eagle3": tm.make_cyclic_eagle3, "draft": tm.make_cyclic_draft,
+                         "dflash": make_cyclic_dflash, "dspark": make_cyclic_dspark}[needs[t]]
                 self.models[needs[t]] = Model(maker())
         self.ctx: Context | None = None
         self.ctxd: Context | None = None
@@ -121,6 +124,11 @@ class Setup:
             self.ctx = Context(self.models["target"], **kw)
             if T.DRAFT_EAGLE3 in self.types:
                 self.ctxd = Context(self.models["eagle3"], **kw, ctx_other=self.ctx)
+            elif T.DRAFT_DFLASH in self.types or T.DRAFT_DSPARK in self.types:
+                # the block drafters: a block of n_max + 1 rows per sequence in one ubatch (32 here)
+                kind = "dflash" if T.DRAFT_DFLASH in self.types else "dspark"
+                per_seq = {"n_outputs_max_per_seq": p.draft.n_max + 1} if p.draft.backend_sampling else {}
+                self.ctxd = Context(self.models[kind], **kw, **per_seq, ctx_other=self.ctx)
             elif T.DRAFT_SIMPLE in self.types:
                 self.ctxd = Context(self.models["draft"], **kw)
         p.draft.ctx_dft = self.ctxd
@@ -138,8 +146,8 @@ class Setup:
             m.close()
 
 
-ALL_TYPES = ["draft-simple", "draft-eagle3", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
-             "ngram-mod", "ngram-cache"]
+ALL_TYPES = ["draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
+             "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
 
 
 def each(args: argparse.Namespace) -> int:
@@ -295,7 +303,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10_000, help="speculative steps after warm-up")
     ap.add_argument("--warmup-steps", type=int, default=500)
     ap.add_argument("--warmup-cycles", type=int, default=6, help="context recreations in the warm-up")
-    ap.add_argument("--types", default=None, help="comma-separated types (default draft-simple; with --each: all 8)")
+    ap.add_argument("--types", default=None, help="comma-separated types (default draft-simple; with --each: all 10)")
     ap.add_argument("--engine", default="python", choices=["python", "cpp", "both"])
     ap.add_argument("--each", action="store_true", help="every type (or those of --types) alone, one process each")
     ap.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
