@@ -223,6 +223,20 @@ def test_a_sequence_held_at_zero_is_probed_with_a_short_draft():
     assert all(picks[i] == 2 for i in probes)
 
 
+def test_a_sequences_drafts_count_once_in_its_estimate():
+    # two rejected drafts of one sequence: its own counts (1.9 first tokens tested, decay 0.9) against the
+    # prior, not again through the implementation's counts and a bucket's (which gave q1 0.13 for 0.43)
+    ctl = controller(CPU_CURVE)
+    for _ in range(2):
+        ctl.record_acceptance(0, None, 8, 0, full=True)
+    w = ctl.PRIOR_WEIGHT_SEQ
+    assert ctl.rates(0)[0] == pytest.approx(w * ctl.PRIOR[0] / (1.9 + w))
+    assert ctl.rates(0, True)[0] == pytest.approx(ctl.rates(0)[0], rel=1e-2)  # one bucket holds them all
+    # another sequence's drafts are its prior
+    feed(ctl, 1, [(8, 8)] * 10)
+    assert ctl.rates(0)[0] > w * ctl.PRIOR[0] / (1.9 + w)
+
+
 def test_sequences_keep_their_own_acceptance():
     ctl = controller(CPU_CURVE)
     feed(ctl, 0, [(16, 16)] * 10)

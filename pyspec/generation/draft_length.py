@@ -279,11 +279,31 @@ class Acceptance:
             self.next_accepted += a - 1
         self.n_drafts += 1
 
+    def counts(self) -> tuple[float, float, float, float]:
+        """(first tested, first accepted, next tested, next accepted), decayed."""
+        return self.first_tested, self.first_accepted, self.next_tested, self.next_accepted
+
     def rates(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
         """(q1, qn) shrunk towards ``prior`` as if it were ``weight`` more observations."""
-        q1 = (self.first_accepted + weight * prior[0]) / (self.first_tested + weight)
-        qn = (self.next_accepted + weight * prior[1]) / (self.next_tested + weight)
-        return q1, qn
+        return rates_of(self.counts(), prior, weight)
+
+
+def rates_of(counts: Sequence[float], prior: tuple[float, float], weight: float) -> tuple[float, float]:
+    """(q1, qn) of decayed counts (as :meth:`Acceptance.counts`) shrunk towards ``prior``."""
+    ft, fa, nt, na = counts
+    return (fa + weight * prior[0]) / (ft + weight), (na + weight * prior[1]) / (nt + weight)
+
+
+@dataclass
+class _Share:
+    """One sequence's part of an implementation's decayed counts: what it added, decayed as they are."""
+
+    counts: list[float] = field(default_factory=lambda: [0.0] * 4)
+    at: int = 0  # the implementation's n_drafts when last brought up to date
+
+    def now(self, acc: Acceptance) -> list[float]:
+        k = acc.decay ** (acc.n_drafts - self.at)
+        return [c * k for c in self.counts]
 
 
 @dataclass
@@ -359,6 +379,7 @@ class _Seq:
         self.shadow: _Shadow | None = None
         self.n_shadows = 0  # shadow drafts resolved (their acceptance recorded)
         self.tail: _Shadow | None = None  # the tokens trim() cut from the draft being verified
+        self.share: dict[tuple[str, bool | None], _Share] = {}  # its part of each implementation's counts
 
 
 class DraftLengthController:
@@ -447,7 +468,13 @@ class DraftLengthController:
         name = impl or self.impl
         s = self._seq(seq_id)
         for bucket in (None, full) if full is not None else (None,):
-            self._acc(name, bucket).record(n_drafted, n_accepted)
+            acc = self._acc(name, bucket)
+            share = s.share.setdefault((name, bucket), _Share(at=acc.n_drafts))
+            before = acc.counts()
+            acc.record(n_drafted, n_accepted)
+            k = acc.decay  # share.now() decays the old share as the record decayed the counts
+            share.counts = [c + (a - b * k) for c, a, b in zip(share.now(acc), acc.counts(), before, strict=True)]
+            share.at = acc.n_drafts
             s.acc[bucket].record(n_drafted, n_accepted)
         self._last_impl[seq_id] = name
 
@@ -510,20 +537,33 @@ class DraftLengthController:
     def rates(self, seq_id: int, full: bool | None = None) -> tuple[float, float]:
         """(q1, qn) of a sequence's drafts (of one bucket, or all).
 
-        The implementation's rates (shrunk towards the prior), the sequence's own
-        counts shrunk towards them, and for a bucket the implementation's difference
-        between that bucket and all its drafts added, the bucket's own counts shrunk
-        towards the result.
+        Each draft counts once: the sequence's own counts shrunk towards the
+        implementation's rates over the other sequences' drafts (themselves shrunk
+        towards the prior). For a bucket, the implementation's difference between
+        that bucket and all its drafts is added (a difference, so the sequence's own
+        drafts in it do not count twice towards the level).
         """
         impl = self._last_impl.get(seq_id) or self.impl
-        pooled = self._acc(impl, None).rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)
         s = self._seqs.get(seq_id)
-        mine = pooled if s is None else s.acc[None].rates(pooled, self.PRIOR_WEIGHT_SEQ)
+        others = self._others(impl, None, s, self.PRIOR, self.PRIOR_WEIGHT_IMPL)
+        mine = others if s is None else s.acc[None].rates(others, self.PRIOR_WEIGHT_SEQ)
         if full is None:
             return mine
+        # the bucket's counts shrunk towards the rates of all the drafts as measured (not shrunk themselves):
+        # an empty bucket, or one that holds all the drafts, makes no difference
+        pooled = self._acc(impl, None).rates(self.PRIOR, 1e-3)
         bucket = self._acc(impl, full).rates(pooled, self.PRIOR_WEIGHT_BUCKET)
-        target = (_clip(mine[0] + bucket[0] - pooled[0]), _clip(mine[1] + bucket[1] - pooled[1]))
-        return target if s is None else s.acc[full].rates(target, self.PRIOR_WEIGHT_SEQ)
+        return _clip(mine[0] + bucket[0] - pooled[0]), _clip(mine[1] + bucket[1] - pooled[1])
+
+    def _others(self, impl: str, bucket: bool | None, s: _Seq | None, prior: tuple[float, float],
+                weight: float) -> tuple[float, float]:
+        """The rates of ``impl``'s drafts (of ``bucket``) that are not ``s``'s, shrunk towards ``prior``."""
+        acc = self._acc(impl, bucket)
+        counts = list(acc.counts())
+        share = None if s is None else s.share.get((impl, bucket))
+        if share is not None:
+            counts = [max(0.0, c - m) for c, m in zip(counts, share.now(acc), strict=True)]
+        return rates_of(counts, prior, weight)
 
     def best(self, cap: int, n_active: int, q1: float, qn: float, *, draft_cost: bool = True) -> tuple[int, float]:
         """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap].
