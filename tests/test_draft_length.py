@@ -235,6 +235,10 @@ def test_a_sequences_drafts_count_once_in_its_estimate():
     # another sequence's drafts are its prior
     feed(ctl, 1, [(8, 8)] * 10)
     assert ctl.rates(0)[0] > w * ctl.PRIOR[0] / (1.9 + w)
+    # and an empty draft reported changes nothing
+    before = ctl.rates(0)
+    ctl.record_acceptance(0, None, 0, 0, full=True)
+    assert ctl.rates(0) == before
 
 
 def test_sequences_keep_their_own_acceptance():

@@ -465,6 +465,8 @@ class DraftLengthController:
         self._record(seq_id, impl, n_drafted, n_accepted, full)
 
     def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: bool | None) -> None:
+        if n_drafted <= 0:  # no draft: nothing tested (Acceptance.record ignores it too)
+            return
         name = impl or self.impl
         s = self._seq(seq_id)
         for bucket in (None, full) if full is not None else (None,):
