@@ -37,30 +37,6 @@ except rpc.RpcUnavailableError as e:  # a build made with -DGGML_RPC=off
     pytest.skip(str(e), allow_module_level=True)
 
 
-# At 0c1e57098 ggml-rpc sends every command after HELLO from a dispatcher thread of its own
-# (rpc_dispatcher::work), where a lost or silent server ends in GGML_ABORT with no guarded call on
-# that thread: these tests end the process that runs them. Each runs in a child pytest (below), as a
-# known failure (strict: when the guard covers the dispatcher, they pass and the marker must go).
-# Docs: docs/backends.md (RPC); audit row rpc-dispatcher-abort; issue 25.
-DISPATCHER_ABORTS = (
-    "test_a_frozen_server_ends_the_cpp_loop_with_rpc_connection_error",
-    "test_killing_the_server_mid_generation_raises_and_the_process_goes_on",
-    "test_a_frozen_server_times_out_instead_of_hanging",
-    "test_closing_a_model_whose_server_died_while_idle_is_safe",
-)
-_IN_CHILD = os.environ.get("PYSPEC_RPC_CHILD") == "1"
-in_child_only = pytest.mark.skipif(not _IN_CHILD, reason="runs in a child pytest: test_lost_server_in_a_child")
-
-
-@pytest.mark.xfail(strict=True, reason="0c1e57098: a server lost mid-call aborts on ggml-rpc's dispatcher thread")
-@pytest.mark.parametrize("name", DISPATCHER_ABORTS)
-def test_lost_server_in_a_child(name: str) -> None:
-    env = {**os.environ, "PYSPEC_RPC_CHILD": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{name}"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -348,7 +324,6 @@ def test_the_command_line_places_the_target_on_a_server_and_the_draft_on_the_cpu
 # --- lost servers ---------------------------------------------------------------------
 
 
-@in_child_only
 def test_a_frozen_server_ends_the_cpp_loop_with_rpc_connection_error(short_timeouts):
     from pyspec.generation.cpp_loop import cpp_generate
 
@@ -368,7 +343,6 @@ def test_a_frozen_server_ends_the_cpp_loop_with_rpc_connection_error(short_timeo
             s.kill(signal.SIGCONT)
 
 
-@in_child_only
 def test_killing_the_server_mid_generation_raises_and_the_process_goes_on(short_timeouts):
     path = tm.make_cyclic_target()
     s = rpc.RpcServer(threads=1)
@@ -407,7 +381,6 @@ def _one_token_batch(pos: int = 0) -> Batch:
     return b
 
 
-@in_child_only
 def test_a_frozen_server_times_out_instead_of_hanging(short_timeouts):
     path = tm.make_target()
     with rpc.RpcServer(threads=1) as s:
@@ -426,7 +399,6 @@ def test_a_frozen_server_times_out_instead_of_hanging(short_timeouts):
             s.kill(signal.SIGCONT)
 
 
-@in_child_only
 def test_closing_a_model_whose_server_died_while_idle_is_safe(short_timeouts):
     path = tm.make_target()
     s = rpc.RpcServer(threads=1)

@@ -176,6 +176,49 @@ def test_the_probe_speaks_the_vendored_protocol():
     assert caps and int(caps[1]) == rpc.RPC_CONN_CAPS_SIZE
 
 
+_C_SIZES = {"uint8_t": 1, "uint32_t": 4, "uint64_t": 8, "int32_t": 4}
+
+
+def _struct_size(src: str, name: str) -> int:
+    body = re.search(rf"struct {name} \{{(.*?)\}};", src, re.S)
+    assert body is not None, name
+    size = 0
+    for field_ in body[1].split(";"):
+        m = re.match(r"\s*(\w+)\s+\w+(?:\[(\w+)\])?\s*$", field_)
+        if m is None:
+            assert not field_.strip(), (name, field_)
+            continue
+        n = 1 if not m[2] else rpc.RPC_CONN_CAPS_SIZE if m[2] == "RPC_CONN_CAPS_SIZE" else int(m[2])
+        size += _C_SIZES[m[1]] * n
+    return size
+
+
+def test_the_relay_knows_the_answer_of_every_vendored_command():
+    # ggml-rpc aborts on an answer of another size, and the relay answers for a lost server:
+    # its table must be the client's (csrc/pyspec_rpc.cpp answer_size)
+    from pyspec.ffi import ext
+
+    src = (_VENDOR_RPC / "src/ggml-rpc/ggml-rpc.cpp").read_text()
+    enum = re.search(r"enum rpc_cmd \{(.*?)\};", src, re.S)
+    assert enum is not None
+    names = [n.split("=")[0].strip() for n in enum[1].split(",") if n.strip()]
+    asked = dict(re.findall(r"send(?:_async)?\(RPC_CMD_(\w+), [^;]*?, &response, sizeof\((\w+)\)\)", src))
+    asked |= dict(re.findall(r"send_rpc_cmd\(sock, RPC_CMD_(\w+), &request, sizeof\(request\), &(response), ", src))
+    sent = set(re.findall(r"send(?:_async)?\(RPC_CMD_(\w+),", src))
+    assert {"HELLO", "DEVICE_COUNT", "GET_TENSOR", "GRAPH_COMPUTE", "SET_TENSOR"} <= sent | set(asked)
+    for cmd, name in enumerate(names):
+        short = name.removeprefix("RPC_CMD_")
+        got = int(ext.pyspec_rpc_answer_size(cmd, 12345))
+        if short == "GET_TENSOR":  # its answer is the size the request asks for
+            assert re.search(r"send(?:_async)?\(RPC_CMD_GET_TENSOR, request, sizeof\(\*request\), data, size\)", src)
+            assert got == 12345
+        elif short in asked:
+            want = _struct_size(src, f"rpc_msg_{short.lower()}_rsp")
+            assert got == want, (short, got, want)
+        else:  # sent without an answer, or never sent by the client (NONE, COUNT)
+            assert got == -1, (short, got)
+
+
 def test_an_honest_fake_peer_passes_the_probe(peer):
     p = peer(Lies(device_count=2))
     reports = rpc.probe_peer(p.endpoint, timeout=5)
@@ -292,6 +335,39 @@ def test_a_peer_that_changes_its_device_count_for_ggml_is_refused(peer):
     out = subprocess.run([sys.executable, "-c", _CHILD, p.endpoint], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("RpcError") and "reported 1 devices, then 2" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_an_absurd_device_count_for_ggml_is_stopped_at_the_relay(peer):
+    # ggml-rpc makes one device object per reported device: 2**32 - 1 of them exhausted memory
+    p = peer(Lies(tamper={rpc.RPC_CMD_DEVICE_COUNT: _SecondTime(struct.pack("<I", (1 << 32) - 1))}))
+    out = subprocess.run([sys.executable, "-c", _CHILD, p.endpoint], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("RpcConnectionError") and "out of bounds" in out.stdout, out.stdout
+    assert p.commands.count(rpc.RPC_CMD_DEVICE_COUNT) == 2  # ours, then ggml-rpc's
+
+
+_MEMORY_CHILD = textwrap.dedent("""
+    import sys
+    from pyspec.core import rpc
+    from pyspec.ffi import ext
+    ep = rpc.connect(sys.argv[1])
+    print(rpc.device_memory(ep.devices[0], ep), int(ext.pyspec_rpc_losses(ep.ep_id)),
+          int(ext.pyspec_rpc_connections(ep.ep_id, True)))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lie", [bytes(24), struct.pack("<QQ", 2 << 50, 1 << 50)], ids=["size", "bounds"])
+def test_a_reply_of_another_size_or_out_of_bounds_on_ggmls_connection_is_a_lost_connection(peer, lie):
+    # was GGML_ABORT on ggml-rpc's dispatcher thread (RPC_STATUS_ASSERT): the process ended
+    p = peer(Lies(tamper={rpc.RPC_CMD_GET_DEVICE_MEMORY: _SecondTime(lie)}))
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, p.endpoint], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # no memory figure, one loss, and nothing holds the lost connection (ggml-rpc closed it after the call)
+    assert out.stdout.split() == ["None", "1", "0"], out.stdout
+    assert p.commands.count(rpc.RPC_CMD_GET_DEVICE_MEMORY) == 2
 
 
 # --- the honest peer: a real rpc-server -----------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 from pyspec.ffi import c_enum, ffi, ggml, is_open, llama, on_open, open_library
 
-__all__ = ["install", "set_common_log_verbosity"]
+__all__ = ["install", "rename", "renamed", "set_common_log_verbosity"]
 
 logger = logging.getLogger("pyspec.llama")
 
@@ -31,6 +31,21 @@ _CONT = _GGML_LEVEL["cont"]  # continues the previous line's level
 _pending: list[str] = []
 _pending_level = logging.INFO
 
+# names llama.cpp knows by another text than the user does: an rpc-server's relay address
+_renames: dict[str, str] = {}
+
+
+def rename(old: str, new: str) -> None:
+    """Write ``new`` wherever llama.cpp's text says ``old`` (its log lines, names read with :func:`renamed`)."""
+    _renames[old] = new
+
+
+def renamed(text: str) -> str:
+    """``text`` with the names :func:`rename` registered replaced."""
+    for old, new in _renames.items():
+        text = text.replace(old, new)
+    return text
+
 
 @ffi.callback("void(enum ggml_log_level, const char *, void *)")
 def _on_log(level: int, text, _user_data) -> None:
@@ -42,7 +57,7 @@ def _on_log(level: int, text, _user_data) -> None:
             return
         _pending.append(ffi.string(text).decode("utf-8", "replace"))
         if _pending[-1].endswith("\n"):
-            line = "".join(_pending).rstrip("\n")
+            line = renamed("".join(_pending).rstrip("\n"))
             _pending.clear()
             logger.log(_pending_level, "%s", line)
     except Exception:  # a callback must never raise into C

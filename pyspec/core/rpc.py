@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyspec.core import log
 from pyspec.core.backend import ensure_backend
 from pyspec.core.ext_error import last_error
 from pyspec.errors import RpcConnectionError, RpcError, RpcUnavailableError
@@ -64,6 +65,7 @@ _LOST = c_const("PYSPEC_RPC_LOST")
 _TIMEOUT = c_const("PYSPEC_RPC_TIMEOUT")
 _UNAVAILABLE = c_const("PYSPEC_RPC_UNAVAILABLE")
 _REFUSED = c_const("PYSPEC_RPC_REFUSED")
+_BAD_ARG = c_const("PYSPEC_RPC_BAD_ARG")
 
 
 @dataclass
@@ -143,7 +145,10 @@ def _raise_for(status: int, what: str, names: Sequence[str], timeout: float) -> 
             tuple(names),
         )
     if status == _LOST:
-        raise RpcConnectionError(f"{what}: the connection to the rpc-server at {where} was lost", tuple(names))
+        detail = last_error()
+        because = f" ({detail})" if detail and "RPC server" not in detail else ""
+        raise RpcConnectionError(f"{what}: the connection to the rpc-server at {where} was lost{because}",
+                                 tuple(names))
     if status == _REFUSED:
         raise RpcConnectionError(
             f"{what}: the rpc-server at {where} refused the connection or speaks another RPC protocol version",
@@ -295,8 +300,14 @@ def connect(server: str | RpcServer) -> RpcEndpoint:
             return known
         ext.pyspec_rpc_guard_install()
         ep_id = int(ext.pyspec_rpc_watch(name.encode()))
+        if ep_id < 0 and ep_id != _BAD_ARG:
+            raise RpcError(f"RPC server {name}: the guard could not open its relay on 127.0.0.1")
         if ep_id < 0:
             raise ValueError(f"RPC server {name!r}: its host name does not resolve to an IPv4 address")
+        relay = ffi.new("char[64]")
+        ext.pyspec_rpc_relay_name(ep_id, relay, 64)  # "127.0.0.1:port" fits
+        # llama.cpp's names for the server's devices and buffers carry the relay's address
+        log.rename(ffi.string(relay).decode(), name)
         # ggml-rpc's own connect has no timeout, and it trusts what the server reports
         reports = probe_peer(name)
         status = ffi.new("int32_t *")
@@ -459,7 +470,7 @@ class RpcLink:
         ggml-rpc frees remote buffers with a request whose failure aborts, and a free
         cannot be guarded (it runs in destructors). So each server is asked one cheap
         question first, with a short deadline: a server that is gone or silent has its
-        connection replaced by the guard's sink, which answers the free requests.
+        connection handed to the guard's stand-in, which answers the free requests.
         """
 
         def free(ptr: Any) -> None:

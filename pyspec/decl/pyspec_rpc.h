@@ -1,5 +1,6 @@
 /* csrc/pyspec_rpc.cpp: a guard around llama.cpp's RPC backend (status codes instead of
-   abort() or a hang when an rpc-server is lost or silent). Part of libpyspec_ext: the message
+   abort() or a hang when an rpc-server is lost, silent or lying; ggml-rpc talks to each
+   server through a relay of the guard's). Part of libpyspec_ext: the message
    of a PYSPEC_RPC_LOST or PYSPEC_RPC_ERROR is in pyspec_ext_last_error(). */
 
 enum pyspec_rpc_status {
@@ -14,6 +15,8 @@ enum pyspec_rpc_status {
 
 void        pyspec_rpc_guard_install(void);
 int32_t     pyspec_rpc_watch(const char * endpoint);
+int32_t     pyspec_rpc_relay_name(int32_t ep, char * buf, int32_t size);
+int64_t     pyspec_rpc_answer_size(uint8_t cmd, uint64_t get_size);
 uint64_t    pyspec_rpc_losses(int32_t ep);
 int32_t     pyspec_rpc_connections(int32_t ep, bool lost);
 int32_t     pyspec_rpc_check(const int32_t * eps, int32_t n_eps);
