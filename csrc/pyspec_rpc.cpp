@@ -36,6 +36,9 @@
 //    thread), and guarded() turns it into a status. The exception unwinds
 //    through ggml_abort (C code, built with unwind tables on x86-64 and aarch64
 //    Linux) and through ggml-rpc and llama.cpp frames, whose destructors run.
+//  - the file doors (pyspec_model_load_checked and its two siblings) are guarded calls
+//    without servers in which every GGML_ASSERT on the calling thread throws: llama.cpp
+//    asserts on values it reads from a GGUF (a layer count of 0, ...) fail the load.
 //
 // The RDMA transport ggml-rpc can negotiate in HELLO is refused by the relay (it
 // clears the capabilities both ways): everything goes over its TCP connections.
@@ -206,6 +209,7 @@ struct call {           // a guarded call in progress
     bool timed_out = false;
     bool failed = false;  // the abort callback threw for this call
     bool refused = false; // ... for a server that could not be reached or speaks another version
+    bool asserts_throw = false; // every GGML_ASSERT on this thread fails the call (a file door's load)
 };
 
 struct guard_state {
@@ -680,6 +684,12 @@ void on_ggml_abort(const char * message) {
             throw rpc_lost(cl->timed_out ? "the RPC server did not answer before the deadline"
                                          : "the connection to the RPC server was lost");
         }
+        if (cl->asserts_throw) { // llama.cpp's loaders catch it and fail the load
+            std::string what = message ? message : "ggml_abort";
+            const size_t tree = what.find("/llama.cpp/"); // the source path from the vendored tree on
+            throw std::runtime_error("llama.cpp refused the file: " +
+                                     (tree == std::string::npos ? what : what.substr(tree + 1)));
+        }
     }
     if (s.previous != nullptr) {
         s.previous(message);
@@ -738,8 +748,9 @@ int32_t leave(call & cl, int32_t status) {
 
 // Run f() as a guarded call on the endpoints `eps` (ids from pyspec_rpc_watch).
 template <typename F>
-int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, F && f) {
+int32_t guarded(const int32_t * eps, int32_t n_eps, double timeout_s, F && f, bool asserts_throw = false) {
     call cl;
+    cl.asserts_throw = asserts_throw;
     enter(cl, eps, n_eps, timeout_s);
     call * outer = t_call;
     t_call = &cl;
@@ -1009,13 +1020,55 @@ int32_t pyspec_rpc_process(struct llama_context * ctx, int32_t type, struct llam
 struct llama_model * pyspec_rpc_model_load(const char * path, struct llama_model_params params,
                                            const int32_t * eps, int32_t n_eps, double timeout_s, int32_t * status) {
     llama_model * model = nullptr;
-    *status = guarded(eps, n_eps, timeout_s, [&] { model = llama_model_load_from_file(path, params); });
+    *status = guarded(eps, n_eps, timeout_s, [&] { model = llama_model_load_from_file(path, params); }, true);
     if (*status != PYSPEC_RPC_OK && model != nullptr) {
         // cannot happen (a failed load returns NULL), but never hand out a half-loaded model
         llama_model_free(model);
         model = nullptr;
     }
     return model;
+}
+
+// The file doors (model, split set, LoRA, quantize source) with the load's GGML_ASSERTs
+// failing the load: the metadata checks of pyspec.core.gguf_keys come first, and these catch
+// the value checks llama.cpp asserts on while it reads a file (a layer count out of range,
+// more experts used than there are, ...) in any architecture's loader. The exception is
+// caught by llama.cpp's own handler of each door (llama_model_load, the LoRA init, the
+// quantizer), which logs it and returns its failure; asserts on other threads (the
+// quantizer's workers) still end the process.
+struct llama_model * pyspec_model_load_checked(const char ** paths, size_t n_paths,
+                                               struct llama_model_params params) {
+    pyspec_rpc_guard_install();
+    llama_model * model = nullptr;
+    const int32_t status = guarded(nullptr, 0, 0.0, [&] {
+        model = n_paths == 1 ? llama_model_load_from_file(paths[0], params)
+                             : llama_model_load_from_splits(paths, n_paths, params);
+    }, true);
+    if (status != PYSPEC_RPC_OK && model != nullptr) {
+        llama_model_free(model);
+        model = nullptr;
+    }
+    return model;
+}
+
+struct llama_adapter_lora * pyspec_adapter_lora_init_checked(struct llama_model * model, const char * path) {
+    pyspec_rpc_guard_install();
+    llama_adapter_lora * adapter = nullptr;
+    const int32_t status = guarded(nullptr, 0, 0.0, [&] { adapter = llama_adapter_lora_init(model, path); }, true);
+    if (status != PYSPEC_RPC_OK && adapter != nullptr) {
+        llama_adapter_lora_free(adapter);
+        adapter = nullptr;
+    }
+    return adapter;
+}
+
+uint32_t pyspec_model_quantize_checked(const char * fname_inp, const char * fname_out,
+                                       const struct llama_model_quantize_params * params) {
+    pyspec_rpc_guard_install();
+    uint32_t rc = 1;
+    const int32_t status = guarded(nullptr, 0, 0.0, [&] { rc = llama_model_quantize(fname_inp, fname_out, params); },
+                                   true);
+    return status == PYSPEC_RPC_OK ? rc : 1;
 }
 
 struct llama_context * pyspec_rpc_init_from_model(struct llama_model * model, struct llama_context_params params,

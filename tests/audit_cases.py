@@ -90,6 +90,18 @@ def gguf_tokens_not_strings() -> Any:
     return Model(tm.write_llama(TMP / "ints.gguf", vocab_kv=kv))
 
 
+def gguf_no_layers() -> Any:
+    # block_count 0: llama.cpp GGML_ASSERTs the layer count while it reads the hyperparameters
+    return Model(tm.write_llama(TMP / "no-layers.gguf", n_layer=0))
+
+
+def gguf_experts_used_without_experts() -> Any:
+    # two experts used per token in a model without experts (the 100,000-file gguf_doors run)
+    gguf = tm.gguf_module()
+    kv = [*tm.llama_vocab_kv(), ("llama.expert_used_count", 2, gguf.GGUFValueType.UINT32, None)]
+    return Model(tm.write_llama(TMP / "experts-used.gguf", vocab_kv=kv))
+
+
 def _write_bytes(name: str, data: bytes) -> str:
     return _write(name, data)
 

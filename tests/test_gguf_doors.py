@@ -212,6 +212,18 @@ CASES = [
     # load_control_vector has gguf allocate the data section first: GGML_ASSERT in ggml_init (found by the fuzzer)
     ("tensor-data-past-end-cvec", "cvec", "cvec", lambda g: g.tensors[0].__setitem__(1, [2**40]), 0,
      "AdapterError", "runs past the end of the file", False),
+    # values llama.cpp GGML_ASSERTs on while it reads the hyperparameters (found by the 100,000-file fuzz run):
+    # no rule, the load guard of csrc/pyspec_rpc.cpp fails the load with llama.cpp's own assert text
+    ("block-count-zero", "target", "model", lambda g: _set(g, b"llama.block_count", U32, struct.pack("<I", 0)), 0,
+     "ModelLoadError", "GGML_ASSERT(hparams.n_layer_all > 0", False),
+    ("experts-used-without-experts", "target", "model",
+     lambda g: _set(g, b"llama.expert_used_count", U32, struct.pack("<I", 2)), 0,
+     "ModelLoadError", "GGML_ASSERT(n_expert_used_max <= hparams.n_expert)", False),
+    ("block-count-zero-split", "split", "split", lambda g: _set(g, b"llama.block_count", U32, struct.pack("<I", 0)), 0,
+     "ModelLoadError", "GGML_ASSERT(hparams.n_layer_all > 0", False),
+    ("block-count-zero-quantize", "target", "quantize",
+     lambda g: _set(g, b"llama.block_count", U32, struct.pack("<I", 100000)), 0, "QuantizeError",
+     "GGML_ASSERT(hparams.n_layer_all > 0", False),
 ]
 
 
@@ -249,7 +261,7 @@ def test_each_door_refuses_what_llama_cpp_would_abort_on(worker, sets, tmp_path,
     # the message names the file (the edited one of a split set) and, for a type, what was expected
     edited = Path(paths[0]).parent / sets[case[1]][case[4]].name
     assert str(edited) in r.message or edited.name in r.message, r.describe()
-    if not any(w in case[6] for w in ("appears", "empty", "dimension", "past the end", "aligned")) \
+    if not any(w in case[6] for w in ("appears", "empty", "dimension", "past the end", "aligned", "GGML_ASSERT")) \
             and "scores" not in case[0]:
         assert "expected" in r.message, r.describe()
 
@@ -269,8 +281,22 @@ def test_without_the_rules_llama_cpp_aborts(sets, tmp_path, case):
     door, paths = _door_args(case, sets, tmp_path)
     with Worker("pyspec.testing.fuzz", timeout=180) as w:
         r = w.call("open_door_unguarded", door, paths)
-    # a signal; or "hang" when the worker's pipe closed while ggml_abort's backtrace still ran
-    assert r.crashed, r.describe()
+    # a signal, or "hang" when the worker's pipe closed while ggml_abort's backtrace still ran; or, where
+    # the assert is on the loading thread, the load guard's error with llama.cpp's assert in it
+    assert r.crashed or (r.status == "raised" and "GGML_ASSERT" in r.message), r.describe()
+
+
+def test_an_assert_while_loading_fails_the_load_and_this_process_goes_on(sets, tmp_path):
+    from pyspec import Model
+    from pyspec.errors import ModelLoadError
+
+    (src,) = _edit("target", sets, tmp_path, lambda g: _set(g, b"llama.block_count", U32, struct.pack("<I", 0)))
+    for _ in range(3):  # the guard is left as it was: each load fails the same way
+        with pytest.raises(ModelLoadError, match=r"llama\.cpp refused the file: .*src/llama-model\.cpp:\d+: "
+                                                 r"GGML_ASSERT\(hparams\.n_layer_all > 0"):
+            Model(src)
+    with Model(sets["target"][0]) as good:  # and a good file loads after it
+        assert good.n_layer > 0
 
 
 def test_the_mutator_reads_and_writes_every_file_back_byte_for_byte(sets):

@@ -31,7 +31,7 @@ from pyspec.core.handle import Handle
 from pyspec.core.log import capture_errors
 from pyspec.core.model import Model
 from pyspec.errors import AdapterError
-from pyspec.ffi import c_const, ffi, ggml, llama
+from pyspec.ffi import c_const, ext, ffi, ggml, llama
 
 if TYPE_CHECKING:
     from pyspec.core.context import Context
@@ -73,7 +73,8 @@ class LoraAdapter(Handle):
         self.path = _gguf_file(path, "LoRA adapter")
         ensure_backend()
         with capture_errors() as errors:
-            ptr = llama.llama_adapter_lora_init(model.ptr, os.fsencode(self.path))
+            # llama_adapter_lora_init, a GGML_ASSERT while reading failing the load
+            ptr = ext.pyspec_adapter_lora_init_checked(model.ptr, os.fsencode(self.path))
         if ptr == ffi.NULL:
             reason = errors.reason("failed to apply lora adapter:") or "see the pyspec.llama log"
             raise AdapterError(f"cannot load the LoRA adapter {str(self.path)!r}: {reason}")

@@ -19,6 +19,11 @@ what gguf's own parser asserts on *before* that parser runs (an empty key, a
 general.alignment of another type), and the header is small; the C check stays for what
 needs gguf's parsed context.
 
+What the rules do not cover, the values llama.cpp asserts on while it reads the file (a layer
+count of 0, more experts used than there are), is caught by the doors' load itself:
+csrc/pyspec_rpc.cpp's pyspec_model_load_checked (and its LoRA and quantize siblings) turn a
+GGML_ASSERT on the loading thread into a failed load.
+
 Doors: "model" (Model, each split file of it, quantize's source: llama_model_loader reads
 the same keys), "lora" (llama_adapter_lora_init), "cvec" (load_control_vector: gguf's
 parser only).

@@ -273,11 +273,9 @@ class Model(Handle):
                 if len(paths) > 1:
                     raise ValueError("a model split into several files loads only locally, not with rpc_servers")
                 ptr = self.rpc.load_model(str(self.path), params)
-            elif len(paths) == 1:
-                ptr = llama.llama_model_load_from_file(os.fsencode(paths[0]), params)
-            else:
+            else:  # llama_model_load_from_file / _from_splits, a GGML_ASSERT while reading failing the load
                 c_paths = [ffi.new("char[]", os.fsencode(p)) for p in paths]
-                ptr = llama.llama_model_load_from_splits(ffi.new("const char *[]", c_paths), len(c_paths), params)
+                ptr = ext.pyspec_model_load_checked(ffi.new("const char *[]", c_paths), len(c_paths), params)
         if ptr == ffi.NULL:
             reason = errors.reason("error loading model:") or "llama.cpp rejected the file (see the pyspec.llama log)"
             raise ModelLoadError(str(self.path), reason)

@@ -24,7 +24,7 @@ from pyspec.core.gguf_keys import model_files_problem
 from pyspec.core.log import capture_errors
 from pyspec.core.model_params import KvValue, kv_override_array
 from pyspec.errors import QuantizeError
-from pyspec.ffi import c_enum, ffi, llama
+from pyspec.ffi import c_enum, ext, ffi, llama
 
 __all__ = ["FTYPES", "TENSOR_TYPES", "quantize"]
 
@@ -149,7 +149,8 @@ def quantize(
 
     ensure_backend()
     with capture_errors() as errors:
-        rc = llama.llama_model_quantize(os.fsencode(src_p), os.fsencode(dst_p), params)
+        # llama_model_quantize, a GGML_ASSERT while reading the source failing the call
+        rc = ext.pyspec_model_quantize_checked(os.fsencode(src_p), os.fsencode(dst_p), params)
     if rc != 0:
         reason = errors.reason("failed to quantize:") or "see the pyspec.llama log"
         raise QuantizeError(f"quantizing {src_p} to {ftype} failed: {reason}")

@@ -38,3 +38,11 @@ struct llama_model *   pyspec_rpc_model_load(const char * path, struct llama_mod
 struct llama_context * pyspec_rpc_init_from_model(struct llama_model * model, struct llama_context_params params,
                                                   const int32_t * eps, int32_t n_eps, double timeout_s,
                                                   int32_t * status);
+
+/* the file doors with llama.cpp's GGML_ASSERTs while reading the file failing the load
+   (NULL / 1, the message in llama.cpp's log) instead of ending the process */
+struct llama_model *        pyspec_model_load_checked(const char ** paths, size_t n_paths,
+                                                 struct llama_model_params params);
+struct llama_adapter_lora * pyspec_adapter_lora_init_checked(struct llama_model * model, const char * path);
+uint32_t                    pyspec_model_quantize_checked(const char * fname_inp, const char * fname_out,
+                                                          const struct llama_model_quantize_params * params);

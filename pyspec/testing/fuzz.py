@@ -443,7 +443,7 @@ def mutate_gguf(g: GgufFile, inp: Input) -> None:
             g.n_tensors_delta = inp.choice([-1, 1, 2**40])
     elif op == 11 and kv is not None:  # a key dropped
         kvs.remove(kv)
-    elif op == 12 and kv is not None and kv[1] == _GT_STRING:  # a string value's length lies
+    elif op == 12 and kv is not None and kv[1] == _GT_STRING and len(kv[4]) >= 8:  # a string value's length lies
         (n,) = struct.unpack_from("<Q", kv[4])
         kv[4] = struct.pack("<Q", inp.choice([0, n + 1, 2**63, inp.wild(0, 256)]) % 2**64) + kv[4][8:]
     elif op == 13:
