@@ -951,3 +951,16 @@ def state_seq_file_huge_cell_count() -> Any:
 def backend_chain_selects_twice() -> Any:
     chain = SamplerChain().add_dist(1).add_top_k(10).add_greedy()
     return ctx(n_seq_max=2).set_sampler(0, chain)
+
+
+def backend_chain_reorders_three_times() -> Any:
+    # three top-k on the backend (scripts/fuzz.py --atheris): the third cannot reshape the [1, k]
+    # candidates the second left, an assert while set_sampler builds the graph
+    chain = SamplerChain().add_top_k(24).add_top_k(24).add_top_k(24)
+    return ctx(n_seq_max=2).set_sampler(0, chain)
+
+
+def backend_top_k_past_the_candidates() -> Any:
+    # a backend top-k larger than the vocabulary asserts in ggml_top_k at the first decode
+    chain = SamplerChain().add_top_k(M["target"].vocab.n_tokens + 1).add_dist(1)
+    return ctx(n_seq_max=2).set_sampler(0, chain)

@@ -186,3 +186,48 @@ def test_copy_between_different_chains_is_refused(target_model):
     smp.common_sampler_copy(None, b)
     a.close()
     b.close()
+
+
+# --- backend chains the graph cannot be built for (docs/audit.toml backend-*) ---------------------
+
+
+def _backend_ctx(model, **kw):
+    return Context(model, n_ctx=64, n_batch=32, n_ubatch=32, n_seq_max=1, n_threads=1, n_threads_batch=1, **kw)
+
+
+@pytest.mark.parametrize("ks, message", [
+    ([24, 24, 24], r"at most two top-k / top-p samplers.*samplers 0 and 1 come before 'top-k' \(sampler 2\)"),
+    ([24, "p", "p"], r"at most two top-k / top-p samplers.*'top-p' \(sampler 2\)"),
+    ([3, 5], r"top-k 5 \(sampler 1\) asks for more candidates than the 3 that top-k sampler 0 leaves"),
+    (["p", 40000], r"top-k 40000 \(sampler 1\) asks for more candidates than the 32000 tokens of the vocabulary"),
+])
+def test_a_backend_chain_llama_cpp_cannot_build_is_refused_at_attach(target_model, ks, message):
+    from pyspec import SamplerChain
+
+    def chain():
+        ch = SamplerChain()
+        for k in ks:
+            ch.add_top_p(0.9) if k == "p" else ch.add_top_k(k)
+        return ch.add_dist(1)
+
+    assert target_model.vocab.n_tokens == 32000
+    with _backend_ctx(target_model) as c, chain() as ch, pytest.raises(ValueError, match=message):
+        c.set_sampler(0, ch)
+    with chain() as ch, pytest.raises(ValueError, match=message):
+        _backend_ctx(target_model, samplers={0: ch})
+
+
+def test_two_reorders_and_a_top_k_no_larger_than_the_last_build_and_sample(target_model):
+    from pyspec import SamplerChain
+
+    tokens = target_model.vocab.tokenize("Call me Ishmael. Some years ago")
+    batch = Batch(len(tokens), 0, 1)
+    batch.add_sequence(tokens, 0, 0)
+    with _backend_ctx(target_model) as plain:
+        plain.decode(batch)
+        want = set(np.argsort(-plain.get_logits_ith(-1))[:8].tolist())
+    with SamplerChain().add_top_k(24).add_top_k(8).add_min_p(0.0).add_dist(3) as ch, _backend_ctx(target_model) as c:
+        assert c.set_sampler(0, ch)
+        c.decode(batch)
+        got = set(c.get_sampled_candidates_ith(-1).tolist())
+        assert got == want and c.get_sampled_token_ith(-1) in want

@@ -221,7 +221,7 @@ class Context(Handle):
             deps.append(self.other)
         # backend sampler chains: {seq_id: SamplerChain}, each retained while attached
         self._samplers: dict[int, Any] = {}
-        samplers = self._check_samplers(params.get("samplers"), int(cparams.n_seq_max))
+        samplers = self._check_samplers(params.get("samplers"), int(cparams.n_seq_max), model.vocab.n_tokens)
         cfg = None
         if samplers:
             cfg = ffi.new("struct llama_sampler_seq_config[]", len(samplers))
@@ -238,7 +238,7 @@ class Context(Handle):
         reserved: list[Any] = []
         try:
             for chain in samplers.values():
-                chain._reserve()  # no other thread attaches it meanwhile
+                chain._reserve(model.vocab.n_tokens)  # no other thread attaches it meanwhile
                 reserved.append(chain)
                 chain.retain()  # alive and unchanged from here on
                 taken.append(chain)
@@ -376,7 +376,7 @@ class Context(Handle):
             )
 
     @staticmethod
-    def _check_samplers(samplers: Any, n_seq_max: int) -> dict[int, Any]:
+    def _check_samplers(samplers: Any, n_seq_max: int, n_vocab: int) -> dict[int, Any]:
         from pyspec.core.sampler import SamplerChain
 
         if not samplers:
@@ -389,7 +389,7 @@ class Context(Handle):
                 raise ValueError(f"samplers: seq_id {seq!r} out of range 0..{n_seq_max - 1}")
             if not isinstance(chain, SamplerChain):
                 raise TypeError(f"samplers[{seq}] must be a SamplerChain, got {type(chain).__name__}")
-            chain._check_attachable()
+            chain._check_attachable(n_vocab)
             if any(chain is c for c in out.values()):
                 raise ValueError("samplers: one SamplerChain cannot serve two sequences (it is set up once per use)")
             out[seq] = chain
@@ -853,7 +853,7 @@ class Context(Handle):
         if chain is not None:
             if not isinstance(chain, SamplerChain):
                 raise TypeError(f"chain must be a SamplerChain or None, got {type(chain).__name__}")
-            chain._reserve()
+            chain._reserve(self.model.vocab.n_tokens)
         entered = False  # a refused guard gives the reservation back; past it, the body does
         try:
             with self.in_use() as ptr:

@@ -109,6 +109,7 @@ class SamplerChain(Handle):
         self._vocab: Any = None
         self._grammars: list[int] = []  # chain indices of grammar samplers
         self._top_k = 0  # the smallest top-k added so far (0: none), which bounds the candidates after it
+        self._top_ks: dict[int, int] = {}  # chain index -> k of each top-k sampler added here (k > 0)
         self._used = False  # set up for a context's backend sampling (llama.cpp does that once per chain)
         self._attaching = False  # a Context.set_sampler call holds it (see _reserve)
         self._attach_lock = threading.Lock()
@@ -147,8 +148,10 @@ class SamplerChain(Handle):
         return self._add(llama.llama_sampler_init_dist(_int("seed", seed, 0, 2**64 - 1) & 0xFFFFFFFF), "dist")
 
     def add_top_k(self, k: int) -> SamplerChain:
+        index = len(self)
         self._add(llama.llama_sampler_init_top_k(_int("k", k)), "top-k")
         if k > 0:
+            self._top_ks[index] = k
             self._top_k = min(self._top_k or k, k)
         return self
 
@@ -262,7 +265,8 @@ class SamplerChain(Handle):
 
     # --- attaching to a context (Context.set_sampler) ------------------------------
 
-    def _check_attachable(self) -> None:
+    def _check_attachable(self, n_vocab: int = 0) -> None:
+        """Whether llama.cpp can set this chain up as a backend sampler of a model of n_vocab tokens."""
         self.check_open()
         if self._used:
             raise ValueError(
@@ -281,12 +285,41 @@ class SamplerChain(Handle):
                     f"a backend sampler chain selects once: 'dist' (sampler {first}) is followed by '{n}' "
                     f"(sampler {i}); end the chain with one selecting sampler"
                 )
+        self._check_backend_candidates(names, n_vocab)
 
-    def _reserve(self) -> None:
+    def _check_backend_candidates(self, names: list[str], n_vocab: int) -> None:
+        # llama-sampler.cpp's backend graph: top-k and top-p reorder an existing candidate list
+        # with get_rows, which leaves it a [1, n] tensor that a third of them cannot reshape
+        # (top-k) or sort (top-p), and ggml_top_k asserts that k is at most the candidates an
+        # earlier top-k left, or the vocabulary (found by scripts/fuzz.py --atheris, api target:
+        # three top-k 24)
+        seen: list[int] = []
+        left, by = n_vocab, -1  # the candidates so far (0: unknown) and the top-k that left them (-1: none)
+        for i, name in enumerate(names):
+            if name not in ("top-k", "top-p"):
+                continue
+            if len(seen) == 2:
+                raise ValueError(
+                    f"a backend sampler chain takes at most two top-k / top-p samplers (llama.cpp's graph "
+                    f"cannot reorder its candidates a third time): samplers {seen[0]} and {seen[1]} come before "
+                    f"'{name}' (sampler {i})"
+                )
+            k = self._top_ks.get(i, 0) if name == "top-k" else 0
+            if k and left and k > left:
+                raise ValueError(
+                    f"top-k {k} (sampler {i}) asks for more candidates than the {left} "
+                    + (f"that top-k sampler {by} leaves" if by >= 0 else "tokens of the vocabulary")
+                    + " on the backend; give it a k no larger"
+                )
+            if k:
+                left, by = k, i
+            seen.append(i)
+
+    def _reserve(self, n_vocab: int = 0) -> None:
         """Check and reserve this chain for one Context.set_sampler call, in one step: two threads
         attaching it to two contexts at once cannot both pass the check."""
         with self._attach_lock:
-            self._check_attachable()
+            self._check_attachable(n_vocab)
             if self._attaching:
                 raise ValueError("this chain is being attached to a context by another thread "
                                  "(attach a clone() instead)")
@@ -338,6 +371,7 @@ class SamplerChain(Handle):
         with self.in_use() as ptr:
             llama.llama_sampler_free(llama.llama_sampler_chain_remove(ptr, i))
         self._grammars = [g - (g > i) for g in self._grammars if g != i]
+        self._top_ks = {j - (j > i): k for j, k in self._top_ks.items() if j != i}
 
     def _check_token(self, token: int) -> int:
         t = _int("token", token)
@@ -473,6 +507,7 @@ class SamplerChain(Handle):
             raise
         out._n_vocab, out._vocab = self._n_vocab, self._vocab
         out._grammars = list(self._grammars)
+        out._top_ks = dict(self._top_ks)
         return out
 
     @property
