@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 SLOT = 1 << 20  # the largest input the shared memory file holds (longer inputs are cut there)
 _HEAD = 16  # the slot file starts with the input's length and the number of inputs started
 # cli runs only when named (a process per input)
-ALL = ["grammar", "state", "ngram", "api", "params", "gguf", "gguf_doors"]
+ALL = ["grammar", "state", "ngram", "api", "params", "gguf", "gguf_doors", "server"]
 
 
 # --- the worker ---------------------------------------------------------------------

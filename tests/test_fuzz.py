@@ -32,7 +32,7 @@ def run_fuzz(tmp_path: Path, targets: str, seconds: float, *extra: str) -> list[
 
 
 def test_every_target_runs_inputs_without_signal_hang_or_finding(tmp_path):
-    results = run_fuzz(tmp_path, "grammar,state,ngram,api,params,gguf", 4)
+    results = run_fuzz(tmp_path, "grammar,state,ngram,api,params,gguf,server", 4)
     for r in results:
         assert r["inputs"] > 0, r
         assert (r["signals"], r["hangs"], r["findings"]) == (0, 0, 0), r

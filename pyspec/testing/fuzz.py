@@ -20,6 +20,8 @@ Targets:
   params    speculative and sampling parameters through both engines: same tokens, or the
             same exception and message
   cli       command lines for ``python -m pyspec`` (a subprocess each: exit 0, 1 or 2, no traceback)
+  server    request bodies for every endpoint of ``pyspec serve`` that takes one (pyspec.testing.fuzz_server):
+            never a 5xx
 """
 
 from __future__ import annotations
@@ -865,9 +867,16 @@ def target_cli(data: bytes) -> None:
         raise Finding(f"pyspec {' '.join(argv)}: exit {out.returncode}: {out.stderr[-800:]}")
 
 
+def target_server(data: bytes) -> None:
+    from pyspec.testing.fuzz_server import target_server as run
+
+    run(data)
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "grammar": target_grammar, "state": target_state, "ngram": target_ngram, "gguf": target_gguf,
     "api": target_api, "params": target_params, "cli": target_cli, "gguf_doors": target_gguf_doors,
+    "server": target_server,
 }
 
 
