@@ -108,7 +108,6 @@ class SamplerChain(Handle):
         self._n_vocab = 0  # the vocabulary size of the samplers that know one (0: none yet)
         self._vocab: Any = None
         self._grammars: list[int] = []  # chain indices of grammar samplers
-        self._top_k = 0  # the smallest top-k added so far (0: none), which bounds the candidates after it
         self._top_ks: dict[int, int] = {}  # chain index -> k of each top-k sampler added here (k > 0)
         self._used = False  # set up for a context's backend sampling (llama.cpp does that once per chain)
         self._attaching = False  # a Context.set_sampler call holds it (see _reserve)
@@ -152,7 +151,6 @@ class SamplerChain(Handle):
         self._add(llama.llama_sampler_init_top_k(_int("k", k)), "top-k")
         if k > 0:
             self._top_ks[index] = k
-            self._top_k = min(self._top_k or k, k)
         return self
 
     def add_top_p(self, p: float, min_keep: int = 1) -> SamplerChain:
@@ -256,7 +254,8 @@ class SamplerChain(Handle):
         return self
 
     def add_infill(self, vocab: Vocab) -> SamplerChain:
-        if not 0 < self._top_k <= INFILL_MAX_CANDIDATES:
+        # the smallest top-k so far bounds the candidates infill compares pairwise
+        if not 0 < min(self._top_ks.values(), default=0) <= INFILL_MAX_CANDIDATES:
             raise ValueError(INFILL_MESSAGE)
         vptr = self._vocab_of(vocab)
         if (why := infill_piece_error(vptr)) is not None:
