@@ -17,6 +17,8 @@ from typing import Any
 
 from pyspec.errors import FuzzFinding as Finding
 
+__all__ = ["ENDPOINTS", "FIELDS", "body", "setup", "target_server"]
+
 S: dict[str, Any] = {}
 
 ENDPOINTS = ["/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
