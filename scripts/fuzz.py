@@ -232,6 +232,10 @@ def main() -> int:
         _worker(args)
         return 0
     targets = ALL if args.target == "all" else args.target.split(",")
+    known = [*ALL, "cli"]
+    unknown = [t for t in targets if t not in known]
+    if unknown:  # a worker would die on each at start-up, and each death would count as a signal
+        ap.error(f"unknown target {', '.join(map(repr, unknown))}: choose from {', '.join(known)}, or all")
     results = []
     for t in targets:
         r = fuzz_target(t, args.seconds, args)
