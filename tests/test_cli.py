@@ -99,7 +99,8 @@ def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys
     assert set(rows) == {(t, e) for t in ("none", "ngram-simple") for e in ("python", "fixed", "loop")}
     for r in data["rows"]:
         assert {"acceptance", "gen_tps", "speedup", "speedup_prompts", "speedup_min", "bound", "cpp_ratio",
-                "overhead_us_per_step", "same_as_plain", "identical", "n_drafted", "n_accepted"} <= set(r)
+                "overhead_us_per_step", "same_as_plain", "identical", "n_drafted", "n_accepted",
+                "mean_accepted_length", "accepted_per_pos", "n_drafts"} <= set(r)
         assert r["gen_tps"] > 0
     # the fixed engine makes llama.cpp's decisions: the C++ loop's tokens, its drafts
     assert rows[("ngram-simple", "fixed")]["identical"] is True
@@ -115,6 +116,23 @@ def test_bench_writes_json_with_every_type_and_engine_and_a_png(tmp_path, capsys
     assert data["n_predict"] == 16 and data["repeat"] == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "ngram-simple" in out and "speed-up" in out
+
+
+def test_bench_runs_the_suffix_type_on_the_port_and_says_it_skipped_the_loop(tmp_path, capsys):
+    from pyspec.cli import bench
+
+    js = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--tiny", "--types", "suffix", "--engines", "fixed,loop", "--n-predict", "16",
+                   "--repeat", "1", "--n-prompts", "1", "--quiet", "--json", str(js)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(js.read_text())
+    rows = {(r["type"], r["engine"]): r for r in data["rows"]}
+    assert set(rows) == {("none", "fixed"), ("none", "loop"), ("suffix", "fixed")}
+    assert rows[("suffix", "fixed")]["n_drafted"] > 0
+    assert rows[("suffix", "fixed")]["mean_accepted_length"] > 1
+    assert data["skipped"] == [["suffix", "loop", bench.NO_CPP_TWIN]]
+    assert "not run: suffix on loop" in out and "mean acc" in out
 
 
 def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):

@@ -327,8 +327,8 @@ def test_the_suffix_type_is_a_type_name_for_serve_and_refused_by_run():
     assert commands._types_arg("suffix,ngram-mod") == "suffix,ngram-mod"
     assert "suffix" in commands._known_types()
     with pytest.raises(CliError, match="suffix type runs in the Engine"):
-        commands._no_suffix("ngram-mod+suffix", "bench")
-    commands._no_suffix("ngram-mod", "bench")  # llama.cpp's types pass
+        commands._no_suffix("ngram-mod+suffix", "run")
+    commands._no_suffix("ngram-mod", "run")  # llama.cpp's types pass
 
 
 @pytest.mark.parametrize("argv, named", [(["--template-timeout", "0"], "template timeout"),

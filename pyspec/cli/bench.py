@@ -20,7 +20,15 @@ cost curve measured in this run: :func:`~pyspec.generation.draft_length.oracle_s
 the ratio to the C++ loop (median over prompts and repeats of the paired ratio);
 the wall time per step outside llama_decode /
 llama_encode; whether the tokens equal plain decoding's, and the C++ loop's, for
-every prompt and repeat.
+every prompt and repeat; and, from the drafts each run verified, vLLM's mean
+accepted length (1 + accepted / drafts: tokens per verified draft) and the
+acceptance per draft position (the share of drafts whose token i was accepted;
+it cannot rise with i, since a token is accepted only after every token before it).
+
+The ``suffix`` type (pyspec's own, :mod:`pyspec.suffix`; ``"suffix"`` in a type set, as
+``Engine.load`` takes it) runs through the same driver, so on the ``python`` and
+``fixed`` engines only: it has no C++ twin, and the report names the ``cpp`` and
+``loop`` runs it did not make (:attr:`Report.skipped`).
 
 With ``oracle=(2, 4, 8, ...)`` each type also runs with llama.cpp's fixed draft
 lengths capped at each of those lengths (:class:`~pyspec.generation.draft_length.CappedDraftLength`);
@@ -42,20 +50,27 @@ from typing import Any
 
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_type_to_str
-from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
+from pyspec.generation.contexts import ModelSet, open_contexts, parse_types, spec_params
 from pyspec.generation.draft_length import CappedDraftLength, CostCurve, oracle_speedup
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
-from pyspec.generation.statistics import GenerationStats, SequenceResult
+from pyspec.generation.statistics import GenerationStats, SequenceResult, SpecDecodeCounters
+from pyspec.suffix.impl import suffix_params
+from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
-    "BUILTIN_PROMPTS", "ENGINES", "Report", "Row", "Run", "common_log", "format_oracle", "format_table",
-    "read_prompts", "run_bench",
-    "run_once", "write_json", "write_plot",
+    "BUILTIN_PROMPTS", "ENGINES", "NO_CPP_TWIN", "Report", "Row", "Run", "common_log", "format_oracle",
+    "format_table", "parse_bench_types", "read_prompts", "run_bench", "run_once", "runs_on", "split_types",
+    "write_json", "write_plot",
 ]
 
 ENGINES = ("python", "fixed", "cpp", "loop")
 # engines that run the port with llama.cpp's fixed draft lengths, whose drafts give the bound
 _FIXED = ("fixed", "cpp")
+# engines that run the C++ reference, where a type of pyspec's own has no twin
+_CPP = ("cpp", "loop")
+NO_CPP_TWIN = "the suffix type is pyspec's own, with no C++ twin; it runs on the port only (engines python, fixed)"
+# the draft positions the table shows (the JSON and the plot have them all)
+_TABLE_POSITIONS = 8
 
 # continuations with repeated structure, where n-gram drafts have something to find
 BUILTIN_PROMPTS: tuple[str, ...] = (
@@ -112,6 +127,27 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+def parse_bench_types(item: str) -> list[Any]:
+    """One ``--types`` item (``"ngram-mod"``, ``"suffix+ngram-mod"``) as :func:`run_bench` takes a type set:
+    llama.cpp's types, after ``"suffix"`` (SUFFIX_TYPE_NAME) when the item names it."""
+    rest, suffix = split_suffix_type(item)
+    types: list[Any] = parse_types(rest)
+    if suffix:
+        return [SUFFIX_TYPE_NAME] + ([] if types == [T.NONE] else types)
+    return types
+
+
+def split_types(types: Sequence[Any]) -> tuple[list[T], bool]:
+    """A type set's llama.cpp types ([NONE] when it has none) and whether it holds the suffix type."""
+    rest, suffix = split_suffix_type(list(types))
+    return parse_types(rest), suffix
+
+
+def runs_on(types: Sequence[Any], engine: str) -> bool:
+    """Whether the type set runs on the engine (``fixed@N`` is the fixed engine): not the suffix type in C++."""
+    return not (split_types(types)[1] and engine.partition("@")[0] in _CPP)
+
+
 @contextlib.contextmanager
 def common_log(verbose: bool) -> Iterator[None]:
     """The C++ reference's common log on stderr only with --verbose."""
@@ -157,6 +193,12 @@ class Row:
     n_drafted: int
     n_accepted: int
     acceptance: float
+    # vLLM's mean acceptance length: 1 + accepted / verified drafts, over every run of the row (None: no
+    # draft verified, or the C++ loop, which reports totals only); n_drafts: verified drafts (per repeat)
+    mean_accepted_length: float | None
+    # [i]: the share of the verified drafts whose token i (from 0) was accepted (vLLM's per-position rate)
+    accepted_per_pos: list[float]
+    n_drafts: int
     gen_tps: float  # median over repeats of (tokens of all prompts / their generation time)
     gen_tps_runs: list[float]
     speedup: float | None  # over plain decoding (type none) on the same engine, all prompts
@@ -196,6 +238,8 @@ class Report:
     oracle: list[int] = field(default_factory=list)  # the draft-length caps tried (--oracle)
     # per prompt: the best (type, cap, speed-up over plain) over every type and cap, in hindsight
     oracle_best: list[tuple[str, int, float]] = field(default_factory=list)
+    # (type, engine, why): the configurations asked for and not run (the suffix type on cpp and loop)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
     wall_s: float = 0.0
 
     def row(self, type_name: str, engine: str) -> Row | None:
@@ -214,7 +258,7 @@ class Report:
 
 def run_once(
     models: ModelSet,
-    types: Sequence[T],
+    types: Sequence[Any],
     engine: str,
     prompt: str,
     n_predict: int,
@@ -227,18 +271,25 @@ def run_once(
 
     ``curve``, when given, receives the verify cost curve the run measured (or shared);
     ``limit`` caps llama.cpp's fixed draft lengths (an oracle candidate; python engine only).
+    ``types`` may hold ``"suffix"`` (the Engine's suffix type, its n_max from ``spec_kw``'s as in
+    Engine.load); ValueError on the cpp and loop engines, which have no suffix type.
     """
-    spec = spec_params(types, **spec_kw)
+    llama, suffix = split_types(types)
+    if suffix and not runs_on(types, engine):
+        raise ValueError(f"engine {engine}: {NO_CPP_TWIN}")
+    spec = spec_params(llama, **spec_kw)
     with open_contexts(models, spec, **ctx_kw) as cs:
         if engine == "loop":
             from pyspec.generation.cpp_loop import cpp_generate
 
             (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
             return res, st
-        with SpeculativeGenerator(cs.ctx_tgt, spec, greedy_sampling(), n_seq=1,
-                                  backend="cpp" if engine == "cpp" else "python",
+        # the suffix type alone: no llama.cpp spec, as Engine.load passes it
+        with SpeculativeGenerator(cs.ctx_tgt, None if suffix and llama == [T.NONE] else spec, greedy_sampling(),
+                                  n_seq=1, backend="cpp" if engine == "cpp" else "python",
                                   adaptive_draft=engine == "python",
-                                  draft_controller=None if limit is None else CappedDraftLength(limit)) as gen:
+                                  draft_controller=None if limit is None else CappedDraftLength(limit),
+                                  suffix=suffix_params(spec_kw.get("n_max")) if suffix else None) as gen:
             (res,) = gen.generate([prompt], n_predict)
             if curve is not None and gen.draft_ctl is not None:
                 for n, c in gen.draft_ctl.curve.as_dict().items():
@@ -246,13 +297,27 @@ def run_once(
             return res, gen.stats
 
 
-def _type_key(types: Sequence[T]) -> str:
-    return "+".join(common_speculative_type_to_str(t) for t in types)
+def _type_key(types: Sequence[Any]) -> str:
+    llama, suffix = split_types(types)
+    names = [common_speculative_type_to_str(t) for t in llama if not (suffix and t == T.NONE)]
+    return "+".join(([SUFFIX_TYPE_NAME] if suffix else []) + names)
+
+
+def _spec_counters(runs: Sequence[Run]) -> SpecDecodeCounters | None:
+    """vLLM's counters over the runs' verified drafts; None when a run drafted without reporting its
+    drafts (the C++ loop gives totals only)."""
+    counters = SpecDecodeCounters()
+    for r in runs:
+        if r.n_drafted and not r.drafts:
+            return None
+        for n, a in r.drafts:
+            counters.record(n, a)
+    return counters
 
 
 def run_bench(
     models: ModelSet,
-    type_sets: Sequence[Sequence[T]],
+    type_sets: Sequence[Sequence[Any]],
     *,
     engines: Sequence[str] = ("python", "fixed", "loop"),
     prompts: Sequence[str] = BUILTIN_PROMPTS,
@@ -267,14 +332,16 @@ def run_bench(
     """Run every type set (plain decoding first) on every engine, ``repeat`` times over all prompts.
 
     ``oracle``: draft-length caps; each speculative type also runs with llama.cpp's fixed
-    lengths capped at each (engine name ``fixed@N``), for the oracle columns.
+    lengths capped at each (engine name ``fixed@N``), for the oracle columns. A type set may hold
+    ``"suffix"`` (:func:`parse_bench_types`); it runs on the python and fixed engines only, and the
+    others are listed in :attr:`Report.skipped`.
     """
     if any(n <= 0 for n in oracle):
         raise ValueError(f"oracle caps must be positive, got {list(oracle)}")
     spec_kw = spec_kw or {}
     ctx_kw = ctx_kw or {}
     t_start = time.perf_counter()
-    sets = [[T.NONE]] + [list(ts) for ts in type_sets if list(ts) != [T.NONE]]
+    sets: list[list[Any]] = [[T.NONE]] + [list(ts) for ts in type_sets if list(ts) != [T.NONE]]
     report = Report(model_name, n_predict, repeat, list(prompts), {**spec_kw, **ctx_kw, "engines": list(engines)},
                     oracle=sorted(set(oracle)))
     curve = CostCurve(window=999)
@@ -284,11 +351,13 @@ def run_bench(
         progress("warming up (one short plain run)...")
     run_once(models, [T.NONE], "python", prompts[0], min(8, n_predict), spec_kw, ctx_kw)
 
-    def plan(types: list[T]) -> list[str]:
+    def plan(types: list[Any]) -> list[str]:
         # plain decoding is the same for python and fixed: run it once
         if types == [T.NONE]:
             return [e for e in engines if e != "fixed"] if "python" in engines else list(engines)
-        return list(engines) + [f"fixed@{n}" for n in report.oracle]
+        return [e for e in [*engines, *(f"fixed@{n}" for n in report.oracle)] if runs_on(types, e)]
+
+    report.skipped = [(_type_key(ts), e, NO_CPP_TWIN) for ts in sets for e in engines if not runs_on(ts, e)]
 
     runs: list[Run] = []
     total = repeat * len(prompts) * sum(len(plan(ts)) for ts in sets)
@@ -320,7 +389,7 @@ def run_bench(
     return report
 
 
-def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Sequence[str], repeat: int,
+def _summarise(report: Report, runs: list[Run], sets: Sequence[Sequence[Any]], engines: Sequence[str], repeat: int,
                n_prompts: int, curve: CostCurve) -> None:
     def select(type_key: str, engine: str, prompt: int | None = None, rep: int | None = None) -> list[Run]:
         return [r for r in runs if r.type == type_key and r.engine == engine
@@ -336,10 +405,12 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
         return oracle_speedup(curve, [d for r in rr for d in r.drafts], sum(r.n_steps for r in rr),
                               sum(r.n_gen_tokens for r in rr), sum(r.t_draft_s for r in rr))
 
-    fixed_engine = next((e for e in _FIXED if e in engines), None)
     for types in sets:
         key = _type_key(types)
+        fixed_engine = next((e for e in _FIXED if e in engines and runs_on(types, e)), None)
         for engine in engines:
+            if not runs_on(types, engine):
+                continue
             mine = select(key, engine)
             per_rep = [tps(select(key, engine, rep=k)) for k in range(repeat)]
             plain_rep = [tps(select("none", engine, rep=k)) for k in range(repeat)]
@@ -355,11 +426,16 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
             n_drafted = sum(r.n_drafted for r in mine) // repeat
             n_accepted = sum(r.n_accepted for r in mine) // repeat
             plains = {(r.prompt, r.repeat): r.tokens for r in select("none", engine)}
+            counters = _spec_counters(mine) if spec else None
             report.rows.append(Row(
                 type=key, engine=engine,
                 n_gen_tokens=sum(r.n_gen_tokens for r in mine) // repeat,
                 n_drafted=n_drafted, n_accepted=n_accepted,
                 acceptance=n_accepted / n_drafted if n_drafted else 0.0,
+                mean_accepted_length=counters.mean_acceptance_length if counters and counters.n_drafts else None,
+                accepted_per_pos=[v / counters.n_drafts for v in counters.accepted_per_pos]
+                if counters and counters.n_drafts else [],
+                n_drafts=counters.n_drafts // repeat if counters else 0,
                 gen_tps=statistics.median(per_rep), gen_tps_runs=per_rep,
                 speedup=statistics.median([a / b for a, b in zip(per_rep, plain_rep, strict=True) if b > 0] or [0.0]),
                 speedup_prompts=per_prompt,
@@ -386,7 +462,7 @@ def _summarise(report: Report, runs: list[Run], sets: list[list[T]], engines: Se
                      if (lr := loops.get((r.prompt, r.repeat))) is not None and (t_loop := tps([lr])) > 0]
             row.cpp_ratio = statistics.median(pairs) if pairs else None
         other = baseline if row.engine != baseline else next((e for e in engines if e != baseline), None)
-        if other is not None:
+        if other is not None and select(row.type, other):  # the suffix type has no loop run to compare
             mine_t = {(r.prompt, r.repeat): r.tokens for r in select(row.type, row.engine)}
             theirs = {(r.prompt, r.repeat): r.tokens for r in select(row.type, other)}
             row.identical = all(mine_t[k] == theirs.get(k) for k in mine_t)
@@ -451,16 +527,17 @@ def _fmt(x: float | None, spec: str, none: str = "-") -> str:
 def format_table(report: Report) -> str:
     """The report as a text table, then the measured verify cost curve."""
     yn = {None: "-", True: "yes", False: "NO"}
-    head = ("type", "engine", "accept", "drafted", "gen tok/s", "speed-up", "worst", "bound", "vs", "vs C++",
-            "overhead", "same as", "same as")
-    lines = [head, ("", "", "", "", "(median)", "vs plain", "prompt", "", "oracle", "loop", "µs/step", "plain",
-                    "C++ loop")]
+    head = ("type", "engine", "accept", "drafted", "mean acc", "gen tok/s", "speed-up", "worst", "bound", "vs",
+            "vs C++", "overhead", "same as", "same as")
+    lines = [head, ("", "", "", "", "length", "(median)", "vs plain", "prompt", "", "oracle", "loop", "µs/step",
+                    "plain", "C++ loop")]
     for r in report.rows:
         spec = r.type != "none"
         lines.append((
             r.type, r.engine,
             f"{r.acceptance * 100:.1f}%" if spec else "-",
             f"{r.n_accepted}/{r.n_drafted}" if spec else "-",
+            _fmt(r.mean_accepted_length, ".2f"),
             f"{r.gen_tps:.1f}",
             _fmt(r.speedup, ".2f") + ("x" if r.speedup is not None else ""),
             _fmt(r.speedup_min, ".2f") + ("x" if r.speedup_min is not None else "") if spec else "-",
@@ -480,7 +557,23 @@ def format_table(report: Report) -> str:
             out.append("  ".join("-" * w for w in widths))
     out.append("bound: the speed-up if every step verified exactly the draft tokens that get accepted (the drafts "
                "of the fixed-length run,\non the verify cost curve below); worst prompt: the lowest per-prompt "
-               "speed-up (median over repeats of the paired ratio).")
+               "speed-up (median over repeats of the paired ratio);\nmean acc length: 1 + accepted / verified "
+               "drafts (tokens per verified draft, vLLM's mean acceptance length).")
+    engine = _plot_engine(report)
+    pos_rows = [r for r in report.rows if r.engine == engine and r.accepted_per_pos]
+    if pos_rows:
+        out.append(f"acceptance per draft position ({engine}): the share of verified drafts whose token i was "
+                   "accepted")
+        w = max(len(r.type) for r in pos_rows)
+        for r in pos_rows:
+            shares = "  ".join(f"{i + 1}:{v:.2f}" for i, v in enumerate(r.accepted_per_pos[:_TABLE_POSITIONS]))
+            more = f"  ... ({len(r.accepted_per_pos)} positions)" if len(r.accepted_per_pos) > _TABLE_POSITIONS else ""
+            out.append(f"  {r.type:<{w}}  {shares}{more}")
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for t, e, why in report.skipped:
+        skipped.setdefault((t, why), []).append(e)
+    for (t, why), es in skipped.items():
+        out.append(f"not run: {t} on {', '.join(es)}: {why}")
     if report.oracle:
         out.append(format_oracle(report))
     if report.cost_curve:
@@ -498,8 +591,17 @@ def write_json(report: Report, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report.as_dict(), indent=2) + "\n", encoding="utf-8")
 
 
+def _plot_engine(report: Report) -> str:
+    """The engine whose rows the plot and the per-position lines show: python when it ran."""
+    if report.row("none", "python") or not report.rows:
+        return "python"
+    return report.rows[0].engine
+
+
 def write_plot(report: Report, path: str | Path) -> None:
-    """A PNG: measured speed-up against the bound per type, and each prompt's speed-up beside its bound."""
+    """A PNG, one engine's rows (python when it ran), every type side by side in three panels: the speed-up
+    over plain decoding (with its bound from the measured verify cost curve, and each prompt's speed-up),
+    the mean accepted length, and the acceptance per draft position."""
     try:
         import matplotlib
 
@@ -508,41 +610,48 @@ def write_plot(report: Report, path: str | Path) -> None:
     except ImportError:
         raise ImportError("--plot needs matplotlib: pip install matplotlib") from None
 
-    engine = "python" if report.row("none", "python") else report.rows[0].engine
+    engine = _plot_engine(report)
     rows = [r for r in report.rows if r.engine == engine and r.type != "none"]
-    fig, (ax_b, ax_p) = plt.subplots(1, 2, figsize=(12, 4.6))
-    top = max([1.2] + [x for r in rows for x in (r.bound or 0, r.speedup or 0)]) * 1.08
-    ax_b.plot([0, top], [0, top], color="grey", linewidth=0.8, linestyle=":", label="speed-up = bound")
-    ax_b.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    for r in rows:
-        if r.bound is None or r.speedup is None:
-            continue
-        ax_b.scatter([r.bound], [r.speedup], s=30)
-        ax_b.annotate(r.type, (r.bound, r.speedup), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax_b.set_xlim(0, top)
-    ax_b.set_ylim(0, top)
-    ax_b.set_xlabel("bound: best draft lengths with foresight (x plain)")
-    ax_b.set_ylabel(f"measured speed-up ({engine}, x plain)")
-    ax_b.set_title("speed-up against the bound")
-    ax_b.legend(fontsize=8, loc="upper left")
-
-    n_p = len(report.prompts)
+    colors = [f"C{k % 10}" for k in range(len(rows))]  # one colour per type in every panel
     xs = list(range(len(rows)))
-    width = 0.8 / max(1, n_p)
-    for ip in range(n_p):
-        off = (ip - (n_p - 1) / 2) * width
-        vals = [r.speedup_prompts[ip] if ip < len(r.speedup_prompts) else 0.0 for r in rows]
-        ax_p.bar([x + off for x in xs], vals, width, label=f"prompt {ip + 1}")
-        bounds = [r.bound_prompts[ip] if ip < len(r.bound_prompts) else None for r in rows]
-        ax_p.scatter([x + off for x, b in zip(xs, bounds, strict=True) if b],
-                     [b for b in bounds if b], marker="_", s=120, color="black")
-    ax_p.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax_p.set_xticks(xs, [r.type for r in rows], rotation=20, ha="right")
-    ax_p.set_ylabel("speed-up over plain decoding")
-    ax_p.set_title("per prompt (black: its bound)")
-    ax_p.legend(fontsize=8)
-    fig.suptitle(f"{Path(report.model).name or 'model'}: {n_p} prompts, n_predict {report.n_predict}, "
-                 f"median of {report.repeat}", fontsize=10)
+    names = [r.type for r in rows]
+    fig, (ax_s, ax_l, ax_p) = plt.subplots(1, 3, figsize=(16, 4.8))
+
+    ax_s.bar(xs, [r.speedup or 0.0 for r in rows], 0.6, color=colors)
+    for x, r in zip(xs, rows, strict=True):
+        if r.bound is not None:
+            ax_s.scatter([x], [r.bound], marker="_", s=600, color="black", zorder=3)
+        if len(r.speedup_prompts) > 1:
+            ax_s.scatter([x] * len(r.speedup_prompts), r.speedup_prompts, s=10, color="dimgrey", zorder=3)
+    ax_s.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax_s.set_xticks(xs, names, rotation=20, ha="right")
+    ax_s.set_ylabel("x plain decoding")
+    ax_s.set_title("speed-up (black: bound; dots: per prompt)", fontsize=10)
+
+    ax_l.bar(xs, [r.mean_accepted_length or 0.0 for r in rows], 0.6, color=colors)
+    for x, r in zip(xs, rows, strict=True):
+        if r.mean_accepted_length is not None:
+            ax_l.annotate(f"{r.mean_accepted_length:.2f}", (x, r.mean_accepted_length), ha="center",
+                          textcoords="offset points", xytext=(0, 3), fontsize=8)
+    ax_l.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax_l.set_xticks(xs, names, rotation=20, ha="right")
+    ax_l.set_ylabel("tokens per verified draft")
+    ax_l.set_title("mean accepted length (1 + accepted / drafts)", fontsize=10)
+
+    for r, c in zip(rows, colors, strict=True):
+        if r.accepted_per_pos:
+            ax_p.plot(range(1, len(r.accepted_per_pos) + 1), r.accepted_per_pos, marker="o", markersize=3,
+                      color=c, label=r.type)
+    ax_p.set_ylim(0, 1.02)
+    ax_p.set_xlabel("draft position")
+    ax_p.set_ylabel("share of drafts with that token accepted")
+    ax_p.set_title("acceptance per draft position", fontsize=10)
+    if any(r.accepted_per_pos for r in rows):
+        ax_p.legend(fontsize=8)
+    skipped = sorted({f"{t} on {e}" for t, e, _ in report.skipped})
+    fig.suptitle(f"{Path(report.model).name or 'model'}, engine {engine}: {len(report.prompts)} prompts, "
+                 f"n_predict {report.n_predict}, median of {report.repeat}"
+                 + (f" (not run: {', '.join(skipped)}: no C++ twin)" if skipped else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)

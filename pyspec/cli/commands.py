@@ -57,7 +57,7 @@ def _no_suffix(types: str, command: str) -> None:
 
     if split_suffix_type(types)[1]:
         raise CliError(f"pyspec {command} runs llama.cpp's types only; the suffix type runs in the Engine: "
-                       "pyspec serve --types suffix, or scripts/bench_traces.py")
+                       "pyspec serve --types suffix, pyspec bench --types suffix, or scripts/bench_traces.py")
 
 
 def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = None,
@@ -370,11 +370,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from pyspec.cli import bench
-    from pyspec.generation.contexts import parse_types
 
-    _no_suffix(args.types, "bench")
-    type_sets = [parse_types(n) for n in args.types.split(",")]
-    all_types = sorted({t for ts in type_sets for t in ts})
+    # "suffix" runs through the same driver (the port only: not on the cpp and loop engines)
+    type_sets = [bench.parse_bench_types(n) for n in args.types.split(",")]
+    all_types = sorted({t for ts in type_sets for t in bench.split_types(ts)[0]})
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in bench.ENGINES]
     if bad or not engines:
@@ -574,13 +573,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each type with llama.cpp's fixed draft lengths capped at each N (e.g. 2,4,8,16) "
                         "and report, per prompt, each row against the best of them in hindsight")
     p.add_argument("--json", help="write the numbers to this JSON file")
-    p.add_argument("--plot", help="write a PNG of the speed-up against its bound, per type and per prompt")
+    p.add_argument("--plot", help="write a PNG of every type side by side: the speed-up over plain (with its bound "
+                                  "and each prompt's), the mean accepted length, the acceptance per draft position")
     p.add_argument("--strict", action="store_true", help="exit 1 when an output differs from the C++ loop's")
     p.add_argument("--quiet", "-q", action="store_true", help="no per-run progress lines")
     _add_model_args(p, 1, "CPU threads per context (default 1: steadier timings on a shared machine; "
                           "0 = all cores)")
     _add_spec_args(p, "ngram-simple,ngram-map-k,ngram-mod,ngram-cache")
-    p.epilog = "--types: each comma item is benchmarked on its own; join types with + to run them together."
+    p.epilog = ("--types: each comma item is benchmarked on its own; join types with + to run them together. "
+                "suffix (pyspec's own type) runs on the python and fixed engines only (no C++ twin).")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("parity", help="C++ vs Python, call by call (see `pyspec parity --help`)", add_help=False)

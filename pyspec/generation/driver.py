@@ -34,6 +34,7 @@ from pyspec.generation.draft_length import DraftLengthController
 from pyspec.generation.engine import Engine, EventCallback, greedy_sampling
 from pyspec.generation.requests import Request, RequestHandle
 from pyspec.generation.statistics import GenerationStats, SequenceResult, warn_deprecated
+from pyspec.suffix.impl import SuffixParams
 
 __all__ = ["EventCallback", "PieceCallback", "SpeculativeGenerator", "generate", "greedy_sampling"]
 
@@ -64,6 +65,7 @@ class SpeculativeGenerator:
     contexts can roll back, which clears their memory (all sequences), as the
     server's start-up does; each generate() starts its sequences from empty
     memory (use :class:`~pyspec.generation.engine.Engine` to reuse prefixes).
+    ``suffix`` adds the suffix type, as the Engine's keyword does (the port only).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class SpeculativeGenerator:
         on_event: EventCallback | None = None,
         adaptive_draft: bool = True,
         draft_controller: DraftLengthController | None = None,
+        suffix: SuffixParams | None = None,
     ) -> None:
         warn_deprecated(f"SpeculativeGenerator is deprecated: {_MOVED}", 2)
         backend = _backend(backend, engine, 2)
@@ -88,7 +91,7 @@ class SpeculativeGenerator:
         self.sampling = sampling if sampling is not None else greedy_sampling()
         self.spec_params = spec
         self.engine = Engine(ctx_tgt, spec, self.sampling, n_parallel=n, backend=backend, on_event=on_event,
-                             adaptive_draft=adaptive_draft, draft_controller=draft_controller)
+                             adaptive_draft=adaptive_draft, draft_controller=draft_controller, suffix=suffix)
         self.draft_ctl = self.engine.draft_ctl
         self.ctx_tgt = ctx_tgt
         self.ctx_dft = self.engine.ctx_dft

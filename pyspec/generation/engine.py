@@ -82,7 +82,7 @@ from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
 from pyspec.generation.statistics import EngineMetrics
 from pyspec.generation.synth import SynthRng, server_sample_and_accept_synth, synth_seed
-from pyspec.suffix.impl import SuffixParams, suffix_n_max
+from pyspec.suffix.impl import SuffixParams, suffix_n_max, suffix_params
 from pyspec.suffix.index import GlobalSuffixIndex
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
@@ -299,7 +299,7 @@ class Engine(EngineQueue):
 
         rest, wants_suffix = split_suffix_type(types)
         if wants_suffix and suffix is None:
-            suffix = SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
+            suffix = suffix_params(n_max)
         parsed = parse_types(rest)
         spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m,
                            synth_len=synth_len, synth_rates=synth_rates)

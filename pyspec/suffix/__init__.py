@@ -12,17 +12,25 @@ from typing import TYPE_CHECKING, Any
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 if TYPE_CHECKING:
-    from pyspec.suffix.impl import SuffixImpl, SuffixParams, impl_name, speculative_init, suffix_n_max
+    from pyspec.suffix.impl import (
+        SuffixImpl,
+        SuffixParams,
+        impl_name,
+        speculative_init,
+        suffix_n_max,
+        suffix_params,
+    )
     from pyspec.suffix.index import GlobalSuffixIndex, SuffixDraft, SuffixIndex
 
 __all__ = [
     "SUFFIX_TYPE_NAME", "GlobalSuffixIndex", "SuffixDraft", "SuffixImpl", "SuffixIndex", "SuffixParams", "impl_name",
-    "speculative_init", "split_suffix_type", "suffix_n_max",
+    "speculative_init", "split_suffix_type", "suffix_n_max", "suffix_params",
 ]
 
 _HOME = {
     "SuffixImpl": "impl", "SuffixParams": "impl", "impl_name": "impl", "speculative_init": "impl",
-    "suffix_n_max": "impl", "GlobalSuffixIndex": "index", "SuffixDraft": "index", "SuffixIndex": "index",
+    "suffix_n_max": "impl", "suffix_params": "impl", "GlobalSuffixIndex": "index", "SuffixDraft": "index",
+    "SuffixIndex": "index",
 }
 
 

@@ -52,7 +52,7 @@ from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
     "SUFFIX_TYPE_NAME", "SuffixImpl", "SuffixParams", "impl_name", "speculative_init", "split_suffix_type",
-    "suffix_n_max",
+    "suffix_n_max", "suffix_params",
 ]
 
 logger = logging.getLogger("pyspec.suffix")
@@ -251,6 +251,12 @@ def suffix_n_max(suffix: SuffixParams | None) -> int:
     """The most tokens the suffix type drafts in one call (0 when it is not selected): the engine's
     common_speculative_n_max counterpart."""
     return 0 if suffix is None else suffix.n_max
+
+
+def suffix_params(n_max: int | None = None) -> SuffixParams:
+    """The suffix type's parameters when a list of type names selects it: the defaults, with the run's
+    ``n_max`` (the llama.cpp types' option) when one is given (Engine.load, pyspec bench)."""
+    return SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
 
 
 def speculative_init(
