@@ -232,7 +232,7 @@ def main() -> int:
         _worker(args)
         return 0
     targets = ALL if args.target == "all" else args.target.split(",")
-    known = [*ALL, "cli"]
+    known = [*ALL, "cli"] + (["extra"] if os.environ.get("PYSPEC_FUZZ_EXTRA") else [])
     unknown = [t for t in targets if t not in known]
     if unknown:  # a worker would die on each at start-up, and each death would count as a signal
         ap.error(f"unknown target {', '.join(map(repr, unknown))}: choose from {', '.join(known)}, or all")
