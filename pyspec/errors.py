@@ -14,6 +14,7 @@ __all__ = [
     "ConcurrentUseError",
     "ContextError",
     "DecodeError",
+    "EmbeddingTooLarge",
     "FuzzFinding",
     "LibraryNotFoundError",
     "LoopInputError",
@@ -106,6 +107,10 @@ class NoChatTemplateError(ChatTemplateError):
 
 class BadRequest(PyspecError, ValueError):
     """An HTTP request body the server refuses with 400 (a field of the wrong type or out of range)."""
+
+
+class EmbeddingTooLarge(BadRequest):
+    """A prompt longer than an embedding can take in one go (llama-server's 'too large' error)."""
 
 
 class BatchFullError(PyspecError, IndexError):

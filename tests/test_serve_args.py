@@ -23,6 +23,7 @@ from pyspec.cli.llama_server_args import (
     table_lines,
 )
 from pyspec.errors import CliError
+from pyspec.server.cors import CorsPolicy
 from pyspec.testing.models import llama_cpp_dir
 
 
@@ -172,8 +173,23 @@ CASES: list[tuple[list[str], str, Any]] = [
     (["--props"], "props", True),
     ([], "props", False),
     # llama-server options pyspec has no use for: dropped with their values, named once
-    (["--lora", "a.gguf", "--embedding", "-to", "600", "--cache-reuse", "256", "--lora", "b.gguf"], "not_applied",
-     ["--lora", "--embedding", "-to", "--cache-reuse"]),
+    (["--lora", "a.gguf", "--rerank", "-to", "600", "--cache-reuse", "256", "--lora", "b.gguf"], "not_applied",
+     ["--lora", "--rerank", "-to", "--cache-reuse"]),
+    # embeddings (llama-server's --embedding, --pooling, --embd-normalize)
+    (["--embedding"], "embedding", True),
+    (["--embeddings", "--pooling", "last", "--embd-normalize", "-1"], "pooling", "last"),
+    (["--embd-normalize", "1"], "embd_normalize", 1),
+    ([], "embd_normalize", 2),
+    ([], "embedding", False),
+    ([], "pooling", None),
+    (["--embedding", "--pooling", "rank"], "not_applied", ["--pooling rank"]),
+    # CORS: llama-server's defaults; localhost by default once server tools are asked for
+    ([], "cors", CorsPolicy()),
+    (["--cors-origins", "localhost", "--cors-methods", "GET", "--cors-headers", "Authorization",
+      "--no-cors-credentials"], "cors", CorsPolicy("localhost", "GET", "Authorization", False)),
+    (["--tools", "all"], "cors", CorsPolicy(origins="localhost")),
+    (["--tools", "all", "--cors-origins", "*"], "cors", CorsPolicy()),
+    (["--spm-infill"], "not_applied", []),
 ]
 
 
@@ -309,7 +325,7 @@ def test_cmd_serve_passes_the_options_on_and_warns_once(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(Engine, "load", staticmethod(load))
     argv = ["serve", "--port", "0", "-m", "t.gguf", "-c", "1024", "-np", "2", "-ub", "64", "--lora", "x.gguf",
-            "--embedding", "--load-mode", "none", "-ngld", "3", "--spec-draft-n-max", "5"]
+            "--rerank", "--load-mode", "none", "-ngld", "3", "--spec-draft-n-max", "5"]
     rest, dropped = commands._serve_argv(argv[1:])
     args = commands.build_parser().parse_args(["serve", *rest])
     args.llama_dropped = dropped
@@ -320,7 +336,14 @@ def test_cmd_serve_passes_the_options_on_and_warns_once(monkeypatch: pytest.Monk
     assert seen["draft_kw"] == {"devices": None, "n_gpu_layers": 3}
     warnings = [r.getMessage() for r in caplog.records if "llama-server options" in r.getMessage()]
     # the context options too when this Engine.load cannot take them: either way one warning
-    assert len(warnings) == 1 and "--lora --embedding" in warnings[0]
+    assert len(warnings) == 1 and "--lora --rerank" in warnings[0]
+
+
+def test_spm_infill_and_a_header_breaking_cors_value():
+    args, _ = _parse("--spm-infill")
+    assert args.spm_infill is True
+    with pytest.raises(CliError, match="--cors-origins holds a control character"):
+        _parse("--cors-origins", "a\r\nX-Evil: 1")
 
 
 def test_the_suffix_type_is_a_type_name_for_serve_and_refused_by_run():

@@ -298,3 +298,172 @@ def test_any_of_several_api_keys_is_accepted(engine: Engine):
         codes = [c.get("/props", headers={"Authorization": f"Bearer {k}"}).status_code for k in ("k1", "k2", "k3")]
         assert codes == [200, 200, 401]
         assert c.get("/props").status_code == 401
+
+
+# --- JSON prompts, /infill, CORS, several addresses ------------------------------------------------
+
+
+def test_a_json_prompt_object_is_its_prompt_string(http: TestClient):
+    # llama-server's test_json_prompt_no_mtmd / test_completion_with_tokens_input: {"prompt_string": ...}
+    text = http.post("/completion", json={"prompt": PROMPT, "n_predict": 4}).json()
+    obj = http.post("/completion", json={"prompt": {"prompt_string": PROMPT}, "n_predict": 4}).json()
+    assert obj["tokens"] == text["tokens"] and obj["tokens_evaluated"] == text["tokens_evaluated"]
+    r = http.post("/completion", json={"prompt": {"prompt_string": PROMPT, "multimodal_data": "iVBORw0KGgo="},
+                                       "n_predict": 4})
+    assert r.status_code == 400 and "multimodal" in r.json()["error"]["message"]
+    r = http.post("/completion", json={"prompt": {"text": PROMPT}, "n_predict": 4})
+    assert r.status_code == 400 and "prompt_string" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def infill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Engine]]:
+    from pyspec.testing import derived
+
+    model = Model(derived.make_infill_target(tmp_path_factory.mktemp("infill") / "infill.gguf"))
+    ctx = Context(model, n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    eng = Engine(ctx, None, greedy_sampling(), n_parallel=1, owned=[ctx, model])
+    with TestClient(create_app(eng, defaults=ServerDefaults(sampling=greedy_sampling(), n_predict=4))) as c:
+        yield c, eng
+    eng.close()
+
+
+INFILL = {"input_prefix": "int main() {\n", "prompt": "    int n = llama_", "input_suffix": "}\n"}
+
+
+def test_infill_prompt_is_prefix_suffix_middle_around_the_cursor(infill: tuple[TestClient, Engine]):
+    from pyspec.testing.derived import FIM_TOKENS
+
+    client, eng = infill
+    v = eng.vocab
+
+    def tok(text: str) -> list[int]:
+        return v.tokenize(text, add_special=False, parse_special=False)
+
+    r = client.post("/infill", json=INFILL)
+    assert r.status_code == 200
+    expected = [v.bos, FIM_TOKENS["pre"], *tok(INFILL["input_prefix"]),
+                *v.tokenize(INFILL["prompt"], add_special=False, parse_special=True),
+                FIM_TOKENS["suf"], *tok(INFILL["input_suffix"]), FIM_TOKENS["mid"]]
+    assert r.json()["tokens_evaluated"] == len(expected)
+    assert r.json()["prompt"] == v.detokenize(expected, unparse_special=True)
+    # the same prompt as token ids through /completion generates the same tokens
+    assert client.post("/completion", json={"prompt": expected}).json()["tokens"] == r.json()["tokens"]
+    # an extra file goes before the prefix, behind llama-server's snippet separator (no FIM_SEP token)
+    extra = client.post("/infill", json={**INFILL, "input_extra": [{"filename": "llama.h", "text": "int f();\n"}]})
+    assert extra.status_code == 200
+    assert extra.json()["tokens_evaluated"] == len(expected) + len(tok("\n\n--- snippet ---\n\n") + tok("int f();\n"))
+
+
+def test_infill_keeps_the_end_of_a_long_prefix_and_the_start_of_the_suffix(infill: tuple[TestClient, Engine]):
+    client, _ = infill
+    # n_batch 64: the prefix keeps its last 48 tokens, the suffix 16 less the prompt and 2
+    r = client.post("/infill", json={"input_prefix": "a b " * 100, "input_suffix": "c d " * 100, "prompt": ""})
+    assert r.status_code == 200
+    assert r.json()["tokens_evaluated"] == 1 + 1 + 48 + 1 + 14 + 1
+
+
+@pytest.mark.parametrize("input_extra", [
+    {}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": "abc"}, {"filename": 123, "text": 456},
+])
+def test_infill_refuses_a_bad_input_extra(infill: tuple[TestClient, Engine], input_extra: dict[str, Any]):
+    # llama-server's test_invalid_input_extra_req
+    r = infill[0].post("/infill", json={**INFILL, "input_extra": [input_extra]})
+    assert r.status_code == 400 and "extra_context chunk" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"input_suffix": "x"}, '"input_prefix" is required'),
+    ({"input_prefix": "x"}, '"input_suffix" is required'),
+    ({**INFILL, "prompt": 5}, '"prompt" must be a string'),
+    ({**INFILL, "input_extra": {}}, '"input_extra" must be an array'),
+    ({**INFILL, "input_prefix": 5}, "'input_prefix' must be a string or a list"),
+    ({**INFILL, "input_suffix": [10**9]}, "outside the vocabulary"),
+    ({**INFILL, "n_predict": 0}, "'n_predict'"),
+])
+def test_infill_refuses_bad_bodies(infill: tuple[TestClient, Engine], body: dict[str, Any], message: str):
+    r = infill[0].post("/infill", json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_infill_needs_the_models_fim_tokens(http: TestClient):
+    r = http.post("/infill", json=INFILL)
+    assert r.status_code == 501
+    assert r.json()["error"]["message"] == ("Infill is not supported by this model: prefix token is missing. "
+                                            "suffix token is missing. middle token is missing. ")
+
+
+def _preflight(c: TestClient, origin: str) -> Any:
+    return c.options("/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "Authorization"})
+
+
+@pytest.mark.parametrize("origin,header,value", [
+    ("localhost", "Access-Control-Allow-Origin", "localhost"),
+    ("web.mydomain.fr", "Access-Control-Allow-Origin", "web.mydomain.fr"),
+    ("origin", "Access-Control-Allow-Credentials", "true"),
+    ("web.mydomain.fr", "Access-Control-Allow-Methods", "GET, POST, DELETE, OPTIONS"),
+    ("web.mydomain.fr", "Access-Control-Allow-Headers", "*"),
+])
+def test_cors_preflight_as_llama_server_answers_it(engine: Engine, origin: str, header: str, value: str):
+    from pyspec.server.cors import CorsPolicy
+
+    # llama-server's test_cors_options: before the API key, for any origin by default
+    with TestClient(create_app(engine, api_key="k", cors=CorsPolicy())) as c:
+        r = _preflight(c, origin)
+        assert r.status_code == 200 and r.headers[header] == value
+        r = c.get("/props", headers={"Origin": origin, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == origin
+        assert c.get("/props", headers={"Origin": origin}).headers["Access-Control-Allow-Origin"] == origin  # a 401 too
+
+
+@pytest.mark.parametrize("origin,allowed", [
+    ("http://localhost", True), ("http://localhost:8080", True), ("http://127.0.0.1", True),
+    ("http://127.0.0.1:3000", True), ("http://[::1]", True), ("http://[::1]:3000", True),
+    ("https://user@localhost/x", True), ("http://web.mydomain.fr", False), ("http://evil.com", False),
+    ("http://notlocalhost", False), ("http://localhost.evil.com", False), ("localhost", False),
+    ("ftp://localhost", False), ("http://localhost:abc", False),
+])
+def test_cors_origins_localhost_reflects_only_local_origins(engine: Engine, origin: str, allowed: bool):
+    from pyspec.server.cors import CorsPolicy
+
+    with TestClient(create_app(engine, cors=CorsPolicy(origins="localhost"))) as c:
+        r = _preflight(c, origin)
+        assert r.status_code == 200
+        assert r.headers.get("Access-Control-Allow-Origin") == (origin if allowed else None)
+
+
+def test_cors_fixed_origins_and_no_policy(engine: Engine):
+    from pyspec.server.cors import CorsPolicy
+
+    with TestClient(create_app(engine, cors=CorsPolicy(origins="https://app.example", credentials=False,
+                                                       methods="POST"))) as c:
+        r = _preflight(c, "https://other.example")
+        assert (r.headers["Access-Control-Allow-Origin"], r.headers["Access-Control-Allow-Credentials"],
+                r.headers["Access-Control-Allow-Methods"]) == ("https://app.example", "false", "POST")
+    with TestClient(create_app(engine)) as c:  # create_app's default: no CORS answers
+        assert _preflight(c, "http://localhost").status_code == 405
+        assert "Access-Control-Allow-Origin" not in c.get("/health", headers={"Origin": "http://x"}).headers
+
+
+def test_several_addresses_are_all_bound():
+    import socket
+
+    from pyspec.server import bind_sockets, close_sockets, parse_hosts, socket_url
+
+    assert parse_hosts(" 127.0.0.1, ::1 ,") == ["127.0.0.1", "::1"]
+    with pytest.raises(ValueError, match="at least one address"):
+        parse_hosts(" , ")
+    with pytest.raises(ValueError, match="--port 0 is not supported with multiple TCP addresses"):
+        bind_sockets("127.0.0.1,::1", 0)
+    (probe,) = bind_sockets("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    close_sockets([probe])
+    socks = bind_sockets("127.0.0.1,::1", port)
+    try:
+        assert [socket_url(s) for s in socks] == [f"http://127.0.0.1:{port}", f"http://[::1]:{port}"]
+        assert socks[1].getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1  # llama-server: IPv6 only
+        with pytest.raises(OSError, match=rf"cannot listen on \[::1\]:{port}"):
+            bind_sockets("127.0.0.2,::1", port)  # ::1 is taken: 127.0.0.2 is let go again
+        close_sockets(bind_sockets("127.0.0.2", port))
+    finally:
+        close_sockets(socks)

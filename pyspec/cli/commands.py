@@ -306,7 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pyspec.generation.chat_sandbox import TemplateBudget
     from pyspec.generation.contexts import REAL_MODEL_PACKAGE
     from pyspec.generation.engine import Engine
-    from pyspec.server import SERVER_EXTRA_HINT, bind_socket, serve
+    from pyspec.server import SERVER_EXTRA_HINT, bind_sockets, close_sockets, serve
     from pyspec.server.params import ServerDefaults
 
     opts = resolve(args, getattr(args, "llama_dropped", ()))
@@ -318,8 +318,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CliError(f"pyspec serve needs the server extra: {SERVER_EXTRA_HINT} ({e})") from None
-    try:
-        bind_socket(args.host, args.port).close()  # a busy port fails now, not after the model has loaded
+    try:  # a busy port fails now, not after the model has loaded
+        close_sockets(bind_sockets(args.host, args.port))
+    except ValueError as e:
+        raise CliError(str(e)) from None
     except OSError as e:
         raise CliError(e.strerror or str(e)) from None  # the sentence without "[Errno 98]"
 
@@ -351,7 +353,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name = opts.model_alias or (Path(args.model).stem if args.model else
                                     ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
         defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt,
-                                  chat_template=opts.chat_template)
+                                  chat_template=opts.chat_template, spm_infill=bool(getattr(args, "spm_infill", False)))
+        embedder = None
+        if opts.embedding:  # llama-server's --embedding: a context of the target with embeddings on, beside the slots
+            from pyspec.generation.embeddings import Embedder
+
+            try:
+                embedder = Embedder(engine.model, pooling=opts.pooling, n_ctx=engine.n_ctx_seq,
+                                    n_ubatch=opts.n_ubatch or opts.n_batch, n_threads=args.threads or None,
+                                    context_kw=opts.context_kw)
+            except ValueError as e:
+                engine.close()
+                raise CliError(f"--embedding: {e}") from None
 
         def listening(url: str) -> None:  # called once the port is bound, so a busy port prints no address
             print(f"pyspec serve: {name} on {url} ({opts.parallel} slots, types {opts.types})",
@@ -360,7 +373,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(engine, host=args.host, port=args.port, model_name=name, api_key=opts.api_keys or None,
               defaults=defaults, slot_save_path=args.slot_save_path, log_level="info" if verbose else "warning",
               on_listening=listening, metrics=opts.metrics, slots=opts.slots, model_aliases=opts.model_aliases,
-              model_tags=opts.model_tags, props=opts.props, template_budget=budget)
+              model_tags=opts.model_tags, props=opts.props, template_budget=budget, embedder=embedder,
+              embd_normalize=opts.embd_normalize, cors=opts.cors)
     print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 

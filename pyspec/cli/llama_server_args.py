@@ -638,6 +638,21 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("-lm", "--load-mode"), "load_mode", _load_mode, help="auto, none, mmap, mlock, mmap+mlock or dio"),
     Mapped(("-lzm", "--lazy-mode"), "lazy_mode", _lazy_mode, help="on-demand reads of large tensors: on, auto or off"),
     Mapped(("-v", "--verbose", "--log-verbose"), "serve_verbose", None, True),
+    Mapped(("--embedding", "--embeddings"), "embedding", None, True,
+           help="serve /embedding, /embeddings and /v1/embeddings (a context of the model with embeddings on)"),
+    Mapped(("--pooling",), "pooling", _choice("--pooling", ("none", "mean", "cls", "last", "rank")),
+           help="pooling of the embeddings: none, mean, cls or last (default: the model's)"),
+    Mapped(("--embd-normalize",), "embd_normalize", int,
+           help="normalisation of pooled embeddings: -1 none, 0 max absolute int16, 2 euclidean (default), p p-norm"),
+    Mapped(("--cors-origins",), "cors_origins", str,
+           help="allowed origins: * (default: any, the Origin echoed), localhost (only a local Origin echoed), "
+                "or a value sent as it is"),
+    Mapped(("--cors-methods",), "cors_methods", str, help="Access-Control-Allow-Methods of a preflight"),
+    Mapped(("--cors-headers",), "cors_headers", str, help="Access-Control-Allow-Headers of a preflight"),
+    Mapped(("--cors-credentials",), "cors_credentials", None, True),
+    Mapped(("--no-cors-credentials",), "cors_credentials", None, False),
+    Mapped(("--spm-infill",), "spm_infill", None, True,
+           help="/infill: suffix, prefix, middle instead of prefix, suffix, middle (as some models prefer)"),
     Mapped(("--host",), "host", str),
     Mapped(("--port",), "port", int),
 )
@@ -763,6 +778,10 @@ class ServeOptions:
     metrics: bool
     slots: bool
     props: bool  # POST /props accepted (llama-server's --props)
+    embedding: bool  # serve the embedding endpoints (--embedding)
+    pooling: str | None  # their pooling (None: the model's)
+    embd_normalize: int
+    cors: Any  # a pyspec.server.cors.CorsPolicy (llama-server's --cors-* options)
     not_applied: list[str]  # llama-server options accepted without effect, for the one warning
 
 
@@ -842,6 +861,26 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     aliases = sorted({a.strip() for a in (g.get("alias") or "").split(",") if a.strip()})
     tags = sorted({t.strip() for t in (g.get("tags") or "").split(",") if t.strip()})
 
+    from pyspec.server.cors import CorsPolicy
+
+    cors_kw: dict[str, Any] = {}
+    for opt, key in (("cors_origins", "origins"), ("cors_methods", "methods"), ("cors_headers", "headers")):
+        if opt in g:
+            text = str(g[opt])
+            if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+                raise CliError(f"--{opt.replace('_', '-')} holds a control character: it goes into a header")
+            cors_kw[key] = text
+    if "cors_credentials" in g:
+        cors_kw["credentials"] = bool(g["cors_credentials"])
+    # arg.cpp: server tools or MCP servers make localhost the default origin
+    if "origins" not in cors_kw and {"--tools", "--mcp-servers-config", "--mcp-servers-json"} & set(not_applied):
+        cors_kw["origins"] = "localhost"
+
+    pooling = g.get("pooling")
+    if pooling == "rank":  # reranking (llama-server's /rerank) is not served: embeddings pool by the model's choice
+        not_applied.append("--pooling rank")
+        pooling = None
+
     for (dest, value), name in _NOT_DONE.items():
         if dest in g and g[dest] == value:
             not_applied.append(name)
@@ -851,4 +890,6 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
         sampling_kw=sampling_kw, chat_template=chat_template, api_keys=keys,
         model_alias=aliases[0] if aliases else None, model_aliases=aliases, model_tags=tags,
         metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)), props=bool(g.get("props", False)),
+        embedding=bool(g.get("embedding", False)), pooling=pooling, embd_normalize=int(g.get("embd_normalize", 2)),
+        cors=CorsPolicy(**cors_kw),
         not_applied=list(dict.fromkeys(not_applied)))

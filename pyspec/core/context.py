@@ -980,6 +980,13 @@ class Context(Handle):
     def n_threads(self) -> int:
         return int(llama.llama_n_threads(self.ptr))
 
+    @property
+    def pooling_type(self) -> str:
+        """Mirrors llama_pooling_type: the pooling this context applies, by its enum member's name
+        ("none", "mean", "cls", "last", "rank"), the model's own where none was asked."""
+        value = int(llama.llama_pooling_type(self.ptr))
+        return next((k for k, v in _POOLING.items() if v == value), str(value))
+
     def perf(self) -> dict[str, float]:
         with self.in_use() as ptr:
             d = llama.llama_perf_context(ptr)

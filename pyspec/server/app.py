@@ -25,6 +25,7 @@ every endpoint but ``/health`` and the model list wants ``Authorization: Bearer 
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -48,10 +49,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pyspec.errors import BadRequest, PyspecError
 from pyspec.generation.chat import RenderPool, TemplateBudget
+from pyspec.generation.embeddings import Embedder, Embedding
 from pyspec.generation.engine import Engine
 from pyspec.generation.requests import Completion, Delta, Request, RequestHandle, TokenLogprob
+from pyspec.server.cors import Cors, CorsPolicy
+from pyspec.server.infill import fim_missing, format_prompt_infill
 from pyspec.server.metrics import CONTENT_TYPE, render_metrics
 from pyspec.server.params import (
+    EmbeddingParsed,
     Parsed,
     Prompt,
     ServerDefaults,
@@ -59,6 +64,8 @@ from pyspec.server.params import (
     chat_request,
     completion_request,
     detokenize_request,
+    embedding_request,
+    infill_request,
     native_request,
     parse_json,
     slot_action_request,
@@ -172,8 +179,11 @@ class _Api:
 
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
                  metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
-                 tags: Sequence[str] = (), props: bool = False, templates: RenderPool | None = None) -> None:
+                 tags: Sequence[str] = (), props: bool = False, templates: RenderPool | None = None,
+                 embedder: Embedder | None = None, embd_normalize: int = 2) -> None:
         self.engine = engine
+        self.embedder = embedder
+        self.embd_normalize = embd_normalize
         # Jinja chat templates render in these worker processes, within their budget (a template is
         # untrusted code: it could loop or allocate without end)
         self.templates = templates or RenderPool()
@@ -221,15 +231,21 @@ class _Api:
             assert chat is not None  # the chat's rendered messages
             toks = e.tokenize_chat(chat)
         else:
-            toks = []
-            for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
-                if isinstance(part, str):
-                    toks += e.vocab.tokenize(part, add_special=r.add_special and k == 0,
-                                             parse_special=r.parse_special)
-                else:
-                    toks.append(part)
+            toks = self._mixed_tokens(prompt, r.add_special, r.parse_special)
         if len(toks) >= e.n_ctx_seq:  # the engine needs room for one token more (server-context.cpp: >= n_ctx)
             raise _ContextExceeded(len(toks), e.n_ctx_seq)
+        return toks
+
+    def _mixed_tokens(self, prompt: Prompt, add_special: bool, parse_special: bool) -> list[int]:
+        """A text, or texts and token ids mixed, as tokens (server-common.cpp tokenize_mixed: BOS only before
+        a leading text)."""
+        toks: list[int] = []
+        for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
+            if isinstance(part, str):
+                toks += self.engine.vocab.tokenize(part, add_special=add_special and k == 0,
+                                                   parse_special=parse_special)
+            else:
+                toks.append(part)
         return toks
 
     def _choices(self, parsed: Parsed, chat: str | None = None) -> list[Request]:
@@ -485,9 +501,30 @@ class _Api:
             out["completion_probabilities"] = [_lp_json(lp, n_probs) for lp in c.logprobs]
         return out
 
-    async def completion(self, req: HttpRequest) -> Response:
+    async def infill(self, req: HttpRequest) -> Response:
+        """llama-server's /infill: a /completion whose prompt is built around the cursor (format_prompt_infill)."""
+        vocab = self.engine.vocab
+        missing = fim_missing(vocab.fim_tokens())
+        if missing:
+            return _error(501, f"Infill is not supported by this model: {missing}", "not_supported_error")
         body = await _body(req)
-        parsed, reqs = await self._request(native_request, body)
+
+        def build(body: Any, d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
+            parsed, inp = infill_request(body, d, n_vocab, n_parallel)
+            tokens_prompt = vocab.tokenize(inp.prompt, add_special=False, parse_special=True)
+            n_batch = self.engine.ctx_tgt.n_batch
+            parsed.prompts = [format_prompt_infill(vocab, inp, n_batch, d.n_predict, self.engine.n_ctx_seq,
+                                                   d.spm_infill, tokens_prompt)]
+            return parsed
+
+        return await self._completion(req, build, body)
+
+    async def completion(self, req: HttpRequest) -> Response:
+        return await self._completion(req, native_request, await _body(req))
+
+    async def _completion(self, req: HttpRequest, build: Callable[[Any, ServerDefaults, int, int], Parsed],
+                          body: Any) -> Response:
+        parsed, reqs = await self._request(build, body)
         hs = self._submit(reqs)
         if not parsed.stream:
             comps = await self._wait(req, hs)
@@ -518,6 +555,48 @@ class _Api:
         r = await asyncio.to_thread(apply_template_request, body, self.defaults)
         text = await self._render(r)
         return JSONResponse({"input_tokens": len(await asyncio.to_thread(self.engine.tokenize_chat, text))})
+
+    async def embeddings(self, req: HttpRequest) -> Response:
+        """llama-server's /embedding and /embeddings: a list of {"index", "embedding": [vector, ...]}."""
+        return await self._embeddings(req, oai=False)
+
+    async def v1_embeddings(self, req: HttpRequest) -> Response:
+        """OpenAI's /v1/embeddings: {"data": [{"embedding", "index", "object"}], "usage", ...}."""
+        return await self._embeddings(req, oai=True)
+
+    async def _embeddings(self, req: HttpRequest, oai: bool) -> Response:
+        # server-context.cpp handle_embeddings_impl, its checks in its order
+        embedder = self.embedder
+        if embedder is None:
+            return _error(501, "This server does not support embeddings. Start it with `--embeddings`",
+                          "not_supported_error")
+        if oai and embedder.pooling == "none":
+            return _error(400, "Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        body = await _body(req)
+        parsed: EmbeddingParsed = await asyncio.to_thread(embedding_request, body, self.engine.n_vocab)
+        norm = self.embd_normalize if parsed.normalize is None else parsed.normalize
+
+        def run() -> list[Embedding]:
+            prompts = [self._mixed_tokens(p, True, True) for p in parsed.prompts]
+            for toks in prompts:  # every prompt checked before any is computed
+                embedder.check(toks)
+            return [embedder.embed(toks, norm) for toks in prompts]
+
+        results = await asyncio.to_thread(run)
+        if not oai or parsed.content_given:  # llama-server answers "content" in its own shape
+            return JSONResponse([{"index": i, "embedding": [v.tolist() for v in r.vectors]}
+                                 for i, r in enumerate(results)])
+        data = []
+        for i, r in enumerate(results):
+            item: dict[str, Any] = {"embedding": r.vectors[0].tolist(), "index": i, "object": "embedding"}
+            if parsed.base64:  # the float32 bytes, as llama-server's format_embeddings_response_oaicompat
+                item["embedding"] = base64.b64encode(r.vectors[0].astype("<f4").tobytes()).decode("ascii")
+                item["encoding_format"] = "base64"
+            data.append(item)
+        n_tokens = sum(r.n_tokens for r in results)
+        model = body.get("model") if isinstance(body.get("model"), str) else self.model_name
+        return JSONResponse({"model": model, "object": "list",
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "data": data})
 
     # --- OpenAI-compatible endpoints -----------------------------------------------
 
@@ -634,7 +713,8 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
                defaults: ServerDefaults | None = None, slot_save_path: str | Path | None = None,
                metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
                model_tags: Sequence[str] = (), props: bool = False, template_budget: TemplateBudget | None = None,
-               template_workers: int = 2, template_max_workers: int | None = None) -> Starlette:
+               template_workers: int = 2, template_max_workers: int | None = None,
+               embedder: Embedder | None = None, embd_normalize: int = 2, cors: CorsPolicy | None = None) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
@@ -645,12 +725,16 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
     template render may use, in one of ``template_workers`` worker processes kept warm, up to
     ``template_max_workers`` while renders overlap (default TemplateBudget(): 2 s, 256 MiB; 2 and 4
     workers); a render beyond it fails its request with a 400 naming the budget, and the worker is
-    replaced."""
+    replaced. ``embedder``: serve ``/embedding``, ``/embeddings`` and ``/v1/embeddings`` with it
+    (llama-server's ``--embedding``; without one they answer 501), pooled vectors normalised by
+    ``embd_normalize`` unless a request says otherwise (closing it is the caller's job). ``cors``: answer
+    cross-origin requests and preflights as llama-server does under that policy (pyspec.server.cors;
+    ``pyspec serve`` passes llama-server's default, CorsPolicy()); None: no CORS headers."""
     templates = RenderPool(template_budget or TemplateBudget(), template_workers, template_max_workers)
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots, model_aliases, model_tags, props, templates)
+               metrics, slots, model_aliases, model_tags, props, templates, embedder, embd_normalize)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
@@ -671,6 +755,10 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
         Route("/v1/completions", _guard(api.v1_completions), methods=["POST"]),
         Route("/v1/chat/completions", _guard(api.v1_chat), methods=["POST"]),
         Route("/chat/completions", _guard(api.v1_chat), methods=["POST"]),
+        Route("/infill", _guard(api.infill), methods=["POST"]),
+        Route("/embedding", _guard(api.embeddings), methods=["POST"]),
+        Route("/embeddings", _guard(api.embeddings), methods=["POST"]),
+        Route("/v1/embeddings", _guard(api.v1_embeddings), methods=["POST"]),
     ]
 
     async def http_error(_: HttpRequest, exc: Exception) -> Response:
@@ -687,5 +775,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
             templates.close()
             api._render_threads.shutdown(wait=False, cancel_futures=True)
 
-    return Starlette(routes=routes, middleware=[Middleware(_ApiKey, key=api_key)],
+    # the CORS layer first: a preflight is answered before the API key is asked for
+    middleware = ([Middleware(Cors, policy=cors)] if cors is not None else []) + [Middleware(_ApiKey, key=api_key)]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: http_error}, lifespan=lifespan)

@@ -24,10 +24,12 @@ from pyspec.common.params import LLAMA_DEFAULT_SEED, CommonParamsSampling
 from pyspec.core.grammar import check_grammar
 from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
+from pyspec.server.infill import InfillInput
 
 __all__ = ["MAX_FILENAME_BYTES", "MAX_GRAMMAR_BYTES", "MAX_JSON_DEPTH", "MAX_LOGIT_BIAS", "MAX_N_PROBS",
-           "MAX_PROMPTS", "MAX_RESPONSE_FIELDS", "MAX_STOPS", "MAX_STOP_CHARS", "Parsed", "Prompt", "ServerDefaults",
-           "apply_template_request", "chat_request", "completion_request", "detokenize_request", "native_request",
+           "MAX_PROMPTS", "MAX_RESPONSE_FIELDS", "MAX_STOPS", "MAX_STOP_CHARS", "EmbeddingParsed", "Parsed", "Prompt",
+           "ServerDefaults", "apply_template_request", "chat_request", "completion_request", "detokenize_request",
+           "embedding_request", "infill_request", "native_request",
            "parse_json", "slot_action_request", "slot_filename", "tokenize_request"]
 
 
@@ -41,6 +43,7 @@ class ServerDefaults:
     n_draft_min: int = 0
     cache_prompt: bool = True
     chat_template: str | None = None  # chat: a template text or llama.cpp built-in name (--chat-template)
+    spm_infill: bool = False  # /infill: suffix, prefix, middle (--spm-infill) instead of prefix, suffix, middle
 
 
 _MISSING = object()
@@ -409,10 +412,13 @@ def _prompts(body: Mapping[str, Any], n_vocab: int, name: str = "prompt") -> lis
 
 def _subprompt(where: str, p: Any, n_vocab: int) -> Prompt:
     """One prompt (server-common.cpp tokenize_input_subprompt); ``where`` names it in messages."""
-    if isinstance(p, Mapping) and "prompt" in p:  # llama-server's {"prompt": ..., "multimodal_data": ...}
-        if p.get("multimodal_data"):
+    if isinstance(p, Mapping):  # llama-server's {"prompt_string": ..., "multimodal_data": ...} (and pyspec's "prompt")
+        if p.get("multimodal_data") is not None:
             raise BadRequest(f"{where}: multimodal data needs a multimodal model, which pyspec does not serve")
-        p = p["prompt"]
+        key = "prompt_string" if "prompt_string" in p else "prompt" if "prompt" in p else None
+        if key is None:
+            raise BadRequest(f"{where}: an object prompt must hold 'prompt_string'")
+        p = p[key]
     if isinstance(p, str):
         return _text(where.strip("'"), p)
     # token ids, or ids and texts mixed (json_is_array_of_mixed_numbers_strings: at least one of each)
@@ -518,8 +524,9 @@ def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
     return 1 if n is None else n
 
 
-def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
-    """llama-server's /completion body -> Parsed."""
+def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int,
+                   prompts: list[Prompt] | None = None) -> Parsed:
+    """llama-server's /completion body -> Parsed (``prompts``: these instead of the body's, for /infill)."""
     c = _common(body, d, n_vocab, n_parallel)
     n_probs = _int(body, "n_probs", 0, MAX_N_PROBS) or 0
     req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
@@ -530,8 +537,49 @@ def native_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_p
         raise BadRequest("'response_fields' must be a list of strings")
     if len(fields) > MAX_RESPONSE_FIELDS:
         raise BadRequest(f"'response_fields' holds {len(fields)} paths, more than the {MAX_RESPONSE_FIELDS} allowed")
-    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
-                  [_text("response_fields", f) for f in fields], _bool(body, "return_tokens", True))
+    return Parsed(_finish(req), _prompts(body, n_vocab) if prompts is None else prompts, _n_choices(body, n_parallel),
+                  _bool(body, "stream", False), [_text("response_fields", f) for f in fields],
+                  _bool(body, "return_tokens", True))
+
+
+def _infill_part(name: str, v: Any, n_vocab: int) -> str | list[int | str]:
+    # tokenize_mixed's input: a text, or texts and token ids
+    if isinstance(v, str):
+        return _text(name, v)
+    if isinstance(v, list) and all(_is_token(t) or isinstance(t, str) for t in v):
+        bad = next((t for t in v if _is_token(t) and not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise BadRequest(f"'{name}': token {_kind(bad)} is outside the vocabulary (0..{n_vocab - 1})")
+        for t in v:
+            if isinstance(t, str):
+                _text(name, t)
+        return list(v)
+    raise BadRequest(f"'{name}' must be a string or a list of strings and tokens, got {_kind(v)}")
+
+
+def infill_request(body: Any, d: ServerDefaults, n_vocab: int, n_parallel: int) -> tuple[Parsed, InfillInput]:
+    """llama-server's /infill body (server-context.cpp post_infill, its checks in its order) -> the
+    completion's settings (its prompt left for the caller: format_prompt_infill) and the text parts."""
+    body = _object(body)
+    if "prompt" in body and not isinstance(body["prompt"], str):  # the prompt (after the cursor) is optional
+        raise BadRequest('"prompt" must be a string')
+    for name in ("input_prefix", "input_suffix"):
+        if name not in body:
+            raise BadRequest(f'"{name}" is required')
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list):
+        raise BadRequest('"input_extra" must be an array of {"filename": string, "text": string}')
+    chunks: list[tuple[str, str]] = []
+    for chunk in extra:
+        if not isinstance(chunk, Mapping) or not isinstance(chunk.get("text"), str):
+            raise BadRequest('extra_context chunk must contain a "text" field with a string value')
+        if "filename" in chunk and not isinstance(chunk["filename"], str):  # the file name is optional
+            raise BadRequest('extra_context chunk\'s "filename" field must be a string')
+        chunks.append((_text("input_extra", chunk.get("filename", "tmp")), _text("input_extra", chunk["text"])))
+    inp = InfillInput(_infill_part("input_prefix", body["input_prefix"], n_vocab),
+                      _infill_part("input_suffix", body["input_suffix"], n_vocab), chunks,
+                      _text("prompt", body.get("prompt", "")))
+    return native_request(body, d, n_vocab, n_parallel, prompts=[]), inp
 
 
 def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
@@ -562,6 +610,70 @@ def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_par
     req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
                   chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body), **c)
     return Parsed(_finish(req), [], _n_choices(body, n_parallel), _bool(body, "stream", False))
+
+
+@dataclasses.dataclass
+class EmbeddingParsed:
+    """An embeddings body read (server-context.cpp handle_embeddings_impl): the prompts, each tokenized
+    with BOS and special tokens parsed; ``content_given``: the body used llama-server's ``content``
+    instead of OpenAI's ``input`` (answered in llama-server's shape, even on /v1/embeddings)."""
+
+    prompts: list[Prompt]
+    content_given: bool
+    base64: bool
+    normalize: int | None  # embd_normalize; None: the server's
+
+
+_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+
+
+def _content_parts(where: str, content: Any) -> str:
+    """The text of OpenAI content parts (tokenize_oai_content_array): text parts joined; media refused
+    (pyspec serves no multimodal model), and any other type."""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}: \"content\" must be an array, got {_kind(content)}")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in _MEDIA_PARTS:
+            raise BadRequest(f"{where}.content[{j}]: {_MEDIA_PARTS[kind]} input is not supported "
+                             "(pyspec serves text models)")
+        if kind != "text":
+            raise BadRequest(f"{where}.content[{j}]: unsupported content[].type "
+                             f"{repr(kind)[:40] if isinstance(kind, str) else _kind(kind)}")
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise BadRequest(f"{where}.content[{j}].text must be a string, got {_kind(text)}")
+        out.append(_text(f"{where}.content[{j}]", text))
+    return "".join(out)
+
+
+def embedding_request(body: Any, n_vocab: int) -> EmbeddingParsed:
+    """llama-server's /embedding(s) and OpenAI's /v1/embeddings body -> EmbeddingParsed."""
+    body = _object(body)
+    name = "input" if "input" in body else "content" if "content" in body else None
+    if name is None:
+        raise BadRequest('"input" or "content" must be provided')
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise BadRequest("'encoding_format': the format to return the embeddings in. Can be either float or base64")
+    normalize = _int(body, "embd_normalize", -1, 1000)
+    p = body[name]
+
+    def entry(where: str, q: Any) -> Prompt:
+        if isinstance(q, Mapping) and "content" in q:
+            return _content_parts(where, q["content"])
+        return _subprompt(where, q, n_vocab)
+
+    if isinstance(p, list) and not any(_is_token(t) for t in p):
+        if not p:
+            raise BadRequest(f"'{name}' must not be empty")
+        if len(p) > MAX_PROMPTS:
+            raise BadRequest(f"'{name}' holds {len(p)} prompts, more than the {MAX_PROMPTS} allowed")
+        prompts = [entry(f"'{name}' (prompt {i})", q) for i, q in enumerate(p)]
+    else:
+        prompts = [entry(f"'{name}'", p)]
+    return EmbeddingParsed(prompts, name == "content", fmt == "base64", normalize)
 
 
 def _object(body: Any) -> Mapping[str, Any]:

@@ -17,7 +17,8 @@ import numpy as np
 
 from pyspec.testing import models as tm
 
-__all__ = ["TinyLora", "make_chat_model", "make_control_vector", "make_lora", "make_split_target"]
+__all__ = ["FIM_TOKENS", "TinyLora", "make_chat_model", "make_control_vector", "make_infill_target", "make_lora",
+           "make_split_target"]
 
 
 @dataclass
@@ -100,7 +101,10 @@ def _write_target_copy(path: Path, name: str, extra_kv: dict[str, Any] | None = 
     tm._add_common_kv(writer, name, tm.TARGET_LAYERS)
     writer.add_rope_dimension_count(tm.HEAD_DIM)
     for key, value in (extra_kv or {}).items():
-        writer.add_string(key, value)
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, value)
     for tname, data in tm.llama_tensors():
         writer.add_tensor(tname, data)
     writer.write_header_to_file()
@@ -123,4 +127,16 @@ def make_split_target(folder: Path, max_tensors: int = 16, stem: str = "pyspec-s
 def make_chat_model(path: Path, template: str) -> Path:
     """A copy of the tiny target whose tokenizer.chat_template is ``template``."""
     _write_target_copy(Path(path), "pyspec-tiny-chat", {"tokenizer.chat_template": template})
+    return Path(path)
+
+
+# fill-in-the-middle token ids of make_infill_target: byte tokens <0x10>..<0x12>, which no text produces
+FIM_TOKENS = {"pre": 19, "suf": 20, "mid": 21}
+
+
+def make_infill_target(path: Path) -> Path:
+    """A copy of the tiny target with fill-in-the-middle tokens (tokenizer.ggml.fim_pre/suf/mid_token_id):
+    a model llama-server's /infill takes."""
+    _write_target_copy(Path(path), "pyspec-tiny-infill",
+                       {f"tokenizer.ggml.fim_{k}_token_id": v for k, v in FIM_TOKENS.items()})
     return Path(path)

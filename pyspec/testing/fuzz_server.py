@@ -7,7 +7,9 @@ lists and objects), written as raw text so that values Python's json would not w
 server; sometimes the text is cut or garbage. Generation is kept short. The server must answer
 every body with a status below 500; a 5xx, an exception out of the app, a signal or a hang
 (seen by scripts/fuzz.py) is a finding. The app runs in-process on the tiny chat model, two
-slots, draft-free n-gram speculation, through starlette's TestClient.
+slots, draft-free n-gram speculation, with an embedder (mean pooling), through starlette's
+TestClient; ``/infill`` goes to a second app on a copy of the tiny target with fill-in-the-middle
+tokens.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ S: dict[str, Any] = {}
 
 ENDPOINTS = ["/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
              "/apply-template", "/slots/0?action=save", "/slots/1?action=restore",
-             "/slots/0?action=erase", "/props"]
+             "/slots/0?action=erase", "/props", "/infill", "/embedding", "/embeddings", "/v1/embeddings"]
 FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p",
           "typical_p", "stop", "logit_bias", "n_probs", "grammar", "json_schema", "response_format", "seed", "stream",
           "messages", "tokens", "content", "speculative.n_max", "speculative.n_min", "speculative.p_min", "id_slot",
@@ -31,7 +33,8 @@ FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens", "tempera
           "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty", "return_tokens",
           "add_special", "with_pieces", "input_prefix", "input_suffix", "input_extra", "filename", "model",
           "chat_template_kwargs", "tools", "tool_choice", "return_progress", "timings_per_token", "ignore_eos",
-          "min_keep", "mirostat", "mirostat_tau", "xtc_probability", "post_sampling_probs", "lora"]
+          "min_keep", "mirostat", "mirostat_tau", "xtc_probability", "post_sampling_probs", "lora", "input",
+          "encoding_format", "embd_normalize", "prompt_string", "multimodal_data", "text", "type"]
 NUMBERS = ["0", "1", "-1", "0.5", "2", "1e400", "-1e400", "NaN", "Infinity", "1e-400", "2147483648",
            "9223372036854775808", "-9223372036854775809", "1" + "0" * 40, "3.4e38", "256", "31999", "32000"]
 STRINGS = ["", "a", "hello world", "\\u0000", "\\ud800", "root ::= \\\"a\\\"", "{{ x }}", "x" * 300,
@@ -44,10 +47,11 @@ def setup() -> None:
     from pyspec import Context, Model
     from pyspec.common.params import CommonParamsSpeculative
     from pyspec.common.params import CommonSpeculativeType as T
+    from pyspec.generation.embeddings import Embedder
     from pyspec.generation.engine import Engine, greedy_sampling
     from pyspec.server.app import create_app
     from pyspec.server.params import ServerDefaults
-    from pyspec.testing import fuzz
+    from pyspec.testing import derived, fuzz
     from pyspec.testing import models as tm
 
     model = Model(tm.make_chat_target())
@@ -56,9 +60,16 @@ def setup() -> None:
     S["engine"] = Engine(ctx, spec, greedy_sampling(), n_parallel=2, owned=[ctx, model], adaptive_draft=False)
     folder = fuzz.TMP / "slots"
     folder.mkdir(exist_ok=True)
+    S["embedder"] = Embedder(model, pooling="mean", n_ctx=256, n_ubatch=64, n_threads=1)
     app = create_app(S["engine"], model_name="tiny", defaults=ServerDefaults(sampling=greedy_sampling()),
-                     slot_save_path=folder, props=True, metrics=True)
+                     slot_save_path=folder, props=True, metrics=True, embedder=S["embedder"])
     S["client"] = TestClient(app, raise_server_exceptions=False).__enter__()
+    # /infill needs fill-in-the-middle tokens, which the chat model lacks: a second app on a model with them
+    fim = Model(derived.make_infill_target(fuzz.TMP / "infill.gguf"))
+    fctx = Context(fim, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    S["infill_engine"] = Engine(fctx, None, greedy_sampling(), n_parallel=1, owned=[fctx, fim])
+    S["infill_client"] = TestClient(create_app(S["infill_engine"], defaults=ServerDefaults(
+        sampling=greedy_sampling())), raise_server_exceptions=False).__enter__()
 
 
 def _value(inp: Any, depth: int = 0) -> str:
@@ -84,7 +95,8 @@ def _value(inp: Any, depth: int = 0) -> str:
 def body(inp: Any) -> str:
     """A request body: a short, mostly valid request with 1-6 fields set to what the input picks."""
     fields = {"n_predict": "4", "max_tokens": "4", "prompt": '"hello"',
-              "messages": '[{"role": "user", "content": "hi"}]', "tokens": "[5, 6, 7]", "content": '"hello"'}
+              "messages": '[{"role": "user", "content": "hi"}]', "tokens": "[5, 6, 7]", "content": '"hello"',
+              "input_prefix": '"def f("', "input_suffix": '"\\n"', "input": '"hello"'}
     for _ in range(inp.num(1, 6)):
         fields[inp.choice(FIELDS)] = _value(inp)
     text = "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
@@ -102,7 +114,8 @@ def target_server(data: bytes) -> None:
     inp = Input(data)
     path = inp.choice(ENDPOINTS)
     text = body(inp)
-    r = S["client"].post(path, content=text.encode("utf-8", "surrogatepass"),
+    client = S["infill_client"] if path == "/infill" else S["client"]
+    r = client.post(path, content=text.encode("utf-8", "surrogatepass"),
                          headers={"Content-Type": "application/json"})
     if r.status_code >= 500 and r.status_code not in (501, 503):  # 501: off in this server; 503: busy
         raise Finding(f"POST {path} answered {r.status_code}: {r.text[:400]} (body {text[:400]!r})")
