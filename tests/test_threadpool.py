@@ -266,3 +266,59 @@ def test_other_threads_openmp_pools_count_as_busy_cores(monkeypatch):
     monkeypatch.setitem(workers._pools, other.ident, 6)  # another thread decodes with 6 threads
     assert workers.free_cores() == 2
     assert workers.check_oversubscription(4) == 2
+
+
+def test_engine_load_attaches_a_pool_to_the_target_as_common_init_does(target_model):
+    # common_init_result attaches common_threadpools to the context it makes (llama-server, the examples)
+    from pyspec.generation.engine import Engine, greedy_sampling
+    from pyspec.generation.requests import Request
+
+    with Engine.load(target_model.path, types="ngram-simple", n_parallel=2, n_ctx=256, n_threads=2,
+                     sampling=greedy_sampling()).start() as eng:
+        pools = eng.ctx_tgt._threadpools
+        assert [p.n_threads for p in pools] == [2]
+        assert eng.ctx_tgt.n_threads == eng.ctx_tgt.n_threads_batch == 2
+        with_pool = eng.submit(Request(prompt="one two three one two three one", n_predict=12)).result().tokens
+    assert pools[0].closed  # closed with the engine, after its context
+    with Engine.load(target_model.path, types="ngram-simple", n_parallel=2, n_ctx=256, n_threads=2,
+                     sampling=greedy_sampling(), cpuparams=None).start() as eng:
+        assert not getattr(eng.ctx_tgt, "_threadpools", [])
+        without = eng.submit(Request(prompt="one two three one two three one", n_predict=12)).result().tokens
+    assert with_pool == without
+
+
+def test_batch_cpu_params_that_differ_make_a_second_pool(target_model):
+    from pyspec.common.common import CommonCpuParams
+    from pyspec.generation.engine import Engine
+
+    with Engine.load(target_model.path, n_ctx=256, n_threads=2, cpuparams=CommonCpuParams(poll=0),
+                     cpuparams_batch=CommonCpuParams(n_threads=1)) as eng:
+        one, batch = eng.ctx_tgt._threadpools
+        assert (one.n_threads, batch.n_threads) == (2, 1)
+        assert (eng.ctx_tgt.n_threads, eng.ctx_tgt.n_threads_batch) == (2, 1)
+
+
+def test_bad_cpu_params_are_refused_where_they_are_made():
+    from pyspec.common.common import CommonCpuParams
+
+    for kw, field in ((dict(poll=101), "poll"), (dict(priority="urgent"), "priority"), (dict(n_threads=0), "n_threads"),
+                      (dict(poll=True), "poll")):
+        with pytest.raises(ValueError, match=field):
+            CommonCpuParams(**kw)
+
+
+def test_a_pool_that_cannot_be_made_leaves_llama_cpps_threads(target_model, caplog, monkeypatch):
+    # common_threadpools::init logs a failed ggml_threadpool_new and goes on without a pool
+    from pyspec.common import common
+    from pyspec.generation.engine import Engine
+    from pyspec.generation.requests import Request
+
+    def fail(*a, **k):
+        raise RuntimeError("ggml_threadpool_new failed")
+
+    monkeypatch.setattr(common, "ThreadPool", fail)
+    with caplog.at_level(logging.WARNING, logger="pyspec"), \
+            Engine.load(target_model.path, n_ctx=256, n_threads=2).start() as eng:
+        assert not getattr(eng.ctx_tgt, "_threadpools", [])
+        assert len(eng.submit(Request(prompt="hi", n_predict=2)).result().tokens) == 2
+    assert any("threadpool create failed" in r.getMessage() for r in caplog.records)

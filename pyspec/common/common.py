@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,18 +12,38 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pyspec.core.batch import Batch, BatchExt, BatchView
+from pyspec.core.threadpool import THREAD_PRIORITIES, ThreadPool
 from pyspec.errors import SpeculativeError
 from pyspec.ffi import c_const
 
 if TYPE_CHECKING:
+    from pyspec.core.context import Context
     from pyspec.core.vocab import Vocab
 
+logger = logging.getLogger("pyspec")
+
 __all__ = [
-    "GGML_MROPE_SECTIONS", "LLAMA_PROCESS_TYPE_DECODE", "LLAMA_PROCESS_TYPE_ENCODE",
-    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", "LLAMA_TOKEN_NULL", "CommonBatch", "CommonBatchToken",
-    "CommonContextSeqRmType", "CommonPromptCheckpoint", "CommonTimeMeas",
-    "common_batch_get_one", "common_context_can_seq_rm", "common_context_seq_rm", "common_detokenize",
-    "common_token_to_piece", "common_tokenize", "ggml_time_us", "llama_process",
+    "COMMON_CPU_PARAMS_DEFAULT",
+    "GGML_MROPE_SECTIONS",
+    "LLAMA_PROCESS_TYPE_DECODE",
+    "LLAMA_PROCESS_TYPE_ENCODE",
+    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
+    "LLAMA_TOKEN_NULL",
+    "CommonBatch",
+    "CommonBatchToken",
+    "CommonContextSeqRmType",
+    "CommonCpuParams",
+    "CommonPromptCheckpoint",
+    "CommonThreadpools",
+    "CommonTimeMeas",
+    "common_batch_get_one",
+    "common_context_can_seq_rm",
+    "common_context_seq_rm",
+    "common_detokenize",
+    "common_token_to_piece",
+    "common_tokenize",
+    "ggml_time_us",
+    "llama_process",
 ]
 
 LLAMA_TOKEN_NULL = -1
@@ -56,6 +78,90 @@ class CommonTimeMeas:
     def __exit__(self, *exc: object) -> None:
         if self.t_start_us >= 0:
             setattr(self.owner, self.attr, getattr(self.owner, self.attr) + ggml_time_us() - self.t_start_us)
+
+
+@dataclass(frozen=True)
+class CommonCpuParams:
+    """Mirrors struct common_cpu_params (common.h): the threads of one threadpool, where they may run, their
+    priority and how long they poll for work before sleeping.
+
+    ``n_threads`` -1 takes the context's own count; ``cpumask`` is the CPU numbers the threads may run on
+    (``mask_valid``), None any CPU; ``priority`` one of ThreadPool's names ("normal", "medium", ...).
+    """
+
+    n_threads: int = -1
+    cpumask: tuple[int, ...] | None = None
+    priority: str = "normal"
+    strict_cpu: bool = False
+    poll: int = 50
+
+    def __post_init__(self) -> None:
+        # refused here, where the caller made them, not when a pool is made from them
+        if isinstance(self.n_threads, bool) or not isinstance(self.n_threads, int) or \
+                not (self.n_threads == -1 or self.n_threads >= 1):
+            raise ValueError(f"n_threads must be -1 (the context's) or >= 1, not {self.n_threads!r}")
+        if isinstance(self.poll, bool) or not isinstance(self.poll, int) or not 0 <= self.poll <= 100:
+            raise ValueError(f"poll must be an int in 0..100, not {self.poll!r}")
+        if self.priority not in THREAD_PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(THREAD_PRIORITIES)}, not {self.priority!r}")
+
+
+COMMON_CPU_PARAMS_DEFAULT = CommonCpuParams()  # common_params' cpuparams before any option
+
+
+class CommonThreadpools:
+    """Mirrors struct common_threadpools (common.h): the pools common_init_result attaches to its context, so
+    that a decode reuses its threads instead of setting up a pool of its own each time."""
+
+    def __init__(self) -> None:
+        self.threadpool: ThreadPool | None = None
+        self.threadpool_batch: ThreadPool | None = None
+
+    def init(self, ctx: Context, cpuparams: CommonCpuParams, cpuparams_batch: CommonCpuParams) -> None:
+        """Mirrors common_threadpools::init (common.cpp).
+
+        A pool for batches is made only where its parameters differ from the one-token pool's (which then
+        starts paused, as there); a pool that cannot be made is logged and the context keeps llama.cpp's own
+        threads. ``n_threads`` -1 resolves to the context's counts (the C++ resolves it earlier, in
+        common_params' post-processing)."""
+        assert self.threadpool is None and self.threadpool_batch is None
+
+        tpp = _resolved(cpuparams, ctx.n_threads)
+        tpp_batch = _resolved(cpuparams_batch, ctx.n_threads_batch)
+        logger.debug("llama threadpool init, n_threads = %d", tpp.n_threads)
+
+        paused = False
+        try:
+            if tpp != tpp_batch:  # ggml_threadpool_params_match
+                self.threadpool_batch = _threadpool_new(tpp_batch)
+                # start the non-batch threadpool in the paused state
+                paused = True
+            self.threadpool = _threadpool_new(tpp, paused=paused)
+        except RuntimeError as e:  # ggml_threadpool_new failed
+            logger.warning("threadpool create failed : n_threads %d (%s)", tpp.n_threads, e)
+            self.close()
+            return
+
+        ctx.attach_threadpool(self.threadpool, self.threadpool_batch)
+
+    def pools(self) -> list[ThreadPool]:
+        """The pools made (for their owner to close after the context)."""
+        return [p for p in (self.threadpool, self.threadpool_batch) if p is not None]
+
+    def close(self) -> None:
+        for p in self.pools():
+            p.close()
+        self.threadpool = self.threadpool_batch = None
+
+
+def _resolved(params: CommonCpuParams, n_threads: int) -> CommonCpuParams:
+    return params if params.n_threads > 0 else dataclasses.replace(params, n_threads=n_threads)
+
+
+def _threadpool_new(p: CommonCpuParams, paused: bool = False) -> ThreadPool:
+    # ggml_threadpool_params_from_cpu_params, then ggml_threadpool_new
+    return ThreadPool(p.n_threads, prio=p.priority, poll=p.poll, strict_cpu=p.strict_cpu, paused=paused,
+                      cpumask=p.cpumask)
 
 
 def _embd_rows(embd: Any) -> np.ndarray:

@@ -21,9 +21,10 @@ from pyspec.core.backend import ensure_backend
 from pyspec.core.handle import Handle
 from pyspec.ffi import c_const, c_enum, ffi, ggml
 
-__all__ = ["ThreadPool"]
+__all__ = ["THREAD_PRIORITIES", "ThreadPool"]
 
 _PRIORITIES = c_enum("enum ggml_sched_priority", "GGML_SCHED_PRIO_")
+THREAD_PRIORITIES = tuple(sorted(_PRIORITIES, key=_PRIORITIES.__getitem__))  # "low" .. "realtime"
 _MAX_THREADS = c_const("GGML_MAX_N_THREADS")
 # proc address name -> the C function type it has (ggml-cpu.h)
 _FUNCTIONS = {

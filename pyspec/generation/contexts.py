@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspec.common.checks import check_draft_vocab
+from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonCpuParams, CommonThreadpools
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_types_from_names
@@ -302,6 +303,8 @@ def open_contexts(
     mtp_checkpoint: bool = False,
     owned: Sequence[Handle] = (),
     context_kw: Mapping[str, Any] | None = None,
+    cpuparams: CommonCpuParams | None = COMMON_CPU_PARAMS_DEFAULT,
+    cpuparams_batch: CommonCpuParams | None = None,
 ) -> ContextSet:
     """Fresh contexts for ``spec.types`` on ``models``; sets ``spec.draft.ctx_dft``.
 
@@ -309,7 +312,9 @@ def open_contexts(
     the target's (EAGLE3: see the note in this module). ``mtp_checkpoint`` gives an MTP
     target no recurrent states to roll back with, so rollbacks go through checkpoints.
     ``owned`` handles are closed with the set. ``context_kw``: more Context keywords for
-    both contexts (e.g. ``flash_attn_type``).
+    both contexts (e.g. ``flash_attn_type``). ``cpuparams`` / ``cpuparams_batch`` (the latter defaults to the
+    former): the threadpools attached to the target context, as common_init_result attaches them in llama.cpp's
+    tools (the draft context decodes on llama.cpp's own threads there too); None: no pool.
     """
     kind = draft_kind(spec.types)
     threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
@@ -324,7 +329,10 @@ def open_contexts(
         logger.warning("%s: rolling back through checkpoints instead (n_rs_seq=0)", e)
         ctx_tgt = Context(models.target, **common, n_rs_seq=0)
     ctx_dft: Context | None = None
+    pools = CommonThreadpools()
     try:
+        if cpuparams is not None:
+            pools.init(ctx_tgt, cpuparams, cpuparams_batch or cpuparams)
         dparams = dict(common, n_ubatch=n_ubatch_dft or common["n_ubatch"])
         if kind == "draft":
             ctx_dft = Context(models.draft or models.target, **dparams)
@@ -341,6 +349,7 @@ def open_contexts(
             ctx_dft = Context(models.draft, **_dflash_dft_params(models.draft, spec, n_seq, dparams, ctx_tgt))
     except BaseException:
         ctx_tgt.close()
+        pools.close()
         raise
     spec.draft.ctx_dft = ctx_dft
-    return ContextSet(ctx_tgt, ctx_dft, spec, list(owned))
+    return ContextSet(ctx_tgt, ctx_dft, spec, [*pools.pools(), *owned])

@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyspec.common.common import CommonContextSeqRmType
+from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonContextSeqRmType, CommonCpuParams
 from pyspec.common.params import (
     CommonParamsSampling,
     CommonParamsSpeculative,
@@ -284,6 +284,8 @@ class Engine(EngineQueue):
         suffix: SuffixParams | None = None,
         acceptance: str = "exact",
         context_kw: Mapping[str, Any] | None = None,
+        cpuparams: CommonCpuParams | None = COMMON_CPU_PARAMS_DEFAULT,
+        cpuparams_batch: CommonCpuParams | None = None,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
@@ -294,7 +296,9 @@ class Engine(EngineQueue):
         ``context_kw``: more Context keywords for the target and draft contexts (``flash_attn_type``, cache types,
         ``kv_unified``), as ``pyspec serve``'s ``-fa`` / ``-ctk`` / ``-ctv`` / ``-kvu`` give them. ``acceptance``: the
         Engine's ("exact" or "rejection"). ``synth_len`` / ``synth_rates``: synthetic acceptance (benchmarking,
-        llama-server's ``--spec-synth-len`` / ``--spec-synth-rates``)."""
+        llama-server's ``--spec-synth-len`` / ``--spec-synth-rates``). ``cpuparams`` / ``cpuparams_batch``: the
+        threadpools of the target context (llama-server's ``--poll`` / ``--prio`` / ``--cpu-mask`` ...; None: no
+        pool, llama.cpp's own threads)."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
@@ -306,7 +310,8 @@ class Engine(EngineQueue):
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
-                               n_threads=n_threads, owned=models.owned, context_kw=context_kw)
+                               n_threads=n_threads, owned=models.owned, context_kw=context_kw,
+                               cpuparams=cpuparams, cpuparams_batch=cpuparams_batch)
         except BaseException:
             models.close()
             raise
