@@ -13,7 +13,10 @@ threads and speculative settings, and are driven through the same endpoint
   that prefix (prompt cache on) -> the second's time to first token as a share
   of the first's.
 
-llama-server comes from ``scripts/build_llama_tools.sh`` (build/llama-tools/bin).
+llama-server comes from ``scripts/build_llama_tools.sh`` (build/llama-tools/bin), built for this
+machine's CPU; pyspec must run the same CPU kernels (a native build, or the portable wheel, which
+loads the best variant): the script compares the two builds' instruction sets first and refuses
+to measure where they differ (scripts/test.sh's editable build is x86-64-v3, AVX2 only).
 
     python3 scripts/bench_server.py                       # the defaults: 8 slots, ngram-map-k
     python3 scripts/bench_server.py --types none --requests 16
@@ -49,6 +52,31 @@ _LLAMA_NGRAM_FLAGS = {
     "ngram-map-k4v": ("--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m"),
     "ngram-mod": ("--spec-ngram-mod-n-match", "--spec-ngram-mod-n-max"),
 }
+
+
+# the instruction sets ggml's CPU kernels are compiled for (ggml_cpu_has_*): what makes two builds' decodes comparable
+ISA = ("sse3", "ssse3", "avx", "avx2", "f16c", "fma", "bmi2", "avx_vnni", "avx512", "avx512_vbmi", "avx512_vnni",
+       "avx512_bf16", "amx_int8")
+
+
+def pyspec_isa() -> set[str]:
+    """What the CPU backend pyspec loads here reports (the server subprocess loads the same libraries)."""
+    from pyspec.core.backend import ensure_backend
+    from pyspec.ffi import ffi, llama
+
+    ensure_backend()
+    info = ffi.string(llama.llama_print_system_info()).decode().lower()
+    return {f for f in ISA if f"| {f} = 1 |" in info or info.startswith(f"cpu : {f} = 1")}
+
+
+def llama_server_isa() -> set[str]:
+    """What llama-server's own CPU backend was compiled for, asked in a process of its own (two ggml builds
+    must not meet in one process)."""
+    code = ("import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+            "print(' '.join(f for f in sys.argv[2:] if getattr(lib, 'ggml_cpu_has_' + f)()))")
+    out = subprocess.run([sys.executable, "-c", code, str(LLAMA_SERVER.parent / "libggml-cpu.so"), *ISA],
+                         capture_output=True, text=True, check=True).stdout
+    return set(out.split())
 
 
 def _free_port() -> int:
@@ -206,6 +234,8 @@ def main() -> int:
                     help="pyspec drafts with llama.cpp's fixed lengths, as llama-server does (default: cost-aware)")
     ap.add_argument("--servers", default="llama-server,pyspec", help="which to run (default both)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--allow-cpu-mismatch", action="store_true",
+                    help="measure even where the two builds run different CPU kernels (not a fair comparison)")
     args = ap.parse_args()
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -215,6 +245,17 @@ def main() -> int:
     if "llama-server" in servers and not LLAMA_SERVER.is_file():
         print(f"{LLAMA_SERVER} is missing: run scripts/build_llama_tools.sh", file=sys.stderr)
         return 1
+    if set(servers) == {"llama-server", "pyspec"}:
+        # a native llama-server against pyspec's x86-64-v3 build (scripts/test.sh's) compares AVX-512 kernels
+        # with AVX2 ones: about 10% per token on an AVX-512 machine, not a difference of the servers
+        theirs, ours = llama_server_isa(), pyspec_isa()
+        if theirs != ours:
+            print(f"the builds run different CPU kernels: llama-server {' '.join(sorted(theirs))}; "
+                  f"pyspec {' '.join(sorted(ours))}. Build both alike (pyspec with CMAKE_ARGS=-DGGML_NATIVE=ON, "
+                  f"as build_llama_tools.sh builds llama-server, or the portable wheel, which loads the best "
+                  f"variant), or pass --allow-cpu-mismatch", file=sys.stderr)
+            if not args.allow_cpu_mismatch:
+                return 1
     if args.model is None:
         from pyspec.generation.contexts import default_model_path
 
