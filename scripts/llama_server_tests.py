@@ -39,7 +39,6 @@ DOWNLOADS: dict[str, str] = {
     "stories15M-q4_0.gguf": "draft",  # test_speculative's draft for stories15M_MOE
     "moe_shakespeare15M.gguf": "lora",  # test_lora's adapter for stories15M_MOE
 }
-FIM_TOKENS = {"pre": 19, "suf": 20, "mid": 21}  # byte tokens <0x10>..<0x12>: never produced by text
 POOLING_MEAN = 1  # llama_pooling_type
 
 
@@ -68,7 +67,7 @@ def prepare(work: Path) -> dict[str, str]:
     cache = tm.cache_dir() / f"llama-server-tests-{tm.GENERATOR_VERSION}"
     cache.mkdir(parents=True, exist_ok=True)
     story = tm.make_cyclic_target()  # greedy text never reaches EOS: n_predict-long answers
-    fim = {f"tokenizer.ggml.fim_{k}_token_id": v for k, v in FIM_TOKENS.items()}
+    fim = {f"tokenizer.ggml.fim_{k}_token_id": v for k, v in derived.FIM_TOKENS.items()}
     paths = {
         "story": story,
         "infill": _with_metadata(story, cache / "infill.gguf", fim),

@@ -202,6 +202,9 @@ def test_serve_option(argv: list[str], field: str, expected: Any):
 # (command line, argparse dest, value): what reaches the parsed namespace unchanged
 ARGS_CASES: list[tuple[list[str], str, Any]] = [
     (["-m", "t.gguf"], "model", "t.gguf"),
+    (["--ui-mcp-proxy"], "ui_mcp_proxy", True),
+    (["--webui-mcp-proxy", "--no-ui-mcp-proxy"], "ui_mcp_proxy", False),
+    (["--spm-infill"], "spm_infill", True),
     (["--model", "t.gguf"], "model", "t.gguf"),
     (["-md", "d.gguf"], "draft", "d.gguf"),
     (["--spec-draft-model", "d.gguf"], "draft", "d.gguf"),

@@ -467,3 +467,86 @@ def test_several_addresses_are_all_bound():
         close_sockets(bind_sockets("127.0.0.2", port))
     finally:
         close_sockets(socks)
+
+
+class _Target:
+    """A local HTTP server that records what reaches it and answers with what a path asks for."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen: list[tuple[str, str, dict[str, str], bytes]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                seen.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                status = 404 if self.path.startswith("/missing") else 200
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Access-Control-Allow-Origin", "http://target")  # stripped by the relay
+                self.send_header("X-Target", "yes")
+                self.end_headers()
+                self.wfile.write(json.dumps({"path": self.path, "body": body.decode()}).encode())
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.seen = seen
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture()
+def target() -> Iterator[_Target]:
+    t = _Target()
+    yield t
+    t.close()
+
+
+def test_cors_proxy_is_off_unless_asked(http: TestClient):
+    for r in (http.get("/cors-proxy", params={"url": "http://127.0.0.1:1/"}), http.post("/cors-proxy")):
+        assert r.status_code == 403
+        assert r.json() == {"error": {"message": "this feature is disabled", "type": "feature_disabled"}}
+
+
+def test_cors_proxy_forwards_only_the_headers_named_for_the_target(engine: Engine, target: _Target):
+    # llama-server's test_cors_proxy_only_forwards_explicit_proxy_headers
+    with TestClient(create_app(engine, api_key="k", cors_proxy=True)) as c:
+        r = c.get("/cors-proxy", params={"url": target.url + "/capture?a=1"}, headers={
+            "Authorization": "Bearer k", "Proxy-Authorization": "Basic secret", "X-Api-Key": "k",
+            "Cookie": "session=secret", "x-llama-server-proxy-header-accept": "application/json",
+            "x-llama-server-proxy-header-authorization": "Bearer explicit"})
+        assert r.status_code == 200 and r.json() == {"path": "/capture?a=1", "body": ""}
+        assert r.headers["X-Target"] == "yes" and "Access-Control-Allow-Origin" not in r.headers
+        method, _, seen, _ = target.seen[-1]
+        assert method == "GET" and seen["accept"] == "application/json" and seen["authorization"] == "Bearer explicit"
+        assert not {"proxy-authorization", "x-api-key", "cookie"} & set(seen)
+        # POST carries the body; the target's status comes back as it is
+        r = c.post("/cors-proxy", params={"url": target.url + "/missing"}, content=b'{"x": 1}',
+                   headers={"Authorization": "Bearer k"})
+        assert r.status_code == 404 and r.json()["body"] == '{"x": 1}' and target.seen[-1][0] == "POST"
+        assert c.get("/cors-proxy", params={"url": target.url}).status_code == 401  # behind the key
+
+
+@pytest.mark.parametrize("url,status,message", [
+    ("", 400, "'url' is required"),
+    ("127.0.0.1/x", 400, "no scheme"),
+    ("ftp://127.0.0.1/x", 400, "unsupported URL scheme"),
+    ("http://user:pw@127.0.0.1/x", 400, "authentication in target URL is not supported"),
+    ("http:///x", 400, "missing host"),
+    ("http://127.0.0.1/a b", 400, "spaces or control characters"),
+    ("http://127.0.0.1:1/", 502, "the target did not answer"),
+])
+def test_cors_proxy_refuses_bad_targets(engine: Engine, url: str, status: int, message: str):
+    with TestClient(create_app(engine, cors_proxy=True)) as c:
+        r = c.get("/cors-proxy", params={"url": url})
+        assert r.status_code == status and message in r.json()["error"]["message"]

@@ -72,6 +72,7 @@ from pyspec.server.params import (
     slot_filename,
     tokenize_request,
 )
+from pyspec.server.proxy import proxy_request
 
 __all__ = ["create_app"]
 
@@ -180,8 +181,9 @@ class _Api:
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
                  metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
                  tags: Sequence[str] = (), props: bool = False, templates: RenderPool | None = None,
-                 embedder: Embedder | None = None, embd_normalize: int = 2) -> None:
+                 embedder: Embedder | None = None, embd_normalize: int = 2, cors_proxy: bool = False) -> None:
         self.engine = engine
+        self.cors_proxy_on = cors_proxy
         self.embedder = embedder
         self.embd_normalize = embd_normalize
         # Jinja chat templates render in these worker processes, within their budget (a template is
@@ -598,6 +600,29 @@ class _Api:
         return JSONResponse({"model": model, "object": "list",
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "data": data})
 
+    async def cors_proxy(self, req: HttpRequest) -> Response:
+        """llama-server's /cors-proxy?url=... (--ui-mcp-proxy): the request relayed (pyspec.server.proxy)."""
+        if not self.cors_proxy_on:  # llama-server's res_403
+            return JSONResponse({"error": {"message": "this feature is disabled", "type": "feature_disabled"}},
+                                status_code=403)
+        chunks, n = [], 0
+        async for chunk in req.stream():
+            n += len(chunk)
+            if n > _MAX_BODY:
+                raise _TooLarge
+            chunks.append(chunk)
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers.raw]
+        try:
+            ans = await asyncio.to_thread(proxy_request, req.method, req.query_params.get("url", ""), headers,
+                                          b"".join(chunks))
+        except OSError as e:
+            return _error(502, str(e), "server_error")
+        kind = next((v for k, v in ans.headers if k.lower() == "content-type"), None)
+        out = Response(ans.body, status_code=ans.status, media_type=kind)
+        out.raw_headers += [(k.encode("latin-1", "replace"), v.encode("latin-1", "replace"))
+                            for k, v in ans.headers if k.lower() != "content-type"]
+        return out
+
     # --- OpenAI-compatible endpoints -----------------------------------------------
 
     async def v1_completions(self, req: HttpRequest) -> Response:
@@ -714,7 +739,8 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
                metrics: bool = False, slots: bool = True, model_aliases: Sequence[str] = (),
                model_tags: Sequence[str] = (), props: bool = False, template_budget: TemplateBudget | None = None,
                template_workers: int = 2, template_max_workers: int | None = None,
-               embedder: Embedder | None = None, embd_normalize: int = 2, cors: CorsPolicy | None = None) -> Starlette:
+               embedder: Embedder | None = None, embd_normalize: int = 2, cors: CorsPolicy | None = None,
+               cors_proxy: bool = False) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
@@ -729,12 +755,13 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
     (llama-server's ``--embedding``; without one they answer 501), pooled vectors normalised by
     ``embd_normalize`` unless a request says otherwise (closing it is the caller's job). ``cors``: answer
     cross-origin requests and preflights as llama-server does under that policy (pyspec.server.cors;
-    ``pyspec serve`` passes llama-server's default, CorsPolicy()); None: no CORS headers."""
+    ``pyspec serve`` passes llama-server's default, CorsPolicy()); None: no CORS headers. ``cors_proxy``:
+    relay ``/cors-proxy?url=...`` (llama-server's experimental ``--ui-mcp-proxy``; off, it answers 403)."""
     templates = RenderPool(template_budget or TemplateBudget(), template_workers, template_max_workers)
     if not engine.running:
         engine.start()
     api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots, model_aliases, model_tags, props, templates, embedder, embd_normalize)
+               metrics, slots, model_aliases, model_tags, props, templates, embedder, embd_normalize, cors_proxy)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),
@@ -756,6 +783,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
         Route("/v1/chat/completions", _guard(api.v1_chat), methods=["POST"]),
         Route("/chat/completions", _guard(api.v1_chat), methods=["POST"]),
         Route("/infill", _guard(api.infill), methods=["POST"]),
+        Route("/cors-proxy", _guard(api.cors_proxy), methods=["GET", "POST"]),
         Route("/embedding", _guard(api.embeddings), methods=["POST"]),
         Route("/embeddings", _guard(api.embeddings), methods=["POST"]),
         Route("/v1/embeddings", _guard(api.v1_embeddings), methods=["POST"]),

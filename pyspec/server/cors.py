@@ -80,15 +80,17 @@ class Cors:
             return
         origin = next((v for k, v in scope["headers"] if k.lower() == b"origin"), b"").decode("latin-1")
         allow = self.policy.allow_origin(origin)
+        # the names as llama-server (cpp-httplib) writes them: clients that keep headers in a plain dict,
+        # llama.cpp's own tests among them, look them up in this case
         extra: list[tuple[bytes, bytes]] = []
         if allow is not None:
-            extra.append((b"access-control-allow-origin", allow.encode("latin-1", "replace")))
+            extra.append((b"Access-Control-Allow-Origin", allow.encode("latin-1", "replace")))
         if scope["method"] == "OPTIONS":  # a preflight: answered here, for any path, without the key
             p = self.policy
-            extra += [(b"access-control-allow-credentials", b"true" if p.credentials else b"false"),
-                      (b"access-control-allow-methods", p.methods.encode("latin-1", "replace")),
-                      (b"access-control-allow-headers", p.headers.encode("latin-1", "replace")),
-                      (b"content-type", b"text/html"), (b"content-length", b"0")]
+            extra += [(b"Access-Control-Allow-Credentials", b"true" if p.credentials else b"false"),
+                      (b"Access-Control-Allow-Methods", p.methods.encode("latin-1", "replace")),
+                      (b"Access-Control-Allow-Headers", p.headers.encode("latin-1", "replace")),
+                      (b"Content-Type", b"text/html"), (b"Content-Length", b"0")]
             await send({"type": "http.response.start", "status": 200, "headers": extra})
             await send({"type": "http.response.body", "body": b""})
             return
