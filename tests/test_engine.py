@@ -491,3 +491,26 @@ def test_the_start_up_probe_holds_the_contexts_against_other_threads(type_contex
     eng = Engine(cs.ctx_tgt, cs.spec, greedy_sampling())
     eng.close()
     assert seen == ["refused"]
+
+
+def test_engine_load_gives_the_target_llama_servers_output_rows(chat_model, expected):
+    # server_output_limits: 1 + n_draft rows per slot, not llama.cpp's n_batch (a smaller graph buffer)
+    path = chat_model.path
+    with Engine.load(path, types="none", n_parallel=3, n_ctx=N_CTX, n_batch=64) as eng:
+        assert (eng.ctx_tgt.n_outputs_max, eng.ctx_tgt.n_outputs_max_per_seq) == (3, 1)
+    with Engine.load(path, types="ngram-simple", n_parallel=2, n_ctx=N_CTX, n_batch=64, ngram_n=2, ngram_m=6,
+                     sampling=greedy_sampling(), adaptive_draft=False) as eng:
+        per_seq = 1 + eng.spec_n_max
+        assert eng.ctx_tgt.n_outputs_max_per_seq == per_seq > 1
+        assert eng.ctx_tgt.n_outputs_max == min(64, 2 * per_seq)
+        handles = [eng.submit(Request(prompt=p, n_predict=24)) for p in (PROMPT_REPEAT, PROMPTS[1])]
+        eng.run_until_idle()
+        results = [h.result() for h in handles]
+    assert results[0].stats.n_drafted > 0 and results[0].stats.n_accepted > 0
+    assert results[1].tokens == expected[1]
+    with Engine.load(path, types="ngram-simple", n_parallel=2, n_ctx=N_CTX, n_batch=64, ngram_n=2, ngram_m=6,
+                     sampling=greedy_sampling()) as eng:
+        h = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=8))
+        eng.run_until_idle()
+        assert h.result().tokens == results[0].tokens[:8]
+        assert max(eng.draft_ctl.curve.sizes()) <= eng.ctx_tgt.n_outputs_max  # calibration batches fit the rows

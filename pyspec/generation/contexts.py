@@ -32,7 +32,7 @@ from pyspec.common.checks import check_draft_vocab
 from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonCpuParams, CommonThreadpools
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.common.speculative import common_speculative_types_from_names
+from pyspec.common.speculative import CommonSpeculativeOutputLimits, common_speculative_types_from_names
 from pyspec.core.context import Context
 from pyspec.core.handle import Handle
 from pyspec.core.model import Model
@@ -305,6 +305,7 @@ def open_contexts(
     context_kw: Mapping[str, Any] | None = None,
     cpuparams: CommonCpuParams | None = COMMON_CPU_PARAMS_DEFAULT,
     cpuparams_batch: CommonCpuParams | None = None,
+    output_limits: CommonSpeculativeOutputLimits | None = None,
 ) -> ContextSet:
     """Fresh contexts for ``spec.types`` on ``models``; sets ``spec.draft.ctx_dft``.
 
@@ -314,7 +315,9 @@ def open_contexts(
     ``owned`` handles are closed with the set. ``context_kw``: more Context keywords for
     both contexts (e.g. ``flash_attn_type``). ``cpuparams`` / ``cpuparams_batch`` (the latter defaults to the
     former): the threadpools attached to the target context, as common_init_result attaches them in llama.cpp's
-    tools (the draft context decodes on llama.cpp's own threads there too); None: no pool.
+    tools (the draft context decodes on llama.cpp's own threads there too); None: no pool. ``output_limits``:
+    the target context's ``n_outputs_max`` / ``n_outputs_max_per_seq`` (llama-server's server_output_limits);
+    None keeps llama.cpp's defaults, as its examples do.
     """
     kind = draft_kind(spec.types)
     threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
@@ -323,11 +326,14 @@ def open_contexts(
     if kind == "draft" and models.draft is not None:
         check_draft_vocab(models.target, models.draft)  # token ids pass between the two: refused before any context
     n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()
+    tgt = dict(common)
+    if output_limits is not None:
+        tgt.update(n_outputs_max=output_limits.total, n_outputs_max_per_seq=output_limits.per_seq)
     try:
-        ctx_tgt = Context(models.target, **common, n_rs_seq=n_rs)
+        ctx_tgt = Context(models.target, **tgt, n_rs_seq=n_rs)
     except SnapshotSplitError as e:
         logger.warning("%s: rolling back through checkpoints instead (n_rs_seq=0)", e)
-        ctx_tgt = Context(models.target, **common, n_rs_seq=0)
+        ctx_tgt = Context(models.target, **tgt, n_rs_seq=0)
     ctx_dft: Context | None = None
     pools = CommonThreadpools()
     try:

@@ -68,12 +68,18 @@ from pyspec.common.params import (
     CommonSamplerType,
     CommonSpeculativeType,
 )
-from pyspec.common.speculative import DraftRequest, common_speculative_n_max, common_speculative_type_name_str
+from pyspec.common.speculative import (
+    CommonSpeculativeOutputLimits,
+    DraftRequest,
+    common_speculative_get_output_limits,
+    common_speculative_n_max,
+    common_speculative_type_name_str,
+)
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
-from pyspec.generation.draft_length import DraftLengthController, shared_cost_curve
+from pyspec.generation.draft_length import CALIBRATION_SIZES, DraftLengthController, shared_cost_curve
 from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.rejection import check_acceptance, check_rejection_sampling
@@ -94,6 +100,16 @@ logger = logging.getLogger("pyspec.engine")
 EventCallback = Callable[[str, dict], Any]
 
 _N_PROBS_MAX = 1000
+
+
+def server_output_limits(n_batch: int, n_parallel: int, n_draft: int) -> CommonSpeculativeOutputLimits:
+    """Mirrors server_output_limits (tools/server/server-context.cpp): the target context's output rows, at
+    most ``1 + n_draft`` per slot. llama.cpp's default (``n_batch`` rows) sizes the graph's compute buffer for
+    ``n_batch`` vocabulary-wide logit rows (Gemma 3 270M: 514 MiB against 20 MiB with 8 slots), which costs
+    time as well as memory (a 75-token prompt: 174 ms against 198 ms on 2 cores). An embedding server's branch
+    is not here: the Engine generates; embeddings have a context of their own."""
+    result = common_speculative_get_output_limits(n_batch, n_parallel, n_draft)
+    return CommonSpeculativeOutputLimits(max(1, result.total), max(1, result.per_seq))
 
 
 def greedy_sampling() -> CommonParamsSampling:
@@ -307,11 +323,14 @@ class Engine(EngineQueue):
         parsed = parse_types(rest)
         spec = spec_params(parsed, n_max=n_max, n_min=n_min, p_min=p_min, ngram_n=ngram_n, ngram_m=ngram_m,
                            synth_len=synth_len, synth_rates=synth_rates)
+        n_draft = max(common_speculative_n_max(spec) if parsed != [CommonSpeculativeType.NONE] else 0,
+                      suffix_n_max(suffix))
         models = load_models(parsed, model=model, draft=draft, **model_kw)
         try:
             cs = open_contexts(models, spec, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq=n_parallel,
                                n_threads=n_threads, owned=models.owned, context_kw=context_kw,
-                               cpuparams=cpuparams, cpuparams_batch=cpuparams_batch)
+                               cpuparams=cpuparams, cpuparams_batch=cpuparams_batch,
+                               output_limits=server_output_limits(n_batch, n_parallel, n_draft))
         except BaseException:
             models.close()
             raise
@@ -354,7 +373,8 @@ class Engine(EngineQueue):
         if ctl is None or ctl.fixed:
             return
         if not ctl.curve.ready:
-            ctl.curve.calibrate(self.ctx_tgt)
+            # every row of a calibration batch is an output: no more than the context's output rows
+            ctl.curve.calibrate(self.ctx_tgt, sizes=[n for n in CALIBRATION_SIZES if n <= self.ctx_tgt.n_outputs_max])
         if self.ctx_dft is not None and self.spec_params is not None \
                 and CommonSpeculativeType.DRAFT_SIMPLE in self.spec_params.types:
             # a draft model decodes one token per drafted token: its one-token cost is the first guess
