@@ -550,3 +550,96 @@ def test_cors_proxy_refuses_bad_targets(engine: Engine, url: str, status: int, m
     with TestClient(create_app(engine, cors_proxy=True)) as c:
         r = c.get("/cors-proxy", params={"url": url})
         assert r.status_code == status and message in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("openai_style", [False, True])
+def test_a_text_logit_bias_key_biases_each_of_its_tokens(http: TestClient, engine: Engine, openai_style: bool):
+    # llama-server's test_logit_bias with texts: [[" text ", -100], ...] or {" text ": -100}
+    plain = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8}).json()["tokens"]
+    text = engine.vocab.detokenize(plain[:2])
+    banned = engine.vocab.tokenize(text, add_special=False, parse_special=False)
+    bias: Any = {text: False} if openai_style else [[text, False]]
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8, "logit_bias": bias})
+    assert r.status_code == 200
+    assert banned and not set(banned) & set(r.json()["tokens"])
+
+
+def test_a_full_shared_kv_cache_fails_with_llama_servers_context_exceeded_error():
+    # llama-server's test_completion_unified: four slots sharing 256 cells, each asking for 90 tokens
+    import concurrent.futures
+
+    model = Model(tm.make_cyclic_target())
+    ctx = Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=4, n_threads=1, n_threads_batch=1,
+                  kv_unified=True)
+    eng = Engine(ctx, None, greedy_sampling(), n_parallel=4, owned=[ctx, model])
+    try:
+        with TestClient(create_app(eng)) as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda _: c.post("/completion", json={"prompt": "A", "n_predict": 90}), range(4)))
+            failed = [r for r in rs if r.status_code != 200]
+            assert failed
+            for r in failed:
+                assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+                assert r.json()["error"]["message"].startswith("Context size has been exceeded.")
+            assert c.post("/completion", json={"prompt": "A", "n_predict": 8}).status_code == 200  # serving on
+    finally:
+        eng.close()
+
+
+# --- chat turns, streaming chunks, __verbose ------------------------------------------------------------
+
+
+PREFILLED = [*MESSAGES, {"role": "assistant", "content": "Whill"}]
+
+
+def test_a_final_assistant_message_is_continued_not_answered(http: TestClient, engine: Engine):
+    # llama-server's assistant prefill (test_chat_template_assistant_prefill): the turn stays open
+    open_turn = render_chat(engine.model, MESSAGES) + " Whill"  # the tiny template writes " {content} </s>"
+    assert http.post("/apply-template", json={"messages": PREFILLED}).json()["prompt"] == open_turn
+    explicit = {"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True}
+    assert http.post("/apply-template", json=explicit).json()["prompt"] == open_turn  # vLLM's name for it
+    r = http.post("/v1/chat/completions", json={"messages": PREFILLED, "max_tokens": 2}).json()
+    assert r["usage"]["prompt_tokens"] == len(engine.tokenize_chat(open_turn))
+    # asked not to continue, the assistant's turn is closed as the template closes it
+    closed = http.post("/apply-template", json={"messages": PREFILLED, "continue_final_message": False}).json()
+    assert closed["prompt"] == render_chat(engine.model, PREFILLED)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"messages": PREFILLED, "continue_final_message": True},
+     "Cannot set both add_generation_prompt and continue_final_message to true."),
+    ({"messages": [*PREFILLED, {"role": "assistant", "content": "x"}]},
+     "Cannot have 2 or more assistant messages at the end of the list."),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": False},
+     "the last message must be the assistant's"),
+    ({"messages": PREFILLED, "continue_final_message": 1}, "'continue_final_message' must be a boolean"),
+    ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": 1}},
+     "'stream_options.include_usage' must be a boolean"),
+    ({"messages": MESSAGES, "stream_options": []}, "'stream_options' must be an object"),
+])
+def test_chat_turn_rules_of_llama_server(http: TestClient, body: dict[str, Any], message: str):
+    r = http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_streamed_chat_starts_with_the_role_and_ends_with_a_usage_chunk(http: TestClient):
+    body = {"messages": MESSAGES, "max_tokens": 4, "stream": True}
+    plain = _events(http.post("/v1/chat/completions", json=body))
+    assert plain[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert plain[-1]["choices"][0]["finish_reason"] == "length" and "usage" in plain[-1]
+    events = _events(http.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}))
+    last, finish = events[-1], events[-2]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 and last["timings"]["predicted_n"] == 4
+    assert finish["choices"][0]["finish_reason"] == "length" and "usage" not in finish
+    assert all(e["choices"] for e in events[:-1])
+
+
+def test_verbose_answers_carry_the_native_answer(http: TestClient, engine: Engine):
+    # llama-server's test_verbose_debug (per request) and test_chat_template (--verbose)
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "verbose": True}).json()
+    prompt = render_chat(engine.model, MESSAGES)
+    assert r["__verbose"]["prompt"] == engine.vocab.detokenize(engine.tokenize_chat(prompt), unparse_special=True)
+    assert r["__verbose"]["tokens_predicted"] == 2
+    assert r["__verbose"]["content"] == r["choices"][0]["message"]["content"]
+    assert "__verbose" not in http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
+    with TestClient(create_app(engine, verbose=True)) as c:
+        assert "__verbose" in c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()

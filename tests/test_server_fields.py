@@ -105,9 +105,11 @@ def _cases() -> Iterator[Any]:
                     (json.dumps('root ::= "\0"'), "raw NUL")]:
         yield case("/completion", obj(*COMPLETION, f'"grammar": {v}'), "grammar", what)
     # logit_bias: {token: bias} or [[token, bias], ...]
+    # (a text key is tokenized, as llama-server does: '{"x": 1}' is good, its neighbours below)
     for v in ['"x"', "5", "true", "[1]", "[[1]]", "[[1, 2, 3]]", "[[1e400, 1]]", "[[Infinity, 1]]", "[[NaN, 1]]",
-              "[[-Infinity, 1]]", '[["1_0", 1]]', '[[" 1 ", 1]]', "[[true, 1]]", "[[1.5, 1]]", "[[-1, 1]]",
-              "[[99999999, 1]]", f"[[{'9' * 5000}, 1]]", f'{{"{2**63}": 1}}', '{"x": 1}', '{"1": "x"}',
+              "[[-Infinity, 1]]", '[["x", "1"]]', f'[["{"x" * (MAX_STOP_CHARS + 1)}", 1]]', '[["\\ud800", 1]]',
+              "[[true, 1]]", "[[1.5, 1]]", "[[-1, 1]]",
+              "[[99999999, 1]]", f"[[{'9' * 5000}, 1]]", f'{{"{2**63}": 1}}', '{"1": "x"}',
               '{"1": NaN}', '{"1": Infinity}', '{"1": 1e400}', '{"1": 101}', '{"1": true}', '{"1": [1]}',
               '[[1, {"a": 1}]]', f'{{"{"9" * 5000}": 1}}']:
         yield case("/completion", obj(*COMPLETION, f'"logit_bias": {v}'), "logit_bias", v[:12])
@@ -282,6 +284,8 @@ NOT_NUL_GRAMMAR = r'root ::= [a-z\x00]+ | "\\x00"'
     ("/completion", obj(*COMPLETION, '"speculative": {"n_max": 0}, "stop": ["\\u0000"], "id_slot": -1')),
     ("/completion", obj(*COMPLETION, '"grammar": "root ::= [^\\"\\\\\\\\\\\\x7F\\\\x00-\\\\x1F]+"')),
     ("/completion", obj(*COMPLETION, '"n_predict": 2.0, "logit_bias": [[5, -1.5], ["6", false]]')),
+    ("/completion", obj(*COMPLETION, '"logit_bias": [[" the ", -100], ["1_0", 1]], "temperature": 0')),
+    ("/v1/completions", obj('"prompt": "x"', '"max_tokens": 2', '"logit_bias": {" the ": -100, "5": false}')),
     ("/completion", obj(*COMPLETION, f'"grammar": {json.dumps(NOT_NUL_GRAMMAR)}')),
     ("/v1/chat/completions", obj(*CHAT, '"chat_template_kwargs": {"enable_thinking": false}, "logprobs": true')),
     ("/v1/chat/completions", '{"max_tokens": 2, "messages": [{"role": "user", "content": '

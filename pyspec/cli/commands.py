@@ -374,7 +374,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               defaults=defaults, slot_save_path=args.slot_save_path, log_level="info" if verbose else "warning",
               on_listening=listening, metrics=opts.metrics, slots=opts.slots, model_aliases=opts.model_aliases,
               model_tags=opts.model_tags, props=opts.props, template_budget=budget, embedder=embedder,
-              embd_normalize=opts.embd_normalize, cors=opts.cors, cors_proxy=bool(getattr(args, "ui_mcp_proxy", False)))
+              embd_normalize=opts.embd_normalize, cors=opts.cors, cors_proxy=bool(getattr(args, "ui_mcp_proxy", False)),
+              verbose=verbose)
     print("pyspec serve: stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -39,7 +39,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
           on_listening: Callable[[str], None] | None = None, metrics: bool = False, slots: bool = True,
           model_aliases: Sequence[str] = (), model_tags: Sequence[str] = (), props: bool = False,
           template_budget: Any = None, template_workers: int = 2, template_max_workers: int | None = None,
-          embedder: Any = None, embd_normalize: int = 2, cors: Any = None, cors_proxy: bool = False) -> None:
+          embedder: Any = None, embd_normalize: int = 2, cors: Any = None, cors_proxy: bool = False,
+          verbose: bool = False) -> None:
     """Serve ``engine`` until interrupted (uvicorn), then close it.
 
     ``api_key``: one key or several (llama-server's comma list); ``metrics``: serve ``/metrics``
@@ -52,7 +53,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
     :class:`pyspec.generation.embeddings.Embedder` of the engine's model): serve the embedding endpoints
     (``--embedding``), pooled vectors normalised by ``embd_normalize``; closed with the engine. ``cors``
     (a :class:`pyspec.server.cors.CorsPolicy`): answer cross-origin requests as llama-server does;
-    ``cors_proxy``: relay ``/cors-proxy?url=...`` (``--ui-mcp-proxy``).
+    ``cors_proxy``: relay ``/cors-proxy?url=...`` (``--ui-mcp-proxy``); ``verbose``: the native answer
+    under ``__verbose`` in OpenAI answers (llama-server's ``--verbose``).
 
     ``host``: one address or several, comma-separated (llama-server's ``--host 127.0.0.1,::1``; a path
     ending in ``.sock`` is a UNIX socket). The port is bound before anything is announced: a busy port
@@ -71,7 +73,8 @@ def serve(engine: Any, *, host: str = "127.0.0.1", port: int = 8080, model_name:
                          slot_save_path=slot_save_path, metrics=metrics, slots=slots, model_aliases=model_aliases,
                          model_tags=model_tags, props=props, template_budget=template_budget,
                          template_workers=template_workers, template_max_workers=template_max_workers,
-                         embedder=embedder, embd_normalize=embd_normalize, cors=cors, cors_proxy=cors_proxy)
+                         embedder=embedder, embd_normalize=embd_normalize, cors=cors, cors_proxy=cors_proxy,
+                         verbose=verbose)
         if on_listening is not None:
             on_listening(", ".join(socket_url(s) for s in socks))
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))

@@ -47,7 +47,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pyspec.errors import BadRequest, PyspecError
+from pyspec.errors import BadRequest, DecodeError, PyspecError
 from pyspec.generation.chat import RenderPool, TemplateBudget
 from pyspec.generation.embeddings import Embedder, Embedding
 from pyspec.generation.engine import Engine
@@ -181,8 +181,10 @@ class _Api:
     def __init__(self, engine: Engine, model_name: str, defaults: ServerDefaults, slot_save_path: Path | None,
                  metrics: bool = False, slots: bool = True, aliases: Sequence[str] = (),
                  tags: Sequence[str] = (), props: bool = False, templates: RenderPool | None = None,
-                 embedder: Embedder | None = None, embd_normalize: int = 2, cors_proxy: bool = False) -> None:
+                 embedder: Embedder | None = None, embd_normalize: int = 2, cors_proxy: bool = False,
+                 verbose: bool = False) -> None:
         self.engine = engine
+        self.verbose = verbose
         self.cors_proxy_on = cors_proxy
         self.embedder = embedder
         self.embd_normalize = embd_normalize
@@ -210,19 +212,40 @@ class _Api:
         grammar or prompt is scanned there, and the prompts are tokenized there); a chat's messages
         rendered by the template workers."""
         parsed = await asyncio.to_thread(build, body, self.defaults, self.engine.n_vocab, self.engine.n_parallel)
-        chat = await self._render(parsed.request) if parsed.request.messages is not None else None
+        chat = await self._render(parsed.request, parsed.continue_final) \
+            if parsed.request.messages is not None else None
         return parsed, await asyncio.to_thread(self._choices, parsed, chat)
 
-    async def _render(self, r: Request) -> str:
-        """The chat's prompt text: its messages through the template, in a template worker within the budget."""
+    async def _render(self, r: Request, continue_final: bool = False) -> str:
+        """The chat's prompt text: its messages through the template, in a template worker within the budget.
+
+        ``continue_final``: the final (assistant) message is left open, its text the end of the prompt, so
+        that the model continues it (llama-server's assistant prefill). The template renders it with a
+        marker after its content, and the prompt is cut at the marker: whatever the template writes to
+        close a turn is dropped, whatever it writes before the content is kept."""
         from pyspec.generation.chat import render_chat
 
         assert r.messages is not None
-        run = functools.partial(render_chat, self.engine.model, r.messages,
+        messages = list(r.messages)
+        marker = f"\u2063pyspec-continue-{uuid.uuid4().hex}\u2063"
+        if continue_final:
+            last = dict(messages[-1])
+            content = last.get("content")
+            last["content"] = [*content, {"type": "text", "text": marker}] if isinstance(content, list) \
+                else (content or "") + marker
+            messages[-1] = last
+        run = functools.partial(render_chat, self.engine.model, messages,
                                 add_generation_prompt=r.add_generation_prompt, template=r.chat_template,
                                 budget=self.templates, **dict(r.chat_template_kwargs or {}))
         async with self._render_slots:
-            return await asyncio.get_running_loop().run_in_executor(self._render_threads, run)
+            text = await asyncio.get_running_loop().run_in_executor(self._render_threads, run)
+        if not continue_final:
+            return text
+        cut = text.find(marker)
+        if cut < 0:
+            raise BadRequest("the chat template does not show the final assistant message's content: "
+                             "it cannot be continued")
+        return text[:cut]
 
     def _prompt_tokens(self, r: Request, prompt: Prompt | None, chat: str | None = None) -> list[int]:
         """One prompt's tokens, as llama-server makes them: a chat rendered with its template, a text
@@ -352,6 +375,14 @@ class _Api:
         n_gen = sum(len(c.tokens) for c in comps)
         return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen,
                 "prompt_tokens_details": {"cached_tokens": sum(c.stats.n_cached for c in comps[::n])}}
+
+    def _verbose(self, out: dict[str, Any], parsed: Parsed, comps: list[Completion],
+                 reqs: list[Request]) -> dict[str, Any]:
+        """``out`` with llama-server's debugging copy of the native answer under "__verbose" (the first
+        choice's), when the server runs with --verbose or the request asks for it."""
+        if self.verbose or parsed.verbose:
+            out["__verbose"] = self._native_final(comps[0], reqs[0], False)
+        return out
 
     def _generation_settings(self, r: Request) -> dict[str, Any]:
         """The settings a completion ran with (llama-server's generation_settings, task_params::to_json)."""
@@ -548,14 +579,14 @@ class _Api:
     async def apply_template(self, req: HttpRequest) -> Response:
         """llama-server's /apply-template: the chat rendered as the prompt it would be ({"prompt": text})."""
         body = await _body(req)
-        r = await asyncio.to_thread(apply_template_request, body, self.defaults)
-        return JSONResponse({"prompt": await self._render(r)})
+        parsed = await asyncio.to_thread(apply_template_request, body, self.defaults)
+        return JSONResponse({"prompt": await self._render(parsed.request, parsed.continue_final)})
 
     async def chat_input_tokens(self, req: HttpRequest) -> Response:
         """llama-server's /chat/completions/input_tokens: how many tokens the chat's prompt would be."""
         body = await _body(req)
-        r = await asyncio.to_thread(apply_template_request, body, self.defaults)
-        text = await self._render(r)
+        parsed = await asyncio.to_thread(apply_template_request, body, self.defaults)
+        text = await self._render(parsed.request, parsed.continue_final)
         return JSONResponse({"input_tokens": len(await asyncio.to_thread(self.engine.tokenize_chat, text))})
 
     async def embeddings(self, req: HttpRequest) -> Response:
@@ -654,7 +685,7 @@ class _Api:
             comps = await self._wait(req, hs)
             choices = [choice(i, c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
                        for i, c in enumerate(comps)]
-            return JSONResponse(self._totals(envelope(choices), comps, parsed.n))
+            return JSONResponse(self._verbose(self._totals(envelope(choices), comps, parsed.n), parsed, comps, reqs))
 
         sent = [0] * len(hs)
 
@@ -695,12 +726,12 @@ class _Api:
 
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            return JSONResponse(self._totals({
+            return JSONResponse(self._verbose(self._totals({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}
                             for i, c in enumerate(comps)],
-            }, comps, parsed.n))
+            }, comps, parsed.n), parsed, comps, reqs))
 
         def piece(i: int, d: Delta) -> dict[str, Any] | None:
             if not d.text and not d.logprobs:
@@ -709,10 +740,15 @@ class _Api:
 
         def final(comps: list[Completion]) -> list[dict[str, Any]]:
             outs = [chunk(i, {}, _FINISH.get(c.stop_reason, "stop"), []) for i, c in enumerate(comps)]
+            if parsed.include_usage:  # OpenAI's last chunk: no choices, the usage (llama-server adds the timings)
+                outs.append({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                             "model": self.model_name, "choices": []})
             self._totals(outs[-1], comps, parsed.n)
+            self._verbose(outs[0], parsed, comps, reqs)
             return outs
 
-        first = [_sse(chunk(i, {"role": "assistant", "content": ""}, None, [])) for i in range(len(hs))]
+        # the role first, with no content yet (null, as llama-server and OpenAI send it)
+        first = [_sse(chunk(i, {"role": "assistant", "content": None}, None, [])) for i in range(len(hs))]
         return self._stream(hs, first, piece, final, True)
 
 
@@ -726,6 +762,10 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
             return _error(400, str(e), "exceed_context_size_error", n_prompt_tokens=e.n_prompt, n_ctx=e.n_ctx)
         except _TooLarge:
             return _error(413, f"the request body is larger than {_MAX_BODY} bytes")
+        except DecodeError as e:
+            if e.code == 1:  # no room in the KV cache for the step: llama-server's words (server-context.cpp)
+                return _error(500, f"Context size has been exceeded. ({e})", "server_error")
+            return _error(500, str(e), "server_error")
         except PyspecError as e:
             return _error(400 if isinstance(e, ValueError) else 500, str(e),
                           "invalid_request_error" if isinstance(e, ValueError) else "server_error")
@@ -740,7 +780,7 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
                model_tags: Sequence[str] = (), props: bool = False, template_budget: TemplateBudget | None = None,
                template_workers: int = 2, template_max_workers: int | None = None,
                embedder: Embedder | None = None, embd_normalize: int = 2, cors: CorsPolicy | None = None,
-               cors_proxy: bool = False) -> Starlette:
+               cors_proxy: bool = False, verbose: bool = False) -> Starlette:
     """The ASGI app serving ``engine`` (started here if it is not running; closing it is the caller's job).
 
     ``metrics``: serve ``/metrics`` (llama-server's ``--metrics``; behind the API key like llama-server's).
@@ -756,12 +796,20 @@ def create_app(engine: Engine, *, model_name: str = "pyspec", api_key: str | Seq
     ``embd_normalize`` unless a request says otherwise (closing it is the caller's job). ``cors``: answer
     cross-origin requests and preflights as llama-server does under that policy (pyspec.server.cors;
     ``pyspec serve`` passes llama-server's default, CorsPolicy()); None: no CORS headers. ``cors_proxy``:
-    relay ``/cors-proxy?url=...`` (llama-server's experimental ``--ui-mcp-proxy``; off, it answers 403)."""
+    relay ``/cors-proxy?url=...`` (llama-server's experimental ``--ui-mcp-proxy``; off, it answers 403).
+    ``verbose``: OpenAI answers carry the native answer under ``__verbose`` (llama-server's ``--verbose``;
+    a request's ``"verbose": true`` asks for it too)."""
     templates = RenderPool(template_budget or TemplateBudget(), template_workers, template_max_workers)
     if not engine.running:
         engine.start()
-    api = _Api(engine, model_name, defaults or ServerDefaults(), Path(slot_save_path) if slot_save_path else None,
-               metrics, slots, model_aliases, model_tags, props, templates, embedder, embd_normalize, cors_proxy)
+    defaults = defaults or ServerDefaults()
+    if defaults.tokenize is None:  # logit_bias keys given as text are tokenized as llama-server does
+        vocab = engine.vocab
+        defaults = dataclasses.replace(
+            defaults, tokenize=lambda text: vocab.tokenize(text, add_special=False, parse_special=False))
+    api = _Api(engine, model_name, defaults, Path(slot_save_path) if slot_save_path else None,
+               metrics, slots, model_aliases, model_tags, props, templates, embedder, embd_normalize, cors_proxy,
+               verbose)
     routes = [
         Route("/health", _guard(api.health), methods=["GET"]),
         Route("/v1/health", _guard(api.health), methods=["GET"]),

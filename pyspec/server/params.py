@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from pyspec.common.params import LLAMA_DEFAULT_SEED, CommonParamsSampling
@@ -44,6 +44,9 @@ class ServerDefaults:
     cache_prompt: bool = True
     chat_template: str | None = None  # chat: a template text or llama.cpp built-in name (--chat-template)
     spm_infill: bool = False  # /infill: suffix, prefix, middle (--spm-infill) instead of prefix, suffix, middle
+    # the model's tokenizer (no BOS, no special tokens parsed) for logit_bias keys given as text, which
+    # llama-server tokenizes; create_app sets it. None: such keys are refused
+    tokenize: Callable[[str], list[int]] | None = None
 
 
 _MISSING = object()
@@ -202,12 +205,14 @@ def _token_id(tok: Any) -> int | None:
     return None
 
 
-def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]] | None:
+def _logit_bias(body: Mapping[str, Any], n_vocab: int,
+                tokenize: Callable[[str], list[int]] | None = None) -> list[tuple[int, float]] | None:
     v = _get(body, "logit_bias")
     if v is _MISSING:
         return None
     out: list[tuple[int, float]] = []
-    # OpenAI: {"token id": bias}; llama-server also takes [[token, bias | false], ...]
+    # OpenAI: {"token id": bias}; llama-server also takes [[token, bias | false], ...], and a text in
+    # place of a token (server-schema.cpp): each of its tokens gets the bias
     items = v.items() if isinstance(v, Mapping) else v
     if not isinstance(items, (list, type({}.items()))):
         raise BadRequest("'logit_bias' must be an object {token: bias} or a list of [token, bias]")
@@ -218,19 +223,29 @@ def _logit_bias(body: Mapping[str, Any], n_vocab: int) -> list[tuple[int, float]
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise BadRequest("'logit_bias' entries must be [token, bias]")
         tok, bias = item
+        name = repr(tok[:40]) if isinstance(tok, str) else _kind(tok)
         t = _token_id(tok)
-        if t is None:
-            raise BadRequest(f"'logit_bias': token {_kind(tok) if not isinstance(tok, str) else repr(tok[:40])}"
-                             " is not a token id")
-        if not 0 <= t < n_vocab:
+        if t is None and isinstance(tok, str) and tokenize is not None:
+            if len(tok) > MAX_STOP_CHARS:
+                raise BadRequest(f"'logit_bias': a text key is {len(tok)} characters long, more than the "
+                                 f"{MAX_STOP_CHARS} allowed")
+            toks = tokenize(_text("logit_bias", tok))
+        elif t is None:
+            raise BadRequest(f"'logit_bias': token {name} is not a token id")
+        elif not 0 <= t < n_vocab:
             raise BadRequest(f"'logit_bias': token {t} is outside the vocabulary (0..{n_vocab - 1})")
+        else:
+            toks = [t]
         if bias is False:
             b = -math.inf
         elif isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100 <= bias <= 100:
             b = float(bias)
         else:
-            raise BadRequest(f"'logit_bias': bias for token {t} must be a number in [-100, 100] (or false)")
-        out.append((t, b))
+            raise BadRequest(f"'logit_bias': bias for token {name} must be a number in [-100, 100] (or false)")
+        out += [(t, b) for t in toks]
+        if len(out) > MAX_LOGIT_BIAS:  # a text key counts each of its tokens
+            raise BadRequest(f"'logit_bias' has more than the {MAX_LOGIT_BIAS} entries allowed "
+                             "(a text counts each of its tokens)")
     return out
 
 
@@ -358,7 +373,7 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
             raise BadRequest(f"'grammar': {e}") from None
         _grammar_nul(g)
         s.grammar = g
-    lb = _logit_bias(body, n_vocab)
+    lb = _logit_bias(body, n_vocab, d.tokenize)
     if lb is not None:
         s.logit_bias = lb
     return s
@@ -516,6 +531,11 @@ class Parsed:
     response_fields: list[str] = dataclasses.field(default_factory=list)  # /completion: only these ("a/b": nested)
     # /completion's "tokens": llama-server sends them only when asked, pyspec unless told not to
     return_tokens: bool = True
+    # chat: the final assistant message is continued, not answered (llama-server's assistant prefill,
+    # continue_final_message); its turn stays open in the prompt
+    continue_final: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+    verbose: bool = False  # "verbose": the native answer under "__verbose" (the server's --verbose does too)
 
 
 def _n_choices(body: Mapping[str, Any], n_parallel: int) -> int:
@@ -589,27 +609,69 @@ def completion_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int,
         raise BadRequest("'echo' is not supported")
     n_probs = _int(body, "logprobs", 0, 20) or 0
     req = Request(n_probs=n_probs, add_special=True, parse_special=True, **c)
-    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False))
+    return Parsed(_finish(req), _prompts(body, n_vocab), _n_choices(body, n_parallel), _bool(body, "stream", False),
+                  include_usage=_stream_options(body), verbose=_bool(body, "verbose", False))
 
 
-def apply_template_request(body: Mapping[str, Any], d: ServerDefaults) -> Request:
-    """llama-server's /apply-template body (a chat body) -> a Request holding its messages and template."""
+def _turns(body: Mapping[str, Any]) -> tuple[list[Any], bool, bool]:
+    """A chat's messages, add_generation_prompt and whether its final assistant message is continued,
+    with llama-server's rules (server-common.cpp oaicompat_chat_params_parse): a final assistant
+    message is continued unless continue_final_message says otherwise (--prefill-assistant, on by
+    default), two assistant messages at the end are refused, and so is continuing with a generation
+    prompt asked for."""
+    msgs = _messages(body)
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    cfm = _get(body, "continue_final_message")
+    if cfm is not _MISSING and not isinstance(cfm, (bool, str)):
+        raise BadRequest(f"'continue_final_message' must be a boolean or \"content\", got {_kind(cfm)}")
+    # common_chat_continuation_parse: true, "content" or "reasoning_content" continue; anything else does not
+    continue_final = cfm is True or cfm in ("content", "reasoning_content")
+    if cfm is _MISSING and msgs[-1].get("role") == "assistant":
+        if len(msgs) >= 2 and msgs[-2].get("role") == "assistant":
+            raise BadRequest("Cannot have 2 or more assistant messages at the end of the list.")
+        continue_final, add_generation_prompt = True, False
+    if continue_final and add_generation_prompt:
+        raise BadRequest("Cannot set both add_generation_prompt and continue_final_message to true.")
+    if continue_final and msgs[-1].get("role") != "assistant":
+        raise BadRequest("'continue_final_message': the last message must be the assistant's to continue")
+    return msgs, add_generation_prompt, continue_final
+
+
+def apply_template_request(body: Mapping[str, Any], d: ServerDefaults) -> Parsed:
+    """llama-server's /apply-template body (a chat body) -> a Parsed holding its messages and template."""
     body = _object(body)
-    return Request(messages=_messages(body), add_generation_prompt=_bool(body, "add_generation_prompt", True),
-                   chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body))
+    msgs, add_generation_prompt, continue_final = _turns(body)
+    req = Request(messages=msgs, add_generation_prompt=add_generation_prompt, chat_template=d.chat_template,
+                  chat_template_kwargs=_template_kwargs(body))
+    return Parsed(req, [], 1, False, continue_final=continue_final)
+
+
+def _stream_options(body: Mapping[str, Any]) -> bool:
+    """stream_options.include_usage (OpenAI's streaming option)."""
+    opts = _get(body, "stream_options")
+    if opts is _MISSING:
+        return False
+    if not isinstance(opts, Mapping):
+        raise BadRequest(f"'stream_options' must be an object, got {_kind(opts)}")
+    v = opts.get("include_usage", False)
+    if not isinstance(v, bool):
+        raise BadRequest(f"'stream_options.include_usage' must be a boolean, got {_kind(v)}")
+    return v
 
 
 def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
     """OpenAI's /v1/chat/completions body -> Parsed."""
     c = _common(body, d, n_vocab, n_parallel)
-    msgs = _messages(body)
+    msgs, add_generation_prompt, continue_final = _turns(body)
     n_probs = 0
     if _bool(body, "logprobs", False):
         n_probs = _int(body, "top_logprobs", 0, 20) or 0
         n_probs = max(n_probs, 1)  # the chosen token's log-probability needs the row; top list trimmed later
-    req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+    req = Request(messages=msgs, n_probs=n_probs, add_generation_prompt=add_generation_prompt,
                   chat_template=d.chat_template, chat_template_kwargs=_template_kwargs(body), **c)
-    return Parsed(_finish(req), [], _n_choices(body, n_parallel), _bool(body, "stream", False))
+    return Parsed(_finish(req), [], _n_choices(body, n_parallel), _bool(body, "stream", False),
+                  continue_final=continue_final, include_usage=_stream_options(body),
+                  verbose=_bool(body, "verbose", False))
 
 
 @dataclasses.dataclass
