@@ -6,7 +6,7 @@ through the Engine (fixed draft lengths, so that the lengths compare), and the t
 temperature the mean accepted length (vLLM's: 1 + accepted draft tokens per verified draft) and the share of
 drafted tokens accepted, for "exact" (llama.cpp's rule) and "rejection".
 
-Types: draft-simple and draft-eagle3 on the tiny models (pyspec.testing.models) by default (draft-mtp is refused);
+Types: draft-simple, draft-eagle3 and draft-mtp on the tiny models (pyspec.testing.models) by default;
 ``--real`` adds draft-simple on Gemma 3 270M (contexts.default_model_path()) with the model as its own draft
 (draft = target: the upper bound, where rejection sampling accepts every token).
 
@@ -57,7 +57,7 @@ def run(types: str, target: Path, draft: Path | None, temp: float, acceptance: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--temps", default="0.5,0.8,1.0")
-    ap.add_argument("--types", default="draft-simple,draft-eagle3")  # draft-mtp: refused (docs/rejection.md)
+    ap.add_argument("--types", default="draft-simple,draft-eagle3,draft-mtp")
     ap.add_argument("--n-predict", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n-max", type=int, default=4, help="draft length (fixed)")

@@ -370,9 +370,10 @@ def test_a_bad_template_budget_is_a_one_line_error_before_any_model_loads(argv, 
 def test_serve_acceptance_reaches_the_engine(capsys):
     from pyspec.cli import main
 
-    # the engine's own refusal proves the option reached Engine.load (draft-mtp has no rejection sampling)
-    assert main(["serve", "--tiny", "--types", "draft-mtp", "--acceptance", "rejection", "--port", "0"]) == 1
-    assert "not available with draft-mtp" in capsys.readouterr().err
+    # the engine's own refusal proves the option reached Engine.load (rejection sampling takes no draft minimum)
+    assert main(["serve", "--tiny", "--types", "draft-simple", "--draft-min", "2", "--acceptance", "rejection",
+                 "--port", "0"]) == 1
+    assert "needs spec.draft.n_min 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

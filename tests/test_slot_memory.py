@@ -98,3 +98,21 @@ def test_a_recurrent_memory_without_a_fitting_checkpoint_is_cleared(hybrid_model
         assert s.tokens == [] and s.checkpoints == []
         assert ctx.memory.seq_pos_max(0) == -1
         assert mem.tgt_needs_checkpoint(ctx.n_rs_seq + 1)
+
+
+def test_a_bounded_recurrent_rollback_is_not_used_to_keep_a_prefix(hybrid_model):
+    # llama.cpp's n_rs_seq rollback gives back the state after a token of the last ubatch only, yet seq_rm
+    # says yes to any rollback up to n_rs_seq: keeping a prefix that way read a stale snapshot (the first
+    # token of a reused prompt had other logits, which draft-mtp's rejection test found); a checkpoint it is
+    with Context(hybrid_model, n_ctx=256, n_batch=64, n_ubatch=64, n_seq_max=1, n_rs_seq=4, n_threads=1,
+                 n_threads_batch=1) as ctx:
+        mem, s = SlotMemory(ctx, None), Slot(0)
+        assert mem.ctx_tgt_seq_rm_type == CommonContextSeqRmType.RS
+        toks = hybrid_model.vocab.tokenize(TEXT)
+        read(ctx, s, toks[:8])
+        mem.take_prompt_checkpoint(s, 8)
+        read(ctx, s, toks[8:18])
+        read(ctx, s, toks[18:19])  # the last ubatch: one token, so no state before it is kept
+        assert mem.keep_prefix(s, 17) == 8  # two tokens back is within n_rs_seq, but not within that ubatch
+        assert s.tokens == toks[:8] and ctx.memory.seq_pos_max(0) == 7
+        assert mem.n_prompt_checkpoint_hits == 1

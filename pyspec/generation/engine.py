@@ -200,11 +200,6 @@ class Engine(EngineQueue):
                              "would be dropped for its own tokens")
         if self.rejection and spec is not None and spec.has_synth():
             raise ValueError("acceptance='rejection' and synthetic acceptance exclude each other")
-        if self.rejection and spec is not None and CommonSpeculativeType.DRAFT_MTP in spec.types:
-            # tests/test_rejection.py: with MTP drafts the first two tokens do not follow plain sampling's
-            # distribution (chi-square p ~ 0); refused until the cause is found
-            raise ValueError("acceptance='rejection' is not available with draft-mtp yet: its output distribution "
-                             "was measured to differ from plain sampling's")
         self.backend: SpeculativeBackend = make_backend(backend, ctx_tgt.model, spec, self.sampling, self.n_parallel,
                                                         suffix=suffix, shared=self.suffix_index, acceptance=acceptance)
         if self.backend.has_spec:
@@ -884,7 +879,13 @@ class Engine(EngineQueue):
         if saved is not None:
             eng.drop_saved(saved)
 
-        eng.accept(s.id, len(accepted) - 1)
+        ctl = self.draft_ctl
+        n_told = len(accepted) - 1
+        if ctl is not None and not ctl.fixed and s.spec_cap > 0:
+            # a tail the controller cut counts as accepted where the kept part was: the implementations
+            # adapt to what they are told (draft_length.DraftLengthController.accepted_for_impl)
+            n_told = ctl.accepted_for_impl(s.id, n_draft, n_told)
+        eng.accept(s.id, n_told)
         # a replay's last draft token was the target's own: not an accepted draft token (the server's count)
         n_accepted = len(accepted) - 1
         if s.spec_is_replay and n_accepted > 0:

@@ -127,9 +127,14 @@ class SlotMemory:
         n_keep = min(n_keep, len(s.tokens))
         ok = True
         if n_keep < len(s.tokens):
-            ok = self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
+            # a recurrent memory's bounded rollback (RS: llama_n_rs_seq) gives back the state after a token of
+            # the sequence's last ubatch only, yet seq_rm answers true for any rollback up to n_rs_seq (from a
+            # snapshot plane the last ubatch did not write): a prefix is resumed from a prompt checkpoint, as
+            # llama-server's update_slots does (it never rolls a recurrent state back for prefix reuse)
+            ok = self.ctx_tgt_seq_rm_type != CommonContextSeqRmType.RS and self.ctx_tgt.memory.seq_rm(s.id, n_keep, -1)
             if ok and self.ctx_dft is not None:
-                ok = self.ctx_dft.memory.seq_rm(s.id, n_keep, -1)
+                ok = (self.ctx_dft_seq_rm_type != CommonContextSeqRmType.RS
+                      and self.ctx_dft.memory.seq_rm(s.id, n_keep, -1))
         # sliding-window attention keeps only the last n_swa positions: what comes after n_keep
         # needs the window before it (the server's pos_min_thold check)
         ok = ok and all(window_kept(c, s.id, n_keep) for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
