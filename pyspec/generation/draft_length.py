@@ -52,7 +52,7 @@ import statistics
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "DraftLengthController",
     "LinearCost",
     "expected_tokens",
+    "interpolate_cost",
     "oracle_speedup",
     "shared_cost_curve",
 ]
@@ -72,133 +73,187 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
 
 
 class CostCurve:
-    """The target's verify cost per batch size: median of the last ``window`` decodes of each size, in seconds.
+    """The target's verify cost per batch size, in seconds, as the generation loop measures it.
+
+    The **level** is what a one-token decode costs now; each decode of b tokens is
+    taken relative to the level when it was made, and b's cost is the median of its
+    last ``window`` relative costs times the level now. The level follows every
+    decode of any size divided by its size's relative cost (a moving average, each
+    decode's pull held within a factor of two of it, so that one preempted decode
+    moves it little): a competing process that slows every decode moves it within a
+    few steps, and the sizes not decoded since (draft lengths not chosen lately)
+    follow it instead of keeping the costs of a quieter or busier moment.
 
     Sizes never measured are interpolated linearly between the nearest measured
-    ones, and extrapolated beyond the largest with the slope of the last two.
-    The curve never falls: a size measured cheaper than a smaller one (noise on a
-    busy machine) counts as costing what the smaller one costs, so that noise
-    cannot make long drafts look free.
+    ones, and extrapolated beyond the largest with the slope of the last two (never
+    falling). A measured size may cost less than a smaller one: kernels that work on
+    rows in blocks of four make a batch of 4 cheaper than one of 3 on some machines.
     """
+
+    LEVEL_RATE = 0.2  # each decode's pull on the level
 
     def __init__(self, window: int = 9) -> None:
         self.window = window
-        self._obs: dict[int, deque[float]] = {}
-        self._raw: dict[int, float] = {}  # the median of each size's decodes
-        self._median: dict[int, float] = {}  # the same made non-decreasing in size
+        self._obs: dict[int, deque[float]] = {}  # each size's decodes, relative to the level then
+        self._level = 0.0
+        self._rel: dict[int, float] = {}  # the median of each size's relative costs
         self._sizes: list[int] = []
-        self._cache: dict[int, float] = {}  # cost() of any size, cleared when a median changes
+        self._cache: dict[int, float] = {}  # relative cost of any size, cleared when a median changes
         self._stale: set[int] = set()  # sizes recorded since their median was taken
+        self._n_used: dict[int, int] = {}  # decodes of each size in generation steps (not calibration)
 
-    def record(self, n_tokens: int, seconds: float) -> None:
-        """One decode of ``n_tokens`` tokens took ``seconds`` (the medians are taken when next read:
-        the generation loop records every step, and only the cost-aware controller reads)."""
+    def record(self, n_tokens: int, seconds: float, *, calibration: bool = False) -> None:
+        """One decode of ``n_tokens`` tokens took ``seconds`` (``calibration``: a probe, not a generation step)."""
         if n_tokens <= 0 or not seconds > 0:
             return
+        if not calibration:
+            self._n_used[n_tokens] = self._n_used.get(n_tokens, 0) + 1
+        if not self._level:
+            self._level = seconds / n_tokens  # a first guess of a one-token decode: this one's share of a row
         obs = self._obs.get(n_tokens)
-        if obs is None:
+        if obs is None and n_tokens != 1:  # a new size: its first decode sets its relative cost at the level now
             obs = self._obs[n_tokens] = deque(maxlen=self.window)
             self._sizes = sorted(self._obs)
-        obs.append(seconds)
+            self._cache.clear()
+        else:  # the level this decode implies, from the size's relative cost as known before it
+            if obs is None:
+                obs = self._obs[1] = deque(maxlen=self.window)
+                self._sizes = sorted(self._obs)
+                self._cache.clear()
+            level = self._level
+            rel = 1.0 if n_tokens == 1 else self._relative(n_tokens)
+            implied = min(2.0 * level, max(0.5 * level, seconds / rel))
+            self._level = level + self.LEVEL_RATE * (implied - level)
+        obs.append(seconds / self._level)
         self._stale.add(n_tokens)
 
-    def _medians(self) -> dict[int, float]:
-        """The non-decreasing medians, brought up to date."""
+    def _refresh(self) -> None:
+        """Bring the medians up to date (a one-token decode is the unit: its relative cost is 1)."""
         if self._stale:
             for n in self._stale:
-                self._raw[n] = statistics.median(self._obs[n])
+                self._rel[n] = 1.0 if n == 1 else statistics.median(self._obs[n])
             self._stale.clear()
-            prev = 0.0
-            for n in self._sizes:  # the running maximum of the medians
-                prev = self._median[n] = max(prev, self._raw[n])
             self._cache.clear()
-        return self._median
 
     @property
     def ready(self) -> bool:
         """Whether the curve knows a one-token decode and at least one larger batch."""
-        med = self._medians()
-        return 1 in med and len(med) >= 2
+        return 1 in self._obs and len(self._obs) >= 2
 
     def sizes(self) -> list[int]:
         """The batch sizes measured so far."""
         return list(self._sizes)
 
+    def n_used(self, n_tokens: int) -> int:
+        """How many generation steps decoded ``n_tokens`` tokens (calibration probes not counted)."""
+        return self._n_used.get(n_tokens, 0)
+
+    @property
+    def level(self) -> float:
+        """Seconds per unit of relative cost now."""
+        return self._level
+
     def cost(self, n_tokens: int) -> float:
-        """Seconds for one decode of ``n_tokens`` tokens (interpolated where not measured)."""
+        """Seconds for one decode of ``n_tokens`` tokens now (interpolated where not measured)."""
+        return self._relative(n_tokens) * self._level
+
+    def _relative(self, n_tokens: int) -> float:
         if self._stale:
-            self._medians()
+            self._refresh()
         c = self._cache.get(n_tokens)
         if c is None:
             c = self._cache[n_tokens] = self._interpolate(n_tokens)
         return c
 
     def _interpolate(self, n_tokens: int) -> float:
-        med = self._median
-        c = med.get(n_tokens)
-        if c is not None:
-            return c
-        sizes = self._sizes
-        if not sizes:
+        if not self._sizes:
             raise ValueError("the cost curve has no measurements")
-        if n_tokens < sizes[0]:
-            return med[sizes[0]]
-        k = bisect.bisect_left(sizes, n_tokens)
-        if k == len(sizes):  # beyond the largest: the slope of the last two (never falling)
-            if len(sizes) < 2:
-                return med[sizes[0]] * n_tokens / sizes[0]
-            a, b = sizes[-2], sizes[-1]
-            slope = max(0.0, (med[b] - med[a]) / (b - a))
-            return med[b] + slope * (n_tokens - b)
-        lo, hi = sizes[k - 1], sizes[k]
-        w = (n_tokens - lo) / (hi - lo)
-        return med[lo] * (1 - w) + med[hi] * w
+        return interpolate_cost(self._rel, self._sizes, n_tokens)
 
     def relative(self) -> dict[int, float]:
         """The measured points as multiples of a one-token decode."""
-        c1 = self.cost(1)
-        med = self._medians()
-        return {n: med[n] / c1 for n in self._sizes}
+        c1 = self._relative(1)
+        return {n: self._rel[n] / c1 for n in self._sizes}
 
     def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 5,
-                  seq_id: int = 0) -> CostCurve:
+                  seq_id: int = 0, history: int = 64) -> CostCurve:
         """Measure ``sizes`` on ``ctx`` (a pyspec Context): a warm-up round, then ``repeat`` rounds.
 
-        Decodes token batches at positions 0.. of ``seq_id`` with every row's logits
-        requested, as a verify batch does, and removes them again: the sequence
-        must be empty (the generator calls this before a generation). Each round
-        visits every size once, so that a change of load during the calibration
-        moves all sizes alike instead of the ones measured last (scripts/verify_cost.py
-        measures the same curve apart from the loop).
+        As a verify step finds the context: after ``history`` tokens of ``seq_id`` (a
+        prompt's worth; the cost of a batch grows with what it attends to), it decodes
+        token batches with every row's logits requested and removes them again; at the
+        end the whole sequence, which must be empty to begin with (the generator calls
+        this before a generation). A memory that cannot drop part of a sequence
+        (recurrent) is measured from position 0 instead. Each round visits every size
+        once, so that a change of load during the calibration moves all sizes alike
+        (scripts/verify_cost.py measures the same curve apart from the loop). What the
+        loop then decodes refines it (:meth:`record`).
         """
         from pyspec.core.batch import Batch
 
         sizes = sorted({int(s) for s in sizes if 0 < s <= ctx.n_batch})
         if not sizes:
             return self
-        batch = Batch(max(sizes), 0, 1)
+        history = max(0, min(history, ctx.n_ctx_seq - max(sizes) - 1))
+        batch = Batch(max(ctx.n_batch, max(sizes)), 0, 1)
         tok = max(0, ctx.model.vocab.bos)
         mem = ctx.memory
         try:
+            base = self._history(ctx, batch, tok, seq_id, history)
             for r in range(repeat + 1):
                 for n in sizes:
                     batch.clear()
                     for i in range(n):
-                        batch.add(tok, i, seq_id, True)
-                    mem.seq_rm(seq_id, -1, -1)
+                        batch.add(tok, base + i, seq_id, True)
                     t0 = time.perf_counter()
                     ctx.decode(batch)
                     dt = time.perf_counter() - t0
+                    if not mem.seq_rm(seq_id, base, -1):  # a recurrent memory: from position 0 from now on
+                        mem.seq_rm(seq_id, -1, -1)
+                        base = 0
                     if r > 0:  # the first decode of a new shape also allocates its graph
-                        self.record(n, dt)
+                        self.record(n, dt, calibration=True)
         finally:
             mem.seq_rm(seq_id, -1, -1)
         return self
 
+    @staticmethod
+    def _history(ctx: Any, batch: Any, tok: int, seq_id: int, n: int) -> int:
+        """Decode ``n`` filler tokens of ``seq_id`` (no logits); the position after them."""
+        pos = 0
+        while pos < n:
+            batch.clear()
+            for i in range(min(n - pos, ctx.n_batch)):
+                batch.add(tok, pos + i, seq_id, False)
+            ctx.decode(batch)
+            pos += batch.n_tokens
+        return pos
+
     def as_dict(self) -> dict[int, float]:
-        """{batch size: median seconds} of the measured sizes."""
-        med = self._medians()
-        return {n: med[n] for n in self._sizes}
+        """{batch size: seconds now} of the measured sizes."""
+        self._refresh()
+        return {n: self._rel[n] * self._level for n in self._sizes}
+
+
+def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens: int) -> float:
+    """The cost of ``n_tokens`` from measured ``points`` ({size: cost}; ``sizes`` their keys, sorted):
+    linear between the nearest measured sizes, the slope of the last two beyond the largest (never
+    falling), the smallest's cost below it."""
+    c = points.get(n_tokens)
+    if c is not None:
+        return c
+    if n_tokens < sizes[0]:
+        return points[sizes[0]]
+    k = bisect.bisect_left(sizes, n_tokens)
+    if k == len(sizes):  # beyond the largest: the slope of the last two (never falling)
+        if len(sizes) < 2:
+            return points[sizes[0]] * n_tokens / sizes[0]
+        a, b = sizes[-2], sizes[-1]
+        slope = max(0.0, (points[b] - points[a]) / (b - a))
+        return points[b] + slope * (n_tokens - b)
+    lo, hi = sizes[k - 1], sizes[k]
+    w = (n_tokens - lo) / (hi - lo)
+    return points[lo] * (1 - w) + points[hi] * w
 
 
 # one curve per (model, context settings that change the cost), shared by the generators of a process
@@ -248,36 +303,109 @@ def oracle_speedup(curve: CostCurve, drafts: Sequence[tuple[int, int]], n_steps:
     return n_tokens * curve.cost(1) / t if t > 0 else 1.0
 
 
-@dataclass
 class Acceptance:
-    """Decayed counts of draft positions tested and accepted, as a two-rate model.
+    """Decayed counts of draft tokens tested and accepted, per position in the passage they copy.
 
-    A draft of n tokens of which a were accepted tested its first position
-    (accepted if a >= 1) and, when the first was accepted, positions 2..min(n, a + 1)
-    (a - 1 of them accepted). ``decay`` multiplies the old counts at each record,
-    so recent drafts weigh more.
+    A draft's token i sits at position ``offset + i``: a draft made where no earlier
+    draft is still being matched starts at 0; one made while the latest draft is (its
+    first j tokens matched so far) continues that draft's passage, at its offset + j.
+    Per position, because n-gram drafts copy passages: a passage repeated with a part
+    that varies is accepted up to that part, wherever a draft of it starts, so the
+    tokens of a passage are nearly all accepted up to one position that is not
+    (a geometric model would call a draft of 8 accepted to its 7th a poor one).
+
+    A draft of n tokens of which a were accepted tested positions offset..offset +
+    min(n, a + 1) - 1, the first a of them accepted. ``decay`` multiplies the old
+    counts at each new draft, so recent drafts weigh more. (Stored scaled: a new
+    draft scales the old counts in one multiplication, whatever their number.)
     """
 
-    decay: float = 0.9
-    first_tested: float = 0.0
-    first_accepted: float = 0.0
-    next_tested: float = 0.0
-    next_accepted: float = 0.0
-    n_drafts: int = 0
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.n_drafts = 0
+        self._t: list[float] = []  # tested, per position, in units of 1 / _g
+        self._a: list[float] = []  # accepted, the same
+        self._tn = self._an = 0.0  # the same, summed over positions 1..
+        self._g = 1.0  # a count now is its stored value times _g
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
+    def record(self, n_drafted: int, n_accepted: int, offset: int = 0) -> None:
         if n_drafted <= 0:
             return
         a = max(0, min(n_accepted, n_drafted))
-        k = self.decay
-        self.first_tested = self.first_tested * k + 1.0
-        self.first_accepted = self.first_accepted * k + (1.0 if a >= 1 else 0.0)
-        self.next_tested *= k
-        self.next_accepted *= k
-        if a >= 1:
-            self.next_tested += min(n_drafted, a + 1) - 1
-            self.next_accepted += a - 1
+        self.first(offset, a >= 1)
+        for j in range(1, min(n_drafted, a + 1)):
+            self.next(offset + j, j < a)
+
+    def first(self, pos: int, accepted: bool) -> None:
+        """A new draft's first token was tested, at position ``pos`` (the older counts decay)."""
         self.n_drafts += 1
+        self._g *= self.decay
+        if self._g < 1e-150:  # fold the scale into the stored counts before it underflows
+            g = self._g
+            self._t = [x * g for x in self._t]
+            self._a = [x * g for x in self._a]
+            self._tn *= g
+            self._an *= g
+            self._g = 1.0
+        self.next(pos, accepted)
+
+    def next(self, pos: int, accepted: bool) -> None:
+        """A draft token at position ``pos`` was tested (of the latest draft, or of one still being compared)."""
+        pos = min(pos, MAX_POSITION)
+        t = self._t
+        if pos >= len(t):
+            grow = pos + 1 - len(t)
+            t += [0.0] * grow
+            self._a += [0.0] * grow
+        w = 1.0 / self._g
+        t[pos] += w
+        if pos:
+            self._tn += w
+        if accepted:
+            self._a[pos] += w
+            if pos:
+                self._an += w
+
+    @property
+    def tested(self) -> list[float]:
+        """Per position, the decayed tests."""
+        return [x * self._g for x in self._t]
+
+    @property
+    def accepted(self) -> list[float]:
+        """Per position, the decayed acceptances."""
+        return [x * self._g for x in self._a]
+
+    def hazards(self, rates: tuple[float, float], start: int, n: int, weight: float) -> list[float]:
+        """For positions start..start + n - 1: P(accepted | the draft's tokens before it were). Each
+        position's counts are shrunk towards ``rates`` (position 0's: the first; the others': the second)
+        as if it were ``weight`` more tests: a position seldom tested keeps the rate, one tested often
+        its own."""
+        t, a, g = self._t, self._a, self._g
+        w = weight / g  # in stored units
+        out = []
+        for p in range(start, start + n):
+            p = min(p, MAX_POSITION)
+            q = rates[0] if p == 0 else rates[1]
+            out.append((a[p] + w * q) / (t[p] + w) if p < len(t) else q)
+        return out
+
+    # the two-rate view: position 0 (a new passage's first token), and all later ones together
+    @property
+    def first_tested(self) -> float:
+        return self._t[0] * self._g if self._t else 0.0
+
+    @property
+    def first_accepted(self) -> float:
+        return self._a[0] * self._g if self._a else 0.0
+
+    @property
+    def next_tested(self) -> float:
+        return self._tn * self._g
+
+    @property
+    def next_accepted(self) -> float:
+        return self._an * self._g
 
     def counts(self) -> tuple[float, float, float, float]:
         """(first tested, first accepted, next tested, next accepted), decayed."""
@@ -288,15 +416,32 @@ class Acceptance:
         return rates_of(self.counts(), prior, weight)
 
 
+# positions further into a passage share the last one's counts
+MAX_POSITION = 64
+
+
 def rates_of(counts: Sequence[float], prior: tuple[float, float], weight: float) -> tuple[float, float]:
     """(q1, qn) of decayed counts (as :meth:`Acceptance.counts`) shrunk towards ``prior``."""
     ft, fa, nt, na = counts
     return (fa + weight * prior[0]) / (ft + weight), (na + weight * prior[1]) / (nt + weight)
 
 
+def _tokens(start: int, first: bool, hits: int, missed: bool) -> Any:
+    """An update of an :class:`Acceptance`: positions ``start``.. tested, ``hits`` accepted, then one rejected if
+    ``missed``; ``first``: the first of them is a draft's first token."""
+    def update(acc: Acceptance) -> None:
+        for j in range(hits + missed):
+            if first and j == 0:
+                acc.first(start, j < hits)
+            else:
+                acc.next(start + j, j < hits)
+    return update
+
+
 @dataclass
 class _Share:
-    """One sequence's part of an implementation's decayed counts: what it added, decayed as they are."""
+    """One sequence's part of an implementation's decayed counts (as :meth:`Acceptance.counts`): what it
+    added, decayed as they are."""
 
     counts: list[float] = field(default_factory=lambda: [0.0] * 4)
     at: int = 0  # the implementation's n_drafts when last brought up to date
@@ -304,6 +449,12 @@ class _Share:
     def now(self, acc: Acceptance) -> list[float]:
         k = acc.decay ** (acc.n_drafts - self.at)
         return [c * k for c in self.counts]
+
+    def add(self, acc: Acceptance, before: Sequence[float], n0: int) -> None:
+        """``acc`` went from ``before`` (its counts when it had ``n0`` drafts) to now by this sequence's update."""
+        k = acc.decay ** (acc.n_drafts - n0)  # the update decayed the old counts by k: the share too
+        self.counts = [c + (x - b * k) for c, x, b in zip(self.now(acc), acc.counts(), before, strict=True)]
+        self.at = acc.n_drafts
 
 
 @dataclass
@@ -317,6 +468,7 @@ class LinearCost:
     decay: float = 0.9
     prior_d0: float = 0.0
     prior_d1: float = 0.0
+    per_call: bool = False  # where calls and tokens cannot be told apart, all of it per call (else per token)
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σcc, Σct, Σtt, Σc·s, Σt·s
     n_calls: int = 0
 
@@ -343,9 +495,9 @@ class LinearCost:
             d1 = (cc * ts - ct * cs) / det
             if d0 >= 0 and d1 >= 0:
                 return d0, d1
-        # calls too alike to separate the two (or a negative fit): all of it per token,
-        # or per call when no call drafted anything
-        if tt > 0:
+        # calls too alike to separate the two (or a negative fit): all of it per token (a draft call's
+        # time grows with its tokens), or per call when no call drafted anything or ``per_call``
+        if tt > 0 and not self.per_call:
             return 0.0, max(0.0, ts / tt)
         return (max(0.0, cs / cc) if cc > 0 else 0.0), 0.0
 
@@ -354,32 +506,112 @@ def _clip(q: float) -> float:
     return min(0.99, max(0.01, q))
 
 
+# an implementation's acceptance is kept over all its drafts (None), and over those as long as asked
+# (True) and shorter (False)
+Bucket = bool | None
+
+
 @dataclass
-class _Shadow:
-    """A draft (or the part of one) that was not verified, compared token by token with what the sequence
-    generates. ``base``: the draft tokens before it that were verified and accepted (a trimmed draft's tail);
-    ``skip``: tokens of the next observation that are those accepted ones."""
+class _Decision:
+    """A draft's choice, kept until the draft's acceptance is known: the draft's length and what the model
+    chose to verify of it, in a step of ``n_active`` sequences."""
+
+    n_draft: int
+    n_model: int
+    n_active: int
+    predicted: float = 0.0  # the accepted tokens the model expected of the whole draft
+
+
+# the policies the guard compares on a sequence's own path
+PLAIN, MODEL, WHOLE = 0, 1, 2
+POLICY_NAMES = ("plain", "model", "whole")
+
+
+@dataclass
+class _Guard:
+    """Decayed (tokens, seconds) of three policies over a sequence's resolved drafts: plain decoding, the
+    model's lengths, every draft verified whole (llama.cpp's fixed lengths), and the one followed now.
+
+    Each draft adds what each policy would have gained from it (exactly: its acceptance is known by then)
+    and what that would have cost on the measured costs. The controller follows the model unless another
+    policy has done better by a margin over the recent drafts.
+    """
+
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    weight: float = 0.0  # decayed number of drafts tallied
+    mode: int = MODEL
+
+    def add(self, tokens: Sequence[float], seconds: Sequence[float], decay: float) -> None:
+        for i in range(3):
+            self.tokens[i] = self.tokens[i] * decay + tokens[i]
+            self.seconds[i] = self.seconds[i] * decay + seconds[i]
+        self.weight = self.weight * decay + 1.0
+
+    def rate(self, policy: int) -> float:
+        return self.tokens[policy] / self.seconds[policy] if self.seconds[policy] > 0 else 0.0
+
+    def settle(self, policies: Sequence[int], margin: float, min_weight: float) -> None:
+        """Follow the policy that did best, changing only for a margin (the model's while the evidence is thin)."""
+        if self.weight < min_weight or self.mode not in policies:
+            self.mode = MODEL
+            return
+        best = max(policies, key=self.rate)
+        if self.rate(best) > self.rate(self.mode) * (1.0 + margin):
+            self.mode = best
+
+
+@dataclass
+class _Pending:
+    """A draft that was not verified (or the tail :meth:`~DraftLengthController.trim` cut from one), compared
+    token by token with what the sequence generates next; each token counts in the acceptance as soon as the
+    token it predicted is seen. ``offset``: the passage position of the draft's first token (see
+    :class:`Acceptance`); ``base``: the draft's tokens before ``draft`` (a tail's verified and accepted
+    part, counted already); ``skip``: tokens of the next observation that are those accepted ones."""
 
     draft: list[int]
     full: bool | None
     impl: str | None
+    offset: int = 0
     matched: int = 0
     base: int = 0
     skip: int = 0
+    decision: _Decision | None = None  # the choice made on the draft, resolved with it
+
+    @property
+    def reached(self) -> int:
+        """The passage position of the next token to compare."""
+        return self.offset + self.base + self.matched
 
 
 class _Seq:
     """What the controller keeps per sequence."""
 
     def __init__(self, decay: float) -> None:
-        self.acc: dict[bool | None, Acceptance] = {None: Acceptance(decay), True: Acceptance(decay),
-                                                   False: Acceptance(decay)}
+        self.own = Acceptance(decay)  # its drafts' counts (its implementation's hold them too)
+        self.latest: _Pending | None = None  # the latest draft (or its tail) while it is being matched
+        self.draft_offset: int | None = None  # the passage position of this step's draft
         self.zero_streak = 0
         self.probe_after = DraftLengthController.PROBE_FIRST
-        self.shadow: _Shadow | None = None
-        self.n_shadows = 0  # shadow drafts resolved (their acceptance recorded)
-        self.tail: _Shadow | None = None  # the tokens trim() cut from the draft being verified
-        self.share: dict[tuple[str, bool | None], _Share] = {}  # its part of each implementation's counts
+        self.pending: list[_Pending] = []  # drafts being compared with what the sequence generates, oldest first
+        self.n_shadows = 0  # drafts (or tails) not verified whose comparison ended
+        self.tail: _Pending | None = None  # the tokens trim() cut from the draft being verified
+        self.share: dict[str, _Share] = {}  # its part of each implementation's counts (all its drafts')
+        self.guard = _Guard()
+        self.decision: _Decision | None = None  # this step's, until the draft's fate is known
+        self.asked = 0  # drafts asked for (choose) that came back empty: no trim followed
+        # the model's expected accepted tokens against the accepted tokens, over its resolved drafts (decayed)
+        self.predicted = 0.0
+        self.realised = 0.0
+
+    def calibration(self, weight: float) -> float:
+        """Accepted tokens over the model's expectation, shrunk towards 1 as if it were ``weight`` more tokens."""
+        return (self.realised + weight) / (self.predicted + weight)
+
+    def offset_now(self) -> int:
+        """Where a draft made now starts in the passage (0: a new one)."""
+        latest = self.latest
+        return 0 if latest is None else min(latest.reached, MAX_POSITION)
 
 
 class DraftLengthController:
@@ -391,9 +623,13 @@ class DraftLengthController:
       for (0: no draft, decode plainly). Where drafting costs next to nothing
       (the n-gram types) it asks for all of them, and :meth:`trim` decides;
     - :meth:`trim`, once the draft is known: how many of its tokens to verify.
-      Acceptance is kept apart for drafts as long as asked ("full") and shorter
-      ones: an implementation that returns less than asked often has a weaker
-      match (or, for a draft model, a stronger one: the rates say which).
+
+    The acceptance is estimated per position in the passage a draft copies
+    (:class:`Acceptance`), from every draft made: the verified ones, and those
+    :meth:`trim` cut or kept none of, compared token by token with what the
+    sequence goes on to generate. Drafts as long as asked ("full") and shorter
+    ones are told apart (an implementation that returns less than asked often has
+    a weaker match, or, for a draft model, a stronger one: the rates say which).
 
     The generator reports what happened with the ``record_*`` methods. With
     ``fixed=True`` both return their input unchanged: llama.cpp's behaviour; the
@@ -410,9 +646,22 @@ class DraftLengthController:
     PRIOR_WEIGHT_IMPL = 2.0  # the prior counts as this many drafts of an implementation
     PRIOR_WEIGHT_BUCKET = 2.0  # an implementation's rates count as this many drafts of one of its buckets
     PRIOR_WEIGHT_SEQ = 3.0  # an implementation's rates count as this many drafts of a sequence
+    PRIOR_WEIGHT_POS = 2.0  # a sequence's rates count as this many tests of each passage position
     MARGIN = 1.02  # a draft must promise 2% more tokens per second than plain decoding
     CHEAP = 0.05  # drafting the whole cap costs less than this share of a one-token decode: always draft
     PROBE_FIRST, PROBE_MAX = 32, 512  # steps at 0 before a probe; doubles after each probe
+    MAX_PENDING = 16  # drafts compared at once per sequence (one a step; the oldest dropped first)
+    SEQ_DECAY = 0.9  # a sequence's counts, per draft
+    CALIBRATION_MAX = 1.0  # the most the calibration may raise the model's estimates
+    CALIBRATION_DECAY = 0.9  # per resolved draft
+    CALIBRATION_WEIGHT = 2.0  # tokens
+    # what the guard may follow instead of the model: every draft whole (plain decoding is left to the model:
+    # on the path plain decoding takes, drafts start anywhere in a passage, and the model's choices there
+    # say little of what they make on its own path)
+    GUARD_POLICIES: tuple[int, ...] = (MODEL, WHOLE)
+    GUARD_DECAY = 0.95  # per resolved draft
+    GUARD_MIN = 3.0  # drafts (decayed) before the guard may leave the model
+    GUARD_MARGIN = 0.1  # another policy must have done this much better
 
     def __init__(self, *, fixed: bool = False, curve: CostCurve | None = None, n_min: int = 0,
                  impl: str = "", draft_d1: float = 0.0) -> None:
@@ -421,16 +670,19 @@ class DraftLengthController:
         self.n_min = max(0, n_min)  # a draft shorter than this is discarded by the implementation
         self.impl = impl  # the type set: its draft calls are timed together
         self.draft_cost = LinearCost(prior_d1=draft_d1)
-        self.step_cost = LinearCost(decay=0.95)  # the loop's own time: per step, per verified row
-        self._impl: dict[tuple[str, bool | None], Acceptance] = {}
+        # the loop's own time: per step, per verified row; where every step verified as many rows (plain
+        # decoding), per step: a row's share cannot be told, and charging it all to rows would price a
+        # draft's rows at a whole step's overhead each
+        self.step_cost = LinearCost(decay=0.95, per_call=True)
+        self._impl: dict[tuple[str, Bucket], Acceptance] = {}
         self._seqs: dict[int, _Seq] = {}
         self._last_impl: dict[int, str] = {}
-        self.n_shadow_drafts = 0  # drafts not verified whose acceptance was learned from what followed
+        self.n_shadow_drafts = 0  # drafts (or tails) not verified whose acceptance was learned from what followed
 
     # --- what the generator reports ------------------------------------------------
 
     def reset_seq(self, seq_id: int) -> None:
-        """A new sequence starts in ``seq_id``: forget its own statistics and its pending shadow draft
+        """A new sequence starts in ``seq_id``: forget its own statistics and its pending drafts
         (the implementation's stay)."""
         self._seqs.pop(seq_id, None)
         self._last_impl.pop(seq_id, None)
@@ -443,6 +695,21 @@ class DraftLengthController:
         """One draft call for ``n_seqs`` sequences produced ``n_tokens`` tokens in ``seconds``."""
         self.draft_cost.record(n_seqs, n_tokens, seconds)
 
+    def accepted_for_impl(self, seq_id: int, n_drafted: int, n_accepted: int) -> int:
+        """What to report to the implementation (common_speculative_accept) for a verified draft of
+        ``n_drafted`` tokens with ``n_accepted`` accepted; call it before :meth:`record_acceptance`.
+
+        Where :meth:`trim` cut a tail and the kept part was all accepted, the whole draft counts as accepted:
+        the implementations adapt to what they are told (ngram-map-k drafts no more than a key's last
+        accepted count, ngram-mod resets its table after 5 drafts under a quarter accepted), and a cut is
+        the controller's choice, not a rejection (the tail itself is learned from what follows).
+        """
+        s = self._seqs.get(seq_id)
+        tail = None if s is None else s.tail
+        if tail is not None and n_accepted >= n_drafted:
+            return n_accepted + len(tail.draft)
+        return n_accepted
+
     def record_acceptance(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int,
                           full: bool | None = None) -> None:
         """``impl``'s draft of ``n_drafted`` verified tokens for ``seq_id`` had ``n_accepted`` accepted.
@@ -451,47 +718,38 @@ class DraftLengthController:
         """
         s = self._seq(seq_id)
         tail, s.tail = s.tail, None
+        offset, s.draft_offset = s.draft_offset or 0, None
+        decision, s.decision = (s.decision, None) if tail is None else (tail.decision, None)
+        s.latest = None  # the verified draft was the latest; its tail (below) while it is matched
+        if tail is None or n_accepted < n_drafted:
+            # the draft's acceptance is known: verified whole, or rejected before the cut
+            self._resolve(s, decision, n_accepted)
         if tail is not None and n_drafted > 0:
             if n_accepted < n_drafted:
                 # rejected before the cut: the whole draft would have been accepted as far (exact match)
                 n_drafted += len(tail.draft)
-            elif s.shadow is None:
-                # all of the kept part accepted: the cut tokens are compared with what follows (observe),
-                # and the draft is recorded at its full length once they are
-                tail.base, tail.skip = n_drafted, n_accepted
-                s.shadow = tail
-                self._last_impl[seq_id] = impl or self.impl
+            else:
+                # all of the kept part accepted: counted now, and the cut tokens one by one as the tokens
+                # that follow are seen (observe)
+                self._record(seq_id, impl, n_drafted, n_accepted, full, offset)
+                tail.base, tail.skip, tail.impl, tail.full, tail.offset = n_drafted, n_accepted, impl, full, offset
+                self._add_pending(s, tail)
                 return
-        self._record(seq_id, impl, n_drafted, n_accepted, full)
-
-    def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: bool | None) -> None:
-        if n_drafted <= 0:  # no draft: nothing tested (Acceptance.record ignores it too)
-            return
-        name = impl or self.impl
-        s = self._seq(seq_id)
-        for bucket in (None, full) if full is not None else (None,):
-            acc = self._acc(name, bucket)
-            share = s.share.setdefault((name, bucket), _Share(at=acc.n_drafts))
-            before = acc.counts()
-            acc.record(n_drafted, n_accepted)
-            k = acc.decay  # share.now() decays the old share as the record decayed the counts
-            share.counts = [c + (a - b * k) for c, a, b in zip(share.now(acc), acc.counts(), before, strict=True)]
-            share.at = acc.n_drafts
-            s.acc[bucket].record(n_drafted, n_accepted)
-        self._last_impl[seq_id] = name
+        self._record(seq_id, impl, n_drafted, n_accepted, full, offset)
 
     def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
         """``impl``'s draft for ``seq_id`` was made but not verified (:meth:`trim` kept none of it).
 
-        Its tokens are compared with the ones the sequence generates next (:meth:`observe`); the
-        result is recorded as the acceptance of a draft of that length. One shadow at a time per
-        sequence: a later draft waits until the pending one is resolved.
+        Its tokens are compared with the ones the sequence generates next (:meth:`observe`), and each
+        counts in the acceptance as soon as the token it predicted is seen: a draft made at every step
+        teaches as fast as verifying it would (up to ``MAX_PENDING`` at once).
         """
         if self.fixed or not draft:
             return
         s = self._seq(seq_id)
-        if s.shadow is None:
-            s.shadow = _Shadow([int(t) for t in draft], full, impl)
+        offset = s.offset_now() if s.draft_offset is None else s.draft_offset
+        self._add_pending(s, _Pending([int(t) for t in draft], full, impl, offset, decision=s.decision))
+        s.draft_offset = s.decision = None
 
     def hold_tail(self, seq_id: int, tail: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
         """:meth:`trim` cut ``tail`` from the draft about to be verified: what it would have given is learned
@@ -499,30 +757,44 @@ class DraftLengthController:
         if self.fixed or not tail:
             return
         s = self._seq(seq_id)
-        s.tail = _Shadow([int(t) for t in tail], full, impl) if s.shadow is None else None
+        s.tail = _Pending([int(t) for t in tail], full, impl, decision=s.decision)  # placed when verified
+        s.decision = None
 
     def observe(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """``seq_id`` generated ``tokens`` (in order, after the step its shadow draft was made in)."""
+        """``seq_id`` generated ``tokens`` (in order, after the step its pending drafts were made in)."""
         s = self._seqs.get(seq_id)
-        sh = None if s is None else s.shadow
-        if sh is None:
+        if s is None:
             return
-        assert s is not None
-        if sh.skip:  # the accepted draft tokens before a tail: not compared
-            k = min(sh.skip, len(tokens))
-            sh.skip -= k
-            tokens = tokens[k:]
-        for t in tokens:
-            if sh.matched < len(sh.draft) and int(t) == sh.draft[sh.matched]:
-                sh.matched += 1
-                if sh.matched < len(sh.draft):
+        if s.pending:
+            keep: list[_Pending] = []
+            for p in s.pending:
+                toks = tokens
+                if p.skip:  # the accepted draft tokens before a tail: counted already
+                    k = min(p.skip, len(toks))
+                    p.skip -= k
+                    toks = toks[k:]
+                if not toks:
+                    keep.append(p)
                     continue
-            # the first token the draft did not predict, or the whole draft predicted: resolved
-            s.shadow = None
-            s.n_shadows += 1
-            self.n_shadow_drafts += 1
-            self._record(seq_id, sh.impl, sh.base + len(sh.draft), sh.base + sh.matched, sh.full)
-            return
+                # the tokens these test: matched up to the first miss or the draft's end
+                m0 = p.matched
+                n = min(len(toks), len(p.draft) - m0)
+                hits = 0
+                while hits < n and int(toks[hits]) == p.draft[m0 + hits]:
+                    hits += 1
+                missed = hits < n
+                first = p.base + m0 == 0
+                p.matched += hits
+                self._update(seq_id, p.impl, p.full, _tokens(p.offset + p.base + m0, first, hits, missed))
+                if missed or p.matched == len(p.draft):
+                    s.n_shadows += 1
+                    self.n_shadow_drafts += 1
+                    self._resolve(s, p.decision, p.base + p.matched)
+                else:
+                    keep.append(p)
+            s.pending = keep
+        if s.latest is not None and s.latest not in s.pending:
+            s.latest = None
 
     def record_overhead(self, n_rows: int, seconds: float) -> None:
         """The loop's own time in one step that verified ``n_rows`` rows (outside the target decode and the
@@ -534,10 +806,46 @@ class DraftLengthController:
         o0, o1 = self.step_cost.params()
         return o0 + o1 * n_rows
 
-    # --- the decision -------------------------------------------------------------------
+    # --- the acceptance ---------------------------------------------------------------------
+
+    def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: bool | None,
+                offset: int) -> None:
+        if n_drafted <= 0:  # no draft: nothing tested (Acceptance.record ignores it too)
+            return
+        self._update(seq_id, impl, full, lambda acc: acc.record(n_drafted, n_accepted, offset))
+
+    def _update(self, seq_id: int, impl: str | None, full: bool | None, update: Any) -> None:
+        """Apply ``update`` (a function of an :class:`Acceptance`) to the sequence's counts and to its
+        implementation's (all its drafts', keeping the sequence's share, and ``full``'s bucket)."""
+        name = impl or self.impl
+        s = self._seq(seq_id)
+        acc = self._acc(name, None)
+        share = s.share.setdefault(name, _Share(at=acc.n_drafts))
+        before, n0 = acc.counts(), acc.n_drafts
+        update(acc)
+        share.add(acc, before, n0)
+        if full is not None:
+            update(self._acc(name, full))
+        update(s.own)
+        self._last_impl[seq_id] = name
+
+    def _add_pending(self, s: _Seq, p: _Pending) -> None:
+        s.pending.append(p)
+        if len(s.pending) > self.MAX_PENDING:
+            del s.pending[0]
+        s.latest = p
+
+    def _others(self, impl: str, s: _Seq | None) -> tuple[float, float]:
+        """(q1, qn) of ``impl``'s drafts that are not ``s``'s, shrunk towards the prior."""
+        acc = self._acc(impl, None)
+        counts = list(acc.counts())
+        share = None if s is None else s.share.get(impl)
+        if share is not None:
+            counts = [max(0.0, c - m) for c, m in zip(counts, share.now(acc), strict=True)]
+        return rates_of(counts, self.PRIOR, self.PRIOR_WEIGHT_IMPL)
 
     def rates(self, seq_id: int, full: bool | None = None) -> tuple[float, float]:
-        """(q1, qn) of a sequence's drafts (of one bucket, or all).
+        """(q1, qn) of a sequence's drafts (of one bucket, or all): the two-rate summary of :meth:`survival`.
 
         Each draft counts once: the sequence's own counts shrunk towards the
         implementation's rates over the other sequences' drafts (themselves shrunk
@@ -547,31 +855,91 @@ class DraftLengthController:
         """
         impl = self._last_impl.get(seq_id) or self.impl
         s = self._seqs.get(seq_id)
-        others = self._others(impl, None, s, self.PRIOR, self.PRIOR_WEIGHT_IMPL)
-        mine = others if s is None else s.acc[None].rates(others, self.PRIOR_WEIGHT_SEQ)
+        others = self._others(impl, s)
+        mine = others if s is None else s.own.rates(others, self.PRIOR_WEIGHT_SEQ)
         if full is None:
             return mine
-        # the bucket's counts shrunk towards the rates of all the drafts as measured (not shrunk themselves):
-        # an empty bucket, or one that holds all the drafts, makes no difference
+        d = self._bucket_difference(impl, full)
+        return _clip(mine[0] + d[0]), _clip(mine[1] + d[1])
+
+    def _bucket_difference(self, impl: str, full: bool) -> tuple[float, float]:
+        """The implementation's rates over one bucket's drafts less those over all its drafts (the bucket's
+        counts shrunk towards the rates of all the drafts as measured: an empty bucket, or one that holds
+        all the drafts, makes no difference)."""
         pooled = self._acc(impl, None).rates(self.PRIOR, 1e-3)
         bucket = self._acc(impl, full).rates(pooled, self.PRIOR_WEIGHT_BUCKET)
-        return _clip(mine[0] + bucket[0] - pooled[0]), _clip(mine[1] + bucket[1] - pooled[1])
+        return bucket[0] - pooled[0], bucket[1] - pooled[1]
 
-    def _others(self, impl: str, bucket: bool | None, s: _Seq | None, prior: tuple[float, float],
-                weight: float) -> tuple[float, float]:
-        """The rates of ``impl``'s drafts (of ``bucket``) that are not ``s``'s, shrunk towards ``prior``."""
-        acc = self._acc(impl, bucket)
-        counts = list(acc.counts())
-        share = None if s is None else s.share.get((impl, bucket))
-        if share is not None:
-            counts = [max(0.0, c - m) for c, m in zip(counts, share.now(acc), strict=True)]
-        return rates_of(counts, prior, weight)
+    def survival(self, seq_id: int, n: int, full: bool | None = None, offset: int = 0) -> list[float]:
+        """[P(the first j + 1 tokens of ``seq_id``'s next draft are accepted) for j < n], for a draft that
+        starts at passage position ``offset``.
 
-    def best(self, cap: int, n_active: int, q1: float, qn: float, *, draft_cost: bool = True) -> tuple[int, float]:
+        The sequence's two rates (:meth:`rates`), then each passage position's own counts
+        shrunk towards them as if they were ``PRIOR_WEIGHT_POS`` more tests.
+        """
+        if n <= 0:
+            return []
+        impl = self._last_impl.get(seq_id) or self.impl
+        s = self._seqs.get(seq_id)
+        rates = self.rates(seq_id)
+        h = s.own.hazards(rates, offset, n, self.PRIOR_WEIGHT_POS) if s is not None else \
+            [rates[0] if offset == 0 else rates[1]] + [rates[1]] * (n - 1)
+        if full is not None:
+            d = self._bucket_difference(impl, full)
+            h = [x + d[0 if offset + j == 0 else 1] for j, x in enumerate(h)]
+        # the model's record on this sequence: a sequence whose drafts it over-estimated gets less
+        rho = 1.0 if s is None else min(self.CALIBRATION_MAX, s.calibration(self.CALIBRATION_WEIGHT))
+        out: list[float] = []
+        p = 1.0
+        for x in h:
+            p *= _clip(x)
+            out.append(min(p * rho, out[-1] if out else 0.99))
+        return out
+
+    # --- the guard: each policy's tally on the sequence's resolved drafts -------------------------
+
+    def _step_seconds(self, n_active: int, n_rows: int) -> float:
+        """A sequence's share of a step's time: its own rows at the margin, an equal part of the rest."""
+        cost = self.curve.cost
+        base = cost(n_active) + self.overhead(n_active)
+        if n_rows <= 0:
+            return base / n_active
+        return base / n_active + cost(n_active + n_rows) + self.overhead(n_active + n_rows) - base
+
+    def _resolve(self, s: _Seq, decision: _Decision | None, accepted: int) -> None:
+        """A draft's acceptance is known: what plain decoding, the model and the whole draft gained from it."""
+        if decision is None or not self.curve.ready:
+            return
+        k_cal = self.CALIBRATION_DECAY
+        s.predicted = s.predicted * k_cal + decision.predicted
+        s.realised = s.realised * k_cal + min(accepted, decision.n_draft)
+        n, k, m = decision.n_active, decision.n_model, decision.n_draft
+        d0, d1 = self.draft_cost.params()
+        d = d0 + d1 * m
+        step = self._step_seconds
+        s.guard.add((1.0, 1.0 + min(k, accepted), 1.0 + min(m, accepted)),
+                    (step(n, 0), step(n, k) + d, step(n, m) + d), self.GUARD_DECAY)
+        s.guard.settle(self.GUARD_POLICIES, self.GUARD_MARGIN, self.GUARD_MIN)
+
+    def _tally_empty(self, s: _Seq, n_active: int) -> None:
+        """Drafts asked for that came back empty: a plain step for every policy, at the draft call's cost but
+        for plain decoding's."""
+        d0, _ = self.draft_cost.params()
+        t = self._step_seconds(n_active, 0)
+        for _ in range(min(s.asked, 16)):
+            s.guard.add((1.0, 1.0, 1.0), (t, t + d0, t + d0), self.GUARD_DECAY)
+        s.asked = 0
+
+    # --- the decision -------------------------------------------------------------------
+
+    def best(self, cap: int, n_active: int, survival: Sequence[float], *,
+             draft_cost: bool = True) -> tuple[int, float]:
         """(n, rate(n) / rate(0)) for the best n in {0} U [max(1, n_min), cap].
 
         rate(n) = (n_active + expected accepted tokens) / (c(n_active + n) + o [+ d(n)]): the
-        expected tokens per second of the step; ``draft_cost=False`` once the draft is made.
+        expected tokens per second of the step, the expected tokens summing ``survival``
+        (P(the first j + 1 draft tokens are accepted), as :meth:`survival`); ``draft_cost=False``
+        once the draft is made.
         """
         cost = self.curve.cost
         o0, o1 = self.step_cost.params()
@@ -580,11 +948,10 @@ class DraftLengthController:
         d1 += o1
         r0 = n_active / (cost(n_active) + o)
         best_n, best_r = 0, r0 * self.MARGIN
-        tokens, p = float(n_active), q1  # n_active - 1 + expected_tokens(q1, qn, n), built up as n grows
+        tokens = float(n_active)  # n_active - 1 + the expected tokens of a draft of n, built up as n grows
         lo = max(1, self.n_min)
-        for n in range(1, cap + 1):
-            tokens += p
-            p *= qn
+        for n in range(1, min(cap, len(survival)) + 1):
+            tokens += survival[n - 1]
             if n >= lo:
                 r = tokens / (cost(n_active + n) + o + d0 + d1 * n)
                 if r > best_r:
@@ -599,10 +966,15 @@ class DraftLengthController:
             return cap  # nothing measured yet: llama.cpp's choice
         if cap < self.n_min:
             return 0  # the implementation would discard so short a draft
+        s = self._seq(seq_id)
+        if s.asked:
+            self._tally_empty(s, n_active)
         d0, d1 = self.draft_cost.params()
         if d0 + d1 * cap < self.CHEAP * self.curve.cost(1):
+            s.asked += 1
             return cap  # drafting costs next to nothing: see the draft, then trim it
-        n, _ = self.best(cap, n_active, *self.rates(seq_id))
+        s.draft_offset = s.offset_now()
+        n, _ = self.best(cap, n_active, self.survival(seq_id, cap, None, s.draft_offset))
         if n > 0 and d1 * cap < self.CHEAP * self.curve.cost(1):
             n = cap  # the length costs nothing once a draft is made: trim decides
         return self._or_probe(seq_id, n, cap, n_active)
@@ -611,8 +983,15 @@ class DraftLengthController:
         """How many of a draft's ``n_draft`` tokens to verify (0: decode plainly); ``cap`` is what was asked for."""
         if self.fixed or n_draft <= 0 or not self.curve.ready:
             return max(0, n_draft)
-        n, _ = self.best(n_draft, n_active, *self.rates(seq_id, n_draft >= cap), draft_cost=False)
-        return self._or_probe(seq_id, n, n_draft, n_active)
+        s = self._seq(seq_id)
+        s.asked = max(0, s.asked - 1)
+        s.draft_offset = offset = s.offset_now()
+        sv = self.survival(seq_id, n_draft, n_draft >= cap, offset)
+        n, _ = self.best(n_draft, n_active, sv, draft_cost=False)
+        n = self._or_probe(seq_id, n, n_draft, n_active)
+        s.decision = _Decision(n_draft, n, n_active, sum(sv))
+        mode = s.guard.mode
+        return n if mode == MODEL else (0 if mode == PLAIN else n_draft)
 
     def _or_probe(self, seq_id: int, n: int, cap: int, n_active: int) -> int:
         s = self._seq(seq_id)
@@ -627,12 +1006,12 @@ class DraftLengthController:
         # drafts that are always accepted could not pay (a draft model as slow as the target)
         s.zero_streak = 0
         s.probe_after = min(self.PROBE_MAX, s.probe_after * 2)
-        n_any, _ = self.best(cap, n_active, 1.0, 1.0)
+        n_any, _ = self.best(cap, n_active, [1.0] * cap)
         return min(n_any, max(2, self.n_min)) if n_any else 0
 
     def bound(self, seq_id: int, cap: int, n_active: int = 1) -> float:
         """rate(best n) / rate(0) for ``seq_id`` now: the speed-up its current estimates promise."""
-        return self.best(cap, n_active, *self.rates(seq_id))[1] if self.curve.ready else 1.0
+        return self.best(cap, n_active, self.survival(seq_id, cap))[1] if self.curve.ready else 1.0
 
     # --- reading it back ----------------------------------------------------------------
 
@@ -644,7 +1023,7 @@ class DraftLengthController:
         if self.curve.ready:
             out["cost_1_ms"] = round(self.curve.cost(1) * 1e3, 3)
             out["cost_relative"] = {n: round(v, 2) for n, v in self.curve.relative().items()}
-        out["impls"] = {f"{name}{'' if b is None else (' full' if b else ' short')}":
+        out["impls"] = {name + ("" if b is None else (" full" if b else " short")):
                         {"q1_qn": [round(x, 3) for x in acc.rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)],
                          "drafts": acc.n_drafts}
                         for (name, b), acc in self._impl.items()}
@@ -652,7 +1031,7 @@ class DraftLengthController:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _acc(self, impl: str, bucket: bool | None) -> Acceptance:
+    def _acc(self, impl: str, bucket: Bucket) -> Acceptance:
         a = self._impl.get((impl, bucket))
         if a is None:
             a = self._impl[(impl, bucket)] = Acceptance(decay=0.98)
@@ -661,7 +1040,7 @@ class DraftLengthController:
     def _seq(self, seq_id: int) -> _Seq:
         s = self._seqs.get(seq_id)
         if s is None:
-            s = self._seqs[seq_id] = _Seq(decay=0.9)
+            s = self._seqs[seq_id] = _Seq(decay=self.SEQ_DECAY)
         return s
 
 

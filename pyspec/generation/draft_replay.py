@@ -1,0 +1,309 @@
+"""Replay a recorded greedy generation through a draft-length controller on a simulated clock.
+
+Greedy decoding gives the same tokens whatever the draft lengths (batch-invariant
+mode guarantees it; the default numerics nearly), and an n-gram draft is a
+function of the history and of its implementation's state. So one plain run per
+prompt (a :class:`Trace`: the prompt's tokens and the target's) is enough to
+play any draft-length policy over it: the real implementation (the port's
+``common_speculative_*``) drafts from the history the policy has reached, the
+real controller chooses and trims, and verification accepts the draft's longest
+prefix that the trace continues with. Each step's time comes from a
+:class:`Machine` (the target's verify cost per batch size, the draft call's and
+the loop's own cost, a load and a jitter), not from the clock, so a policy's
+tokens per second on a given machine is exact and repeatable, and every policy
+sees the same text: the per-prompt comparisons ``pyspec bench`` makes in minutes
+of noisy timing take milliseconds here.
+
+Where the replay differs from the Engine (``pyspec.generation.engine``):
+
+- one sequence, no prompt processing, no checkpoints (the n-gram types roll back
+  by dropping rows), no rejection sampling;
+- the target's tokens are the plain run's: in the default numerics a long
+  verify batch can make the engine's tokens part from them (the replay then
+  plays a text the engine would not have seen from there on);
+- a step's time is the machine's model, c(b) + d(n) + o(b); a real step's parts
+  vary around theirs, and draws of ``jitter`` stand for that;
+- the controller starts from ``Machine.calibration`` (the start-up probe's
+  reading, :meth:`~pyspec.generation.draft_length.CostCurve.calibrate`) instead of probing.
+
+It mirrors :meth:`Engine._update <pyspec.generation.engine.Engine._update>`'s calls into the controller
+in their order (choose, the draft, record_draft_call, trim, shadow / hold_tail, the verify,
+record_acceptance, observe, record_verify, record_overhead), so what the controller learns is what
+it would learn in the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspec.common import speculative as sp
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.contexts import spec_params
+from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController, interpolate_cost
+
+__all__ = [
+    "Machine",
+    "Policy",
+    "PromptResult",
+    "ReplayResult",
+    "Trace",
+    "compare",
+    "policies",
+    "replay",
+]
+
+
+@dataclass
+class Trace:
+    """One greedy generation: the prompt's tokens and the target's tokens after it (the first one is
+    what the prompt's own decode sampled)."""
+
+    prompt: list[int]
+    target: list[int]
+    name: str = ""
+
+
+@dataclass
+class Machine:
+    """What each part of a step costs on the machine a replay plays, in seconds.
+
+    ``verify``: a target decode of b rows (b: keys), measured as the loop uses it
+    (warm graphs, after a prompt: ``scripts/verify_cost.py``); sizes between are
+    interpolated as :class:`CostCurve` does (:func:`interpolate_cost`). ``draft``: (per call, per drafted token).
+    ``overhead``: the loop's own time, (per step, per verified row).
+    ``calibration``: what the controller's start-up probe reads (default: ``verify``).
+    ``load``: (k, factor) pairs; from the k-th generated token on, every part of a step
+    costs ``factor`` times as much (a competing process). ``jitter``: each part of
+    each step is multiplied by exp(N(0, jitter)).
+    """
+
+    verify: Mapping[int, float]
+    draft: tuple[float, float] = (0.0, 0.0)
+    overhead: tuple[float, float] = (0.0, 0.0)
+    calibration: Mapping[int, float] | None = None
+    load: Sequence[tuple[int, float]] = ()
+    jitter: float = 0.0
+    name: str = ""
+    _sizes: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.verify or 1 not in self.verify:
+            raise ValueError("a machine's verify costs must include a one-row decode (b = 1)")
+        if any(b <= 0 or not s > 0 for b, s in self.verify.items()):
+            raise ValueError(f"verify costs must be positive seconds of positive batch sizes, got {dict(self.verify)}")
+        self._sizes = sorted(self.verify)
+
+    def verify_cost(self, b: int) -> float:
+        """Seconds of a target decode of ``b`` rows (between and beyond the given sizes as the controller's
+        curve reads them)."""
+        return interpolate_cost(self.verify, self._sizes, b)
+
+    def factor(self, n_generated: int) -> float:
+        """The load's factor once ``n_generated`` tokens are out."""
+        f = 1.0
+        for k, x in sorted(self.load):
+            if n_generated >= k:
+                f = x
+        return f
+
+    def seed_curve(self, curve: CostCurve, repeat: int = 5) -> CostCurve:
+        """``curve`` as the start-up calibration leaves it: ``repeat`` readings of each calibrated size."""
+        for b, s in (self.calibration if self.calibration is not None else self.verify).items():
+            for _ in range(repeat):
+                curve.record(b, s, calibration=True)
+        return curve
+
+
+@dataclass
+class ReplayResult:
+    """A policy's run over a trace: generated tokens (after the first), simulated seconds, steps, and each
+    verified draft as (drafted, accepted)."""
+
+    n_tokens: int
+    seconds: float
+    n_steps: int
+    drafts: list[tuple[int, int]] = field(default_factory=list)
+    n_draft_calls: int = 0
+
+    @property
+    def tps(self) -> float:
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _draft(spec: Any, n_max: int, history: list[int], id_last: int) -> list[int]:
+    """One draft call for sequence 0, as PortBackend.draft makes it."""
+    for dp in spec.dparams:
+        dp.drafting = False
+    dp = sp.common_speculative_get_draft_params(spec, 0)
+    dp.drafting = True
+    dp.n_max = n_max
+    dp.pos0 = len(history)
+    dp.id_last = id_last
+    dp.prompt = history
+    out: list[int] = []
+    dp.result = out
+    sp.common_speculative_draft(spec)
+    return out
+
+
+def replay(trace: Trace, types: Sequence[T], ctl: DraftLengthController | None, machine: Machine, *,
+           spec_kw: Mapping[str, Any] | None = None, seed: int = 0) -> ReplayResult:
+    """Play ``trace`` with the implementations of ``types`` (``[]`` or ``[NONE]``: plain decoding) and the
+    draft lengths of ``ctl`` on ``machine``; ``spec_kw``: :func:`spec_params`' keywords.
+
+    ``ctl`` is used as the Engine uses it: its curve should hold the start-up calibration
+    (:meth:`Machine.seed_curve`); it is left as the run leaves it.
+    """
+    types = [t for t in types if t != T.NONE]
+    if not trace.target:
+        raise ValueError("a trace needs at least one target token")
+    params = spec_params(types, **dict(spec_kw or {})) if types else None
+    spec = sp.common_speculative_init(params, 1) if params is not None else None
+    if spec is not None and ctl is None:
+        raise ValueError("a replay with a speculative type needs a draft-length controller")
+    n_max = sp.common_speculative_n_max(params) if params is not None else 0
+    rng = random.Random(seed)
+
+    def noisy(seconds: float, f: float) -> float:
+        return seconds * f * (math.exp(rng.gauss(0.0, machine.jitter)) if machine.jitter > 0 else 1.0)
+
+    try:
+        history = list(trace.prompt)  # what the target's memory holds
+        target = trace.target
+        sampled, g = target[0], 1  # the prompt's decode sampled the first token
+        if spec is not None:
+            sp.common_speculative_begin(spec, 0, history)
+        if ctl is not None:
+            ctl.reset_seq(0)
+        adaptive = ctl is not None and not ctl.fixed
+        out = ReplayResult(0, 0.0, 0)
+        d0, d1 = machine.draft
+        o0, o1 = machine.overhead
+        while g < len(target):
+            f = machine.factor(g)
+            draft: list[int] = []
+            full = False
+            if spec is not None and ctl is not None:
+                room = len(target) - g - 1  # the tokens left after this step's own (Engine._n_draft_room)
+                n_ask = min(room, n_max)
+                if adaptive and n_ask > 0:
+                    n_ask = ctl.choose(0, n_ask, 1)
+                if n_ask > 0:
+                    draft = _draft(spec, n_ask, history, sampled)
+                    out.n_draft_calls += 1
+                    t_draft = noisy(d0 + d1 * len(draft), f)
+                    out.seconds += t_draft
+                    if adaptive:
+                        ctl.record_draft_call(1, len(draft), t_draft)
+                        full = len(draft) >= n_ask
+                        if draft:
+                            keep = ctl.trim(0, len(draft), n_ask, 1)
+                            if keep == 0:
+                                ctl.shadow(0, draft, None, full)
+                            elif keep < len(draft):
+                                ctl.hold_tail(0, draft[keep:], None, full)
+                            del draft[keep:]
+            b = 1 + len(draft)
+            t_verify = noisy(machine.verify_cost(b), f)
+            t_loop = noisy(o0 + o1 * b, f)
+            if draft:
+                j = 0
+                while j < len(draft) and g + j < len(target) and draft[j] == target[g + j]:
+                    j += 1
+                accepted = target[g : g + j + 1]
+                assert spec is not None and ctl is not None
+                sp.common_speculative_accept(spec, 0, ctl.accepted_for_impl(0, len(draft), j) if adaptive else j)
+                out.drafts.append((len(draft), j))
+                if adaptive:
+                    ctl.record_acceptance(0, None, len(draft), j, full)
+                ctl.observe(0, accepted)
+            else:
+                accepted = [target[g]]
+                if ctl is not None:
+                    ctl.observe(0, accepted)
+            history.append(sampled)
+            history.extend(accepted[:-1])
+            sampled = accepted[-1]
+            g += len(accepted)
+            out.n_tokens += len(accepted)
+            out.n_steps += 1
+            out.seconds += t_verify + t_loop
+            if ctl is not None:
+                ctl.record_verify(b, t_verify)
+                if adaptive:
+                    ctl.record_overhead(b, t_loop)
+        return out
+    finally:
+        if spec is not None:
+            spec.close()
+
+
+# --- comparing policies ---------------------------------------------------------------------
+
+Policy = Callable[[Machine], "DraftLengthController | None"]
+
+
+def policies(caps: Sequence[int] = (1, 2, 3, 4, 6, 8)) -> dict[str, Policy]:
+    """The policies a comparison plays: plain decoding, llama.cpp's fixed lengths, each cap of them, and the
+    cost-aware controller (started from the machine's calibration, as the Engine starts it)."""
+    out: dict[str, Policy] = {
+        "plain": lambda m: None,
+        "fixed": lambda m: DraftLengthController(fixed=True, curve=m.seed_curve(CostCurve())),
+        "cost-aware": lambda m: DraftLengthController(curve=m.seed_curve(CostCurve())),
+    }
+    for k in caps:
+        out[f"cap{k}"] = functools.partial(_capped, k)
+    return out
+
+
+def _capped(limit: int, machine: Machine) -> DraftLengthController:
+    return CappedDraftLength(limit, curve=machine.seed_curve(CostCurve()))
+
+
+@dataclass
+class PromptResult:
+    """One trace under every policy: tokens per second of each (median over seeds), and the ratios the
+    issue asks about."""
+
+    name: str
+    tps: dict[str, float]
+    drafts: dict[str, list[tuple[int, int]]]
+
+    def ratio(self, policy: str, over: str = "plain") -> float:
+        return self.tps[policy] / self.tps[over] if self.tps[over] > 0 else 0.0
+
+    @property
+    def best_of_plain_fixed(self) -> float:
+        return max(self.tps["plain"], self.tps["fixed"])
+
+    @property
+    def oracle(self) -> tuple[str, float]:
+        """The best fixed length in hindsight (llama.cpp's, or a cap) and its tokens per second."""
+        cands = {k: v for k, v in self.tps.items() if k == "fixed" or k.startswith("cap")}
+        name = max(cands, key=lambda k: cands[k])
+        return name, cands[name]
+
+
+def compare(traces: Sequence[Trace], types: Sequence[T], machine: Machine, *,
+            spec_kw: Mapping[str, Any] | None = None, pols: Mapping[str, Policy] | None = None,
+            seeds: Sequence[int] = (0,)) -> list[PromptResult]:
+    """Every policy over every trace on ``machine``: the median tokens per second over ``seeds`` (the
+    jitter's draws; one seed is enough without jitter)."""
+    pols = dict(pols or policies())
+    results = []
+    for tr in traces:
+        tps: dict[str, float] = {}
+        drafts: dict[str, list[tuple[int, int]]] = {}
+        for name, make in pols.items():
+            runs = [replay(tr, [] if name == "plain" else types, make(machine), machine, spec_kw=spec_kw, seed=s)
+                    for s in seeds]
+            rates = sorted(r.tps for r in runs)
+            tps[name] = rates[len(rates) // 2]
+            drafts[name] = runs[0].drafts
+        results.append(PromptResult(tr.name, tps, drafts))
+    return results

@@ -1,0 +1,98 @@
+"""The replay of a recorded generation through draft-length policies on a modelled clock (no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController
+from pyspec.generation.draft_replay import Machine, Trace, compare, policies, replay
+
+MS = 1e-3
+# a CPU-like verify curve: 9 rows cost 5 one-token decodes
+CPU = Machine({1: 10 * MS, 2: 19 * MS, 5: 35 * MS, 9: 50 * MS, 17: 80 * MS}, draft=(0.01 * MS, 0.0),
+              overhead=(0.3 * MS, 0.05 * MS))
+SPEC_KW = {"ngram_n": 3, "ngram_m": 8}
+
+
+def periodic(n: int = 96) -> Trace:
+    """A passage of 12 tokens repeated: n-gram drafts copy it whole."""
+    unit = list(range(1000, 1012))
+    text = (unit * (n // len(unit) + 4))[: n + 24]
+    return Trace(prompt=text[:24], target=text[24 : 24 + n], name="periodic")
+
+
+def novel(n: int = 96) -> Trace:
+    """Tokens that never repeat: no n-gram draft is ever made."""
+    return Trace(prompt=list(range(2000, 2024)), target=list(range(3000, 3000 + n)), name="novel")
+
+
+def test_plain_decoding_takes_a_step_per_token_at_the_machine_s_cost():
+    tr = periodic()
+    r = replay(tr, [], None, CPU)
+    assert (r.n_tokens, r.n_steps, r.drafts) == (len(tr.target) - 1, len(tr.target) - 1, [])
+    assert r.seconds == pytest.approx(r.n_steps * (10 + 0.35) * MS)
+
+
+def test_fixed_lengths_copy_a_repeated_passage_in_long_steps():
+    tr = periodic()
+    ctl = DraftLengthController(fixed=True, curve=CPU.seed_curve(CostCurve()))
+    r = replay(tr, [T.NGRAM_SIMPLE], ctl, CPU, spec_kw=SPEC_KW)
+    assert r.n_tokens == len(tr.target) - 1  # the same text, in fewer steps
+    assert r.n_steps < r.n_tokens / 4
+    assert all(a == n for n, a in r.drafts[:-1])  # every draft of the passage accepted whole
+    assert r.tps > 1.5 * replay(tr, [], None, CPU).tps
+
+
+def test_a_capped_policy_verifies_at_most_its_cap():
+    ctl = CappedDraftLength(2, curve=CPU.seed_curve(CostCurve()))
+    r = replay(periodic(), [T.NGRAM_SIMPLE], ctl, CPU, spec_kw=SPEC_KW)
+    assert r.drafts and max(n for n, _ in r.drafts) == 2
+
+
+def test_without_drafts_every_policy_is_plain_decoding_plus_the_draft_call():
+    tr = novel()
+    res = compare([tr], [T.NGRAM_SIMPLE], CPU, spec_kw=SPEC_KW)
+    (pr,) = res
+    assert pr.drafts["fixed"] == [] and pr.drafts["cost-aware"] == []
+    assert pr.ratio("fixed") == pytest.approx(10.35 / 10.36, rel=1e-3)  # 0.01 ms a draft call
+
+
+def test_the_cost_aware_policy_beats_plain_decoding_on_a_repeated_passage_and_matches_it_on_novel_text():
+    res = compare([periodic(), novel()], [T.NGRAM_MAP_K], CPU, spec_kw=SPEC_KW)
+    rep, nov = res
+    assert rep.ratio("cost-aware") > 1.5
+    assert nov.ratio("cost-aware") > 0.99
+    name, tps = rep.oracle
+    assert tps == max(v for k, v in rep.tps.items() if k == "fixed" or k.startswith("cap"))
+    assert name in policies()
+
+
+def test_a_replay_is_the_same_every_time_and_jitter_draws_depend_on_the_seed():
+    m = Machine(CPU.verify, CPU.draft, CPU.overhead, jitter=0.2)
+    runs = [replay(periodic(), [T.NGRAM_SIMPLE], DraftLengthController(curve=m.seed_curve(CostCurve())), m,
+                   spec_kw=SPEC_KW, seed=s) for s in (1, 1, 2)]
+    assert runs[0].seconds == runs[1].seconds
+    assert runs[0].seconds != runs[2].seconds
+
+
+def test_a_load_slows_every_step_from_its_token_on():
+    loaded = Machine(CPU.verify, CPU.draft, CPU.overhead, load=[(48, 2.0)])
+    quiet, slow = (replay(periodic(), [], None, m) for m in (CPU, loaded))
+    assert slow.seconds == pytest.approx(quiet.seconds * (47 + 2 * 48) / 95)
+
+
+def test_a_machine_needs_a_one_row_cost_and_positive_seconds():
+    with pytest.raises(ValueError, match="one-row"):
+        Machine({2: 0.01})
+    with pytest.raises(ValueError, match="positive"):
+        Machine({1: 0.01, 3: 0.0})
+    with pytest.raises(ValueError, match="target token"):
+        replay(Trace([1, 2], []), [], None, CPU)
+
+
+def test_the_machine_s_curve_may_fall_where_measured():
+    m = Machine({1: 1.0, 3: 4.0, 4: 3.0, 8: 5.0})
+    assert m.verify_cost(4) < m.verify_cost(3)
+    assert m.verify_cost(6) == pytest.approx(4.0)
+    assert m.verify_cost(10) == pytest.approx(6.0)  # the slope of the last two beyond the largest
