@@ -28,7 +28,12 @@ fi
 
 if [ -z "${JUDGE_REPORT_ONLY:-}" ]; then
     "$py" "$root/scripts/llama_server_tests.py" prepare --work "$work" >/dev/null
-    mkdir -p "$work/run"
+    # the tests name files relative to their folder (../../../models/templates/..., media in ../../../tools):
+    # run three levels below links to the vendored tree's models/ and tools/
+    run="$work/run/tests/server/unit"
+    mkdir -p "$run"
+    ln -sfn "$root/vendor/llama.cpp/models" "$work/run/models"
+    ln -sfn "$root/vendor/llama.cpp/tools" "$work/run/tools"
     for f in "${files[@]}"; do
         if [ ! -f "$tests/unit/$f.py" ]; then
             echo "no such test file: $tests/unit/$f.py" >&2
@@ -43,7 +48,7 @@ if [ -z "${JUDGE_REPORT_ONLY:-}" ]; then
             rm -f "$work/results/$s/$f.jsonl"
             start=$(date +%s)
             # cwd: the tests' scratch files (./tmp) land in the work folder, not in vendor/
-            (cd "$work/run" && \
+            (cd "$run" && \
                 JUDGE_SERVER="$s" JUDGE_LLAMA_SERVER="$llama_bin" JUDGE_MODELS="$work/models.json" \
                 JUDGE_TESTS_DIR="$tests" JUDGE_RESULTS="$work/results/$s/$f.jsonl" \
                 LLAMA_SERVER_BIN_PATH="$work/server-wrapper" PORT="${JUDGE_PORT:-18080}" \

@@ -411,3 +411,28 @@ def test_synthetic_acceptance_rates_through_engine_load_accept_every_draft():
         eng.run_until_idle()
         st = h.result().stats
     assert st.n_drafted > 0 and st.n_accepted == st.n_drafted
+
+
+@pytest.mark.parametrize(("argv", "adaptive"), [
+    ([], True),
+    (["--fixed-draft"], False),
+    (["--spec-synth-rates", "1.0,1.0"], False),  # benchmarking: chance decides acceptance, not the tokens
+    (["--spec-synth-len", "2.5"], False),
+])
+def test_synthetic_acceptance_runs_llama_cpps_fixed_draft_lengths(monkeypatch: pytest.MonkeyPatch,
+                                                                  argv: list[str], adaptive: bool):
+    from pyspec.generation.engine import Engine
+
+    seen: dict[str, Any] = {}
+
+    def load(model: Any = None, **kw: Any) -> Any:
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    rest, dropped = commands._serve_argv(["--port", "0", "-m", "t.gguf", "-md", "d.gguf", *argv])
+    args = commands.build_parser().parse_args(["serve", *rest])
+    args.llama_dropped = dropped
+    with pytest.raises(_Loaded):
+        commands.cmd_serve(args)
+    assert seen["adaptive_draft"] is adaptive

@@ -345,7 +345,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine.load(**_model_files(args, opts.types), types=opts.types,
                              n_parallel=opts.parallel, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch,
                              n_threads=args.threads or None, sampling=sampling, backend=args.engine,
-                             slot_similarity=args.slot_prompt_similarity, adaptive_draft=not args.fixed_draft,
+                             slot_similarity=args.slot_prompt_similarity,
+                             # synthetic acceptance (benchmarking) accepts drafts by chance, not by their tokens:
+                             # the cost-aware length would learn from what never decides; llama.cpp's fixed lengths
+                             adaptive_draft=not args.fixed_draft and "synth_len" not in opts.spec_kw
+                             and "synth_rates" not in opts.spec_kw,
                              acceptance=args.acceptance,
                              **opts.spec_kw, **load_kw)
         if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see

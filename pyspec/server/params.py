@@ -25,6 +25,7 @@ from pyspec.core.grammar import check_grammar
 from pyspec.errors import BadRequest
 from pyspec.generation.requests import Request
 from pyspec.server.infill import InfillInput
+from pyspec.server.json_schema import json_schema_to_grammar
 
 __all__ = ["MAX_FILENAME_BYTES", "MAX_GRAMMAR_BYTES", "MAX_JSON_DEPTH", "MAX_LOGIT_BIAS", "MAX_N_PROBS",
            "MAX_PROMPTS", "MAX_RESPONSE_FIELDS", "MAX_STOPS", "MAX_STOP_CHARS", "EmbeddingParsed", "Parsed", "Prompt",
@@ -373,10 +374,64 @@ def _sampling(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int) -> Commo
             raise BadRequest(f"'grammar': {e}") from None
         _grammar_nul(g)
         s.grammar = g
+    schema = _get(body, "json_schema")
+    if schema is not _MISSING and g is _MISSING:  # llama-server: a grammar given wins over a schema
+        s.grammar = _schema_grammar("json_schema", schema)
     lb = _logit_bias(body, n_vocab, d.tokenize)
     if lb is not None:
         s.logit_bias = lb
     return s
+
+
+def _schema_grammar(name: str, schema: Any) -> str:
+    """The grammar of a JSON schema (pyspec.server.json_schema), checked as a 'grammar' field is; an empty
+    schema is any object, as in llama-server."""
+    if isinstance(schema, Mapping) and not schema:
+        schema = {"type": "object"}
+    _texts(name, schema)
+    try:
+        g = json_schema_to_grammar(schema)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(f"'{name}': {e}") from None
+    if (n := len(g.encode("utf-8"))) > MAX_GRAMMAR_BYTES:
+        raise BadRequest(f"'{name}' makes a grammar of {n} bytes, more than the {MAX_GRAMMAR_BYTES} allowed")
+    try:
+        check_grammar(g)
+    except ValueError as e:
+        raise BadRequest(f"'{name}': {e}") from None
+    _grammar_nul(g)
+    return g
+
+
+def _response_format(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A chat body with its response_format / json_schema turned into the json_schema a completion
+    takes (server-common.cpp oaicompat_chat_params_parse): json_object (with or without a schema),
+    json_schema ({"json_schema": {"schema": ...}}) or text."""
+    schema = _get(body, "json_schema")
+    if schema is not _MISSING and _get(body, "grammar") is not _MISSING:
+        raise BadRequest("Cannot use both json_schema and grammar")
+    rf = _get(body, "response_format")
+    if rf is _MISSING:
+        return body
+    if not isinstance(rf, Mapping):
+        raise BadRequest(f"'response_format' must be an object, got {_kind(rf)}")
+    kind = rf.get("type", "")
+    if kind == "json_object":
+        if "schema" in rf or schema is _MISSING:
+            schema = rf.get("schema", {})
+    elif kind == "json_schema":
+        wrapper = rf.get("json_schema", {})
+        if not isinstance(wrapper, Mapping):
+            raise BadRequest(f"'response_format.json_schema' must be an object, got {_kind(wrapper)}")
+        schema = wrapper.get("schema", {})
+    elif kind not in ("", "text"):
+        raise BadRequest('\'response_format\': type must be one of "text", "json_object" or "json_schema", got '
+                         f"{repr(kind)[:40] if isinstance(kind, str) else _kind(kind)}")
+    if schema is _MISSING:
+        return body
+    if _get(body, "grammar") is not _MISSING:
+        raise BadRequest("Cannot use both json_schema and grammar")
+    return {**body, "json_schema": schema}
 
 
 def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> dict[str, Any]:
@@ -661,6 +716,7 @@ def _stream_options(body: Mapping[str, Any]) -> bool:
 
 def chat_request(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
     """OpenAI's /v1/chat/completions body -> Parsed."""
+    body = _response_format(_object(body))
     c = _common(body, d, n_vocab, n_parallel)
     msgs, add_generation_prompt, continue_final = _turns(body)
     n_probs = 0
