@@ -6,9 +6,12 @@ that holds a real prompt (as a verify step finds it), it decodes batches of b
 tokens with every row's logits requested at the prompt's end and removes them
 again: a warm-up of each shape first, then ``--repeat`` rounds that visit the
 sizes in turn (so a load change hits every size alike). It prints the median
-milliseconds of each b, c(b) / c(1), and beside it the curve the cost-aware
-controller calibrates at start-up (``CostCurve.calibrate``: 3 decodes per size on
-an empty sequence) on a fresh context of the same settings.
+milliseconds of each b, c(b) / c(1), and beside it the two curves the cost-aware
+controller holds: the one it calibrates at start-up (``CostCurve.calibrate``: 5
+decodes per size after a 64-token history) on a fresh context of the same settings,
+and the one generation steps measure (greedy ngram-simple generations of the first
+prompt with llama.cpp's fixed lengths, drafts of at most 1, 2, 4, 8 and 16 tokens:
+each verify step's decode, as the controller records it, on a curve of its own).
 
     python scripts/verify_cost.py --threads 1,2 --repeat 30
     python scripts/verify_cost.py --model model.gguf --sizes 1,2,4,8,16 --json curve.json
@@ -30,11 +33,17 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
     sys.path.insert(0, str(_repo))
 
 from pyspec.cli.bench import BUILTIN_PROMPTS  # noqa: E402
+from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
 from pyspec.core.batch import Batch  # noqa: E402
 from pyspec.core.context import Context  # noqa: E402
 from pyspec.core.model import Model  # noqa: E402
-from pyspec.generation.contexts import default_model_path  # noqa: E402
-from pyspec.generation.draft_length import CALIBRATION_SIZES, CostCurve  # noqa: E402
+from pyspec.generation.contexts import default_model_path, spec_params  # noqa: E402
+from pyspec.generation.draft_length import (  # noqa: E402
+    CALIBRATION_SIZES,
+    CostCurve,
+    DraftLengthController,
+)
+from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling  # noqa: E402
 
 
 def measure(ctx: Context, prompt: list[int], sizes: list[int], repeat: int) -> dict[int, list[float]]:
@@ -68,6 +77,7 @@ def run(model: Model, threads: int, sizes: list[int], repeat: int, prompt_text: 
         times = measure(ctx, prompt, sizes, repeat)
     with Context(model, **kw) as ctx:
         curve = CostCurve().calibrate(ctx)
+    used = used_curve(model, kw, prompt_text)
     med = {b: statistics.median(v) for b, v in times.items()}
     q = {b: statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0], v[0], v[0]] for b, v in times.items()}
     return {
@@ -79,7 +89,25 @@ def run(model: Model, threads: int, sizes: list[int], repeat: int, prompt_text: 
         "micro_relative": {b: med[b] / med[sizes[0]] for b in sizes},
         "controller_relative": curve.relative(),
         "controller_ms": {b: c * 1e3 for b, c in curve.as_dict().items()},
+        "steps_relative": used.relative() if used.ready else {},
+        "steps_n": {b: used.n_used(b) for b in used.sizes()},
     }
+
+
+def used_curve(model: Model, kw: dict[str, Any], prompt_text: str, n_predict: int = 48) -> CostCurve:
+    """The verify cost as generation steps measure it: fixed-length ngram-simple generations with drafts of at
+    most 1, 2, 4, 8 and 16 tokens record each step's decode on one fresh curve (no start-up calibration)."""
+    import warnings
+
+    curve = CostCurve()
+    for m in (1, 2, 4, 8, 16):
+        spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=m)
+        ctl = DraftLengthController(fixed=True, curve=curve)
+        with Context(model, **kw) as ctx, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as gen:
+                gen.generate([prompt_text], n_predict)
+    return curve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,13 +132,19 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(res)
                 print(f"\n{mode} numerics, {t} threads, after a {res['prompt_tokens']}-token prompt "
                       f"({args.repeat} decodes per size; c(1) = {res['micro_ms'][sizes[0]]:.2f} ms)")
-                print("   b   median ms   (IQR)            c(b)/c(1)   controller c(b)/c(1)")
-                for b in sizes:
-                    lo, hi = res["micro_iqr_ms"][b]
+                print("   b   median ms   (IQR)            c(b)/c(1)   controller c(b)/c(1):  calibrated  "
+                      "generation steps (n)")
+                for b in sorted(set(sizes) | set(res["steps_relative"])):
                     ctrl = res["controller_relative"].get(b)
                     ctrl_s = f"{ctrl:8.2f}" if ctrl is not None else "       -"
-                    print(f"{b:4d}   {res['micro_ms'][b]:8.2f}   ({lo:6.2f}-{hi:6.2f})   "
-                          f"{res['micro_relative'][b]:8.2f}    {ctrl_s}")
+                    step = res["steps_relative"].get(b)
+                    step_s = f"{step:8.2f} ({res['steps_n'][b]})" if step is not None else "       -"
+                    if b in res["micro_ms"]:
+                        lo, hi = res["micro_iqr_ms"][b]
+                        micro = f"{res['micro_ms'][b]:8.2f}   ({lo:6.2f}-{hi:6.2f})   {res['micro_relative'][b]:8.2f}"
+                    else:
+                        micro = f"{'-':>8}   {'':15}   {'-':>8}"
+                    print(f"{b:4d}   {micro}                 {ctrl_s}   {step_s}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -71,3 +71,26 @@ def test_the_oracle_is_the_best_cap_per_prompt_and_each_row_is_paired_with_it():
 def test_oracle_caps_must_be_positive(tiny_model_set):
     with pytest.raises(ValueError, match="oracle caps must be positive"):
         bench.run_bench(tiny_model_set("ngram-simple"), [[T.NGRAM_SIMPLE]], oracle=[0])
+
+
+def test_each_row_is_paired_with_the_better_of_plain_and_fixed_per_prompt():
+    # prompt 0: fixed beats plain (130 against 100); prompt 1: plain beats fixed (100 against 80)
+    speeds = {
+        ("none", "python"): (100.0, 100.0),
+        ("ngram-mod", "python"): (120.0, 99.0),
+        ("ngram-mod", "fixed"): (130.0, 80.0),
+    }
+    runs = [_run(t, e, ip, rep, v[ip] * (1.0 + 0.1 * rep)) for (t, e), v in speeds.items()
+            for ip in range(2) for rep in range(3)]
+    runs += [bench.Run(**{**r.__dict__, "engine": "fixed"}) for r in runs if r.type == "none"]
+    report = bench.Report("m", 100, 3, ["p0", "p1"], {})
+    bench._summarise(report, runs, [[T.NONE], [T.NGRAM_MOD]], ["python", "fixed"], 3, 2, CostCurve())
+    row = report.row("ngram-mod", "python")
+    assert row is not None
+    assert row.vs_best_prompts == pytest.approx([120 / 130, 99 / 100])
+    assert row.vs_best_min == pytest.approx(120 / 130)
+    assert row.vs_best_range[1] == pytest.approx((0.99, 0.99))  # paired in each repeat: the drift cancels
+    fixed = report.row("ngram-mod", "fixed")
+    assert fixed is not None and fixed.vs_best_prompts == []  # the fixed engine is one of the two
+    assert "vs max(plain, fixed)" in bench.format_table(report)
+    assert report.as_dict()["rows"][2]["vs_best_min"] == pytest.approx(120 / 130)
