@@ -315,26 +315,36 @@ class Wrong(DraftLengthController):
 
 
 def test_the_guard_verifies_whole_drafts_where_they_did_better_than_the_model():
-    # every draft is accepted whole, and the model keeps verifying none: after a few drafts resolved
-    # against what followed, the guard follows llama.cpp's fixed lengths instead
+    # a passage of 8 tokens repeated after a varying token; each draft, made where the passage starts,
+    # is accepted whole, and the model keeps verifying none: after a few drafts resolved against what
+    # followed, the guard follows llama.cpp's fixed lengths instead
     ctl = Wrong(curve=curve(CPU_CURVE), impl="ngram-test")
+    passage = list(range(100, 108))
     picks = []
-    text = list(range(100, 200))
-    pos = 0
-    for _ in range(12):
-        draft = text[pos + 1 : pos + 9]
-        keep = ctl.trim(0, len(draft), 8)
+    for i in range(8):
+        keep = ctl.trim(0, 8, 8)
         picks.append(keep)
         if keep == 0:
-            ctl.shadow(0, draft, None, True)
-            ctl.observe(0, [text[pos + 1]])
-            pos += 1
+            ctl.shadow(0, passage, None, True)
+            for t in passage:  # plain steps (the implementation drafts nothing inside the passage)
+                ctl.observe(0, [t])
+            ctl.observe(0, [1000 + i])
         else:
             ctl.record_acceptance(0, None, keep, keep, True)
-            ctl.observe(0, text[pos + 1 : pos + keep + 2])
-            pos += keep + 1
+            ctl.observe(0, [*passage, 1000 + i])
     assert picks[0] == 0 and picks[-1] == 8
     assert ctl._seq(0).guard.mode == 2  # WHOLE
+
+
+def test_the_guard_counts_drafts_that_start_a_passage_only():
+    # drafts made while the last one still matches overlap it: they leave the guard's tallies alone
+    ctl = Wrong(curve=curve(CPU_CURVE), impl="ngram-test")
+    text = list(range(100, 200))
+    for pos in range(12):
+        ctl.trim(0, 8, 8)
+        ctl.shadow(0, text[pos + 1 : pos + 9], None, True)
+        ctl.observe(0, [text[pos + 1]])
+    assert ctl._seq(0).guard.weight == pytest.approx(1.0)  # the first draft alone (resolved at its end)
 
 
 def test_the_guard_stays_with_the_model_where_it_does_as_well():

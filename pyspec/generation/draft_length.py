@@ -520,6 +520,7 @@ class _Decision:
     n_model: int
     n_active: int
     predicted: float = 0.0  # the accepted tokens the model expected of the whole draft
+    offset: int = 0  # its first token's position in its passage
 
 
 # the policies the guard compares on a sequence's own path
@@ -659,9 +660,9 @@ class DraftLengthController:
     # on the path plain decoding takes, drafts start anywhere in a passage, and the model's choices there
     # say little of what they make on its own path)
     GUARD_POLICIES: tuple[int, ...] = (MODEL, WHOLE)
-    GUARD_DECAY = 0.95  # per resolved draft
+    GUARD_DECAY = 0.9  # per resolved draft
     GUARD_MIN = 3.0  # drafts (decayed) before the guard may leave the model
-    GUARD_MARGIN = 0.1  # another policy must have done this much better
+    GUARD_MARGIN = 0.05  # another policy must have done this much better
 
     def __init__(self, *, fixed: bool = False, curve: CostCurve | None = None, n_min: int = 0,
                  impl: str = "", draft_d1: float = 0.0) -> None:
@@ -913,6 +914,10 @@ class DraftLengthController:
         k_cal = self.CALIBRATION_DECAY
         s.predicted = s.predicted * k_cal + decision.predicted
         s.realised = s.realised * k_cal + min(accepted, decision.n_draft)
+        if decision.offset:
+            # a draft made while the last one still matched overlaps it: counting it too would credit the
+            # same tokens to each policy again (and the fixed lengths never draft there)
+            return
         n, k, m = decision.n_active, decision.n_model, decision.n_draft
         d0, d1 = self.draft_cost.params()
         d = d0 + d1 * m
@@ -989,7 +994,7 @@ class DraftLengthController:
         sv = self.survival(seq_id, n_draft, n_draft >= cap, offset)
         n, _ = self.best(n_draft, n_active, sv, draft_cost=False)
         n = self._or_probe(seq_id, n, n_draft, n_active)
-        s.decision = _Decision(n_draft, n, n_active, sum(sv))
+        s.decision = _Decision(n_draft, n, n_active, sum(sv), offset)
         mode = s.guard.mode
         return n if mode == MODEL else (0 if mode == PLAIN else n_draft)
 
