@@ -74,8 +74,10 @@ MS = 1e-3
 # Machine profiles: the verify cost, c(1) in ms and c(b) / c(1); the n-gram draft call (per call, per token)
 # and the loop's own time (per step, per verified row), in ms.
 # gemma-2t: the quiet 2-core machine of issue 28's brief (c(1) 12.2 ms: 2 rows 1.94, 3 3.27, 5 3.93,
-#   9 5.24, 17 7.63); gemma-2t-b: docs/performance.md's quiet run (14.4 ms); gemma-1t: 1 thread on a loaded
-#   machine (scripts/verify_cost.py, 41.1 ms; the step after every 4 rows makes 4 rows cheaper than 3).
+#   9 5.24, 17 7.63); gemma-2t-b: docs/performance.md's quiet run (14.4 ms); gemma-2t-slow: its earlier
+#   machine, where a decode cost twice as much and a batch relatively less (26.1 ms: 2 rows 1.37, 3 1.62,
+#   5 2.67, 9 3.47, 17 5.50); gemma-1t: 1 thread on a loaded machine (scripts/verify_cost.py, 41.1 ms; the
+#   step after every 4 rows makes 4 rows cheaper than 3).
 #   The loop's own time (0.32 ms a step, 0.067 ms a verified row: sampling a 262k-entry row) and the
 #   draft call (8 us a token) are the controller's fits from generation steps (1 thread, loaded).
 # tiny-1t: the cyclic tiny model, 1 thread, from generation steps on a loaded machine (c(1) 0.34 ms; a
@@ -84,6 +86,7 @@ _PROFILES = {
     "gemma-2t": (12.2, {1: 1.0, 2: 1.94, 3: 3.27, 5: 3.93, 9: 5.24, 17: 7.63}, (0.0, 0.008), (0.32, 0.067)),
     "gemma-2t-b": (14.4, {1: 1.0, 2: 1.92, 3: 2.46, 4: 2.55, 5: 3.83, 9: 5.28, 17: 7.23}, (0.0, 0.008),
                    (0.32, 0.067)),
+    "gemma-2t-slow": (26.1, {1: 1.0, 2: 1.37, 3: 1.62, 5: 2.67, 9: 3.47, 17: 5.50}, (0.0, 0.008), (0.32, 0.067)),
     "gemma-1t": (41.1, {1: 1.0, 2: 2.26, 3: 4.06, 4: 3.33, 5: 4.97, 7: 5.88, 9: 6.70, 13: 8.46, 17: 10.41},
                  (0.0, 0.008), (0.32, 0.067)),
     "tiny-1t": (0.343, {1: 1.0, 2: 1.02, 3: 1.21, 4: 1.70, 5: 1.95, 6: 4.48, 7: 6.1, 9: 7.67}, (0.0, 0.002),
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_record)
     p = sub.add_parser("run", help="every policy on every trace and machine")
     p.add_argument("--traces", required=True)
-    p.add_argument("--machines", default="gemma-2t,gemma-1t,gemma-2t+cal,gemma-2t+load+jitter")
+    p.add_argument("--machines", default="gemma-2t,gemma-2t-b,gemma-2t-slow,gemma-1t,gemma-2t+cal,gemma-2t+load+jitter")
     p.add_argument("--types", default=TYPES)
     p.add_argument("--n-predict", "-n", type=int, default=0, help="replay only the first N tokens of each trace")
     p.add_argument("--seeds", type=int, default=1, help="jitter draws per policy (the median is kept)")
