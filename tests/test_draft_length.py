@@ -99,6 +99,24 @@ def test_cost_curve_counts_the_generation_steps_of_each_size_apart_from_calibrat
     assert (c.n_used(1), c.n_used(9), c.n_used(5)) == (0, 1, 0)
 
 
+def test_cost_curve_keeps_what_a_change_of_batch_shape_costs_apart():
+    # llama.cpp builds a decode's graph again for a new shape: a one-token decode after a 9-row batch costs
+    # 0.0125 s against 0.010 steadily; that excess is the switch cost, and the one-token cost stays 0.010
+    c = CostCurve()
+    for _ in range(5):
+        c.record(1, 0.010)
+    for _ in range(5):
+        c.record(9, 0.050)
+        c.record(1, 0.0125)
+        c.record(1, 0.010)
+    assert c.cost(1) == pytest.approx(0.010, rel=0.01)
+    assert c.switch_cost() == pytest.approx(0.0025, rel=0.01)
+    calibrated = CostCurve()  # calibration probes change shape at every decode: they say nothing of it
+    for n in (1, 9, 1, 9):
+        calibrated.record(n, 0.01 * n, calibration=True)
+    assert calibrated.switch_cost() == 0.0
+
+
 def test_cost_curve_is_not_ready_before_two_sizes_are_known():
     c = CostCurve()
     assert not c.ready

@@ -75,7 +75,9 @@ class Machine:
     ``verify``: a target decode of b rows (b: keys), measured as the loop uses it
     (warm graphs, after a prompt: ``scripts/verify_cost.py``); sizes between are
     interpolated as :class:`CostCurve` does (:func:`interpolate_cost`). ``draft``: (per call, per drafted token).
-    ``overhead``: the loop's own time, (per step, per verified row).
+    ``overhead``: the loop's own time, (per step, per verified row). ``switch``: what a
+    decode costs more when its batch has another shape than the step before's (llama.cpp
+    builds the graph again).
     ``calibration``: what the controller's start-up probe reads (default: ``verify``).
     ``load``: (k, factor) pairs; from the k-th generated token on, every part of a step
     costs ``factor`` times as much (a competing process). ``jitter``: each part of
@@ -86,6 +88,7 @@ class Machine:
     draft: tuple[float, float] = (0.0, 0.0)
     overhead: tuple[float, float] = (0.0, 0.0)
     calibration: Mapping[int, float] | None = None
+    switch: float = 0.0
     load: Sequence[tuple[int, float]] = ()
     jitter: float = 0.0
     name: str = ""
@@ -184,6 +187,7 @@ def replay(trace: Trace, types: Sequence[T], ctl: DraftLengthController | None, 
         out = ReplayResult(0, 0.0, 0)
         d0, d1 = machine.draft
         o0, o1 = machine.overhead
+        prev_b = 1
         while g < len(target):
             f = machine.factor(g)
             draft: list[int] = []
@@ -209,7 +213,8 @@ def replay(trace: Trace, types: Sequence[T], ctl: DraftLengthController | None, 
                                 ctl.hold_tail(0, draft[keep:], None, full)
                             del draft[keep:]
             b = 1 + len(draft)
-            t_verify = noisy(machine.verify_cost(b), f)
+            t_verify = noisy(machine.verify_cost(b) + (machine.switch if b != prev_b else 0.0), f)
+            prev_b = b
             t_loop = noisy(o0 + o1 * b, f)
             if draft:
                 j = 0
