@@ -3,20 +3,23 @@
 llama.cpp drafts up to a fixed ``n_max`` and verifies whatever the implementation
 returns. That pays where a verify batch costs about as much as one token (a GPU);
 on a CPU a batch of b tokens costs c(b), several times a one-token decode
-(Gemma 3 270M, 2 threads: c(2) ~ 1.8 c(1), c(9) ~ 4.6 c(1)), so a draft that is
-not accepted far enough loses to plain decoding, and a draft made by a model as
-large as the target never pays.
+(Gemma 3 270M, 2 threads: c(2) ~ 1.9 c(1), c(9) ~ 5.2 c(1): each row's 262k-entry
+output layer makes it nearly linear), so a draft that is not accepted far enough
+loses to plain decoding, and a draft made by a model as large as the target never pays.
 
 The controller decides, for each sequence and step, the most draft tokens to ask
-for, from three things it measures on the machine it runs on:
+for, from what it measures on the machine it runs on:
 
 - the **verify cost curve** c(b): seconds of one target decode of b tokens,
-  probed at start-up (:meth:`CostCurve.calibrate`) and updated from every step
-  (:meth:`DraftLengthController.record_verify`);
-- the **acceptance** of each implementation and each sequence: how often the
-  first draft token is accepted (q1) and how often a further one is, given the
-  ones before it were (qn); so P(the first k draft tokens are accepted) =
-  q1 * qn ** (k - 1) (:class:`Acceptance`);
+  probed at start-up after a history (:meth:`CostCurve.calibrate`) and updated
+  from every step (:meth:`DraftLengthController.record_verify`), relative to a
+  load level every decode moves, with the cost of a change of batch shape apart
+  (:class:`CostCurve`);
+- the **acceptance** of each implementation and each sequence, per position in the
+  passage a draft copies (:class:`Acceptance`): P(the first k draft tokens are
+  accepted) is the product of each position's rate, the sequence's counts shrunk
+  towards its two rates (first position; later ones), those towards the
+  implementation's, those towards a prior;
 - the **draft cost** d(n) = d0 + d1 * n of each implementation (n-gram lookups
   cost next to nothing, a draft model a decode per token) and the loop's own
   time per step o(b) = o0 + o1 * b, b the rows verified (each is sampled: on a
@@ -25,24 +28,26 @@ for, from three things it measures on the machine it runs on:
 For a sequence that shares the step with ``n_active - 1`` others (one token
 each), a draft of n tokens is worth
 
-    rate(n) = (n_active + sum_{k=1..n} P(k accepted)) / (c(b) + d(n) + o(b)),  b = n_active + n
+    rate(n) = (n_active + sum_{k=1..n} P(k accepted)) / (c(b) + d(n) + o(b) + switch),  b = n_active + n
 
 and the controller picks the n in {0} U [n_lo, cap] with the highest rate; n = 0
 is plain decoding. A sequence held at 0 is probed now and then with a short
 draft (after 32 steps, then 64, 128, ... at most every 512), so a change in the
 text (code after prose) is noticed.
 
-A draft that is made but not verified still teaches the acceptance, at no cost
+Every draft teaches the acceptance, the ones not verified too, at no cost
 (:meth:`DraftLengthController.shadow`, :meth:`~DraftLengthController.observe`):
 its tokens are compared with the ones the sequence goes on to generate, which are
 what verifying it would have accepted (exact-match verification accepts a draft
-token when the target samples it). Without this, an estimate that makes drafting
-look unprofitable is never corrected: the controller stops drafting and learns
-nothing more (a quiet 2-core machine: 2 verified drafts in 48 tokens).
+token when the target samples it), each as soon as it is seen. And each choice is
+checked against what happened: the model's expected tokens against the accepted
+ones, and a guard that follows verify-whole (llama.cpp's lengths) while that did
+better over the recent drafts (:class:`_Guard`).
 
 ``DraftLengthController(fixed=True)`` (``pyspec ... --fixed-draft``) passes the
 caller's cap through unchanged: llama.cpp's behaviour, which the parity harness
-and the C++ loop comparison use.
+and the C++ loop comparison use. :mod:`pyspec.generation.draft_replay` plays a
+recorded generation through a controller on a modelled clock.
 """
 
 from __future__ import annotations
