@@ -16,6 +16,7 @@ then the worst prompt and the median over the prompts where drafting pays.
     python scripts/draft_length_sim.py record --tiny --out /tmp/tiny.json -n 128
     python scripts/draft_length_sim.py run --traces /tmp/gemma.json --machines gemma-2t,gemma-1t
     python scripts/draft_length_sim.py run --traces /tmp/tiny.json --machines tiny-1t --types ngram-mod -v
+    python scripts/draft_length_sim.py prompts --out /tmp/prompts.txt   # the same prompts for pyspec bench -f
 
 Everything here is exact and repeatable: tokens per second on a modelled clock, not a
 measured one (what the replay leaves out: pyspec/generation/draft_replay.py's docstring).
@@ -136,6 +137,12 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prompts(args: argparse.Namespace) -> int:
+    """The prompts as a ``pyspec bench --prompt-file`` (a JSON list: the texts exactly, trailing newlines too)."""
+    Path(args.out).write_text(json.dumps([*BUILTIN_PROMPTS, *PROMPTS], indent=1) + "\n")
+    return 0
+
+
 def read_traces(path: str) -> list[Trace]:
     data = json.loads(Path(path).read_text())
     return [Trace(t["prompt"], t["target"], t["name"]) for t in data["traces"]]
@@ -194,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-invariant", action="store_true")
     p.set_defaults(func=cmd_record)
+    p = sub.add_parser("prompts", help="write the prompts as a pyspec bench --prompt-file")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_prompts)
     p = sub.add_parser("run", help="every policy on every trace and machine")
     p.add_argument("--traces", required=True)
     p.add_argument("--machines", default="gemma-2t,gemma-2t-b,gemma-2t-slow,gemma-1t,gemma-2t+cal,gemma-2t+load+jitter")
