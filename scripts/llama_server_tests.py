@@ -134,7 +134,10 @@ def wrap(argv: list[str]) -> None:
     if os.environ.get("JUDGE_SERVER") == "llama":
         binary = os.environ["JUDGE_LLAMA_SERVER"]
         os.execv(binary, [binary, *args])
-    os.execv(sys.executable, [sys.executable, "-m", "pyspec", "serve", *args])
+    # JUDGE_PYSPEC_ARGS: words added to pyspec serve's command line, to see what an option changes
+    # (``--fixed-draft``: llama.cpp's draft lengths instead of the cost-aware ones); the report's runs use none
+    extra = os.environ.get("JUDGE_PYSPEC_ARGS", "").split()
+    os.execv(sys.executable, [sys.executable, "-m", "pyspec", "serve", *args, *extra])
 
 
 # --------------------------------------------------------------------------- the report

@@ -8,7 +8,8 @@
 #   JUDGE_SERVERS=pyspec scripts/llama_server_tests.sh     # one side (the other's last results are kept)
 #   JUDGE_REPORT_ONLY=1 scripts/llama_server_tests.sh      # print the report of the last run
 #
-# JUDGE_TIMEOUT: seconds per file and server (default 300); JUDGE_PORT (default 18080); JUDGE_WORK
+# JUDGE_PYSPEC_ARGS: more words for pyspec serve's command line (a diagnosis: "--fixed-draft"); pytest reads
+# PYTEST_ADDOPTS ("-k test_name" runs one test). JUDGE_TIMEOUT: seconds per file and server (default 300); JUDGE_PORT (default 18080); JUDGE_WORK
 # (default build/llama-server-tests: results/, logs/, the wrapper); LLAMA_SERVER (the binary). Needs the
 # tests' requirements in the venv (wget, filelock besides pytest, requests, openai, numpy).
 set -euo pipefail

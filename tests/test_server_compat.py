@@ -643,3 +643,29 @@ def test_verbose_answers_carry_the_native_answer(http: TestClient, engine: Engin
     assert "__verbose" not in http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).json()
     with TestClient(create_app(engine, verbose=True)) as c:
         assert "__verbose" in c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).json()
+
+
+def _progress(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["prompt_progress"] for e in events if "prompt_progress" in e]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/completion", "/v1/completions"])
+def test_return_progress_reports_each_prompt_batch(http: TestClient, engine: Engine, path: str):
+    # llama-server's test_return_progress: one report as the prompt starts, one after each batch (n_batch 64)
+    text = "This is a test " * 40
+    body: dict[str, Any] = {"max_tokens": 2, "stream": True, "return_progress": True, "cache_prompt": False}
+    body.update({"messages": [{"role": "user", "content": text}]} if "chat" in path else {"prompt": text})
+    reports = _progress(_events(http.post(path, json=body)))
+    n_prompt = reports[0]["total"]
+    assert n_prompt > 128 and len(reports) == 1 + -(-n_prompt // 64)
+    assert reports[0]["cache"] == reports[0]["processed"] == 0
+    assert [r["processed"] for r in reports[1:]] == [min(64 * k, n_prompt) for k in range(1, len(reports))]
+    assert all(r["total"] == n_prompt and r["cache"] == 0 for r in reports)
+    # the same prompt again reuses the slot's memory: it starts there, and one batch reads the rest
+    http.post(path, json={**body, "cache_prompt": True, "id_slot": 0})  # slot 0 holds the prompt
+    again = _progress(_events(http.post(path, json={**body, "cache_prompt": True, "id_slot": 0})))
+    assert again[0]["cache"] == again[0]["processed"] > 0 and again[-1]["processed"] == n_prompt
+    assert len(again) == 2
+    # not asked, or not streamed: no report
+    assert not _progress(_events(http.post(path, json={**body, "return_progress": False})))
+    assert "prompt_progress" not in http.post(path, json={**body, "stream": False}).text

@@ -83,7 +83,7 @@ from pyspec.generation.draft_length import CALIBRATION_SIZES, DraftLengthControl
 from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.rejection import check_acceptance, check_rejection_sampling
-from pyspec.generation.requests import Delta, Request, RequestHandle, TokenLogprob
+from pyspec.generation.requests import Delta, PromptProgress, Request, RequestHandle, TokenLogprob
 from pyspec.generation.slot_memory import SlotMemory
 from pyspec.generation.slots import Job, Slot, pick_slot
 from pyspec.generation.statistics import EngineMetrics
@@ -607,6 +607,7 @@ class Engine(EngineQueue):
         job.stats.t_queue_ms = (job.t_start - job.handle.t_submit) * 1e3
         try:
             job.stats.n_cached = self.slot_memory.reuse_prefix(s, job)
+            self._report_progress(s)
             s.reading = True
             s.sampled = -1
             s.i_batch = -1
@@ -752,17 +753,21 @@ class Engine(EngineQueue):
         # then prompt tokens of the slots still reading theirs, up to n_batch (continuous batching)
         n_batch = ctx_tgt.n_batch
         n_verify = batch.n_tokens
+        reading: list[Slot] = []
         for s in self.slots:
             if batch.n_tokens >= n_batch:
                 break
             if s.job is None or not s.reading:
                 continue
             self._add_prompt_chunk(s, batch, n_batch)
+            reading.append(s)
 
         if batch.n_tokens == 0:
             return
         t_dec = ctx_tgt.t_decode_ns
         ctx_tgt.decode(batch)
+        for s in reading:
+            self._report_progress(s)
         t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
         self.metrics.record_decode(batch.n_tokens, sum(s.job is not None for s in self.slots))
@@ -825,6 +830,15 @@ class Engine(EngineQueue):
             ctx_dft.decode(batch)
             n_done += batch.n_tokens
         return n_done
+
+    def _report_progress(self, s: Slot) -> None:
+        """A PromptProgress piece for a request that asked for them (llama-server's return_progress): as its
+        prompt starts (what the slot's memory already holds) and after each batch of it is decoded."""
+        job = s.job
+        if job is None or not job.request.return_progress:
+            return
+        job.handle._put(Delta("", [], progress=PromptProgress(
+            len(job.prompt), job.stats.n_cached, len(s.tokens), (time.perf_counter() - job.t_start) * 1e3)))
 
     def _add_prompt_chunk(self, s: Slot, batch: Batch, n_batch: int) -> None:
         job = s.job

@@ -23,7 +23,7 @@ from typing import Any
 from pyspec.common.params import CommonParamsSampling
 from pyspec.generation.statistics import SpecDecodeCounters
 
-__all__ = ["Completion", "Delta", "Request", "RequestHandle", "RequestStats", "TokenLogprob"]
+__all__ = ["Completion", "Delta", "PromptProgress", "Request", "RequestHandle", "RequestStats", "TokenLogprob"]
 
 
 @dataclass
@@ -58,6 +58,18 @@ class Request:
     add_generation_prompt: bool = True  # chat: end with the assistant's turn header
     chat_template: str | None = None  # chat: a template text or a llama.cpp built-in name instead of the model's
     chat_template_kwargs: Mapping[str, Any] | None = None
+    return_progress: bool = False  # a Delta with PromptProgress as the prompt starts and after each of its batches
+
+
+@dataclass
+class PromptProgress:
+    """How far a request's prompt has been read (llama-server's prompt_progress): its tokens in all, those
+    reused from the slot's memory, those in the slot's memory now (the reused included), ms since it began."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
 
 
 @dataclass
@@ -82,6 +94,7 @@ class Delta:
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    progress: PromptProgress | None = None  # a prompt progress report (Request.return_progress): no text
 
 
 @dataclass

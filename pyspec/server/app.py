@@ -170,6 +170,13 @@ def _nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _progress_json(d: Delta) -> dict[str, Any]:
+    """llama-server's prompt_progress object (result_prompt_progress::to_json)."""
+    p = d.progress
+    assert p is not None
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": round(p.time_ms, 3)}
+
+
 def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
     return {"id": lp.id, "token": lp.text, "bytes": list(lp.token_bytes), "logprob": lp.logprob,
             "top_logprobs": [{"id": i, "token": t, "bytes": list(b), "logprob": v} for i, t, b, v in lp.top[:n_top]]}
@@ -568,6 +575,8 @@ class _Api:
         def piece(i: int, d: Delta) -> dict[str, Any]:
             out: dict[str, Any] = {"index": i, "content": d.text, "tokens": d.tokens if parsed.return_tokens else [],
                                    "stop": False, "id_slot": -1}
+            if d.progress is not None:
+                out["prompt_progress"] = _progress_json(d)
             if parsed.request.n_probs:
                 out["completion_probabilities"] = [_lp_json(lp, parsed.request.n_probs) for lp in d.logprobs]
             return out
@@ -690,6 +699,8 @@ class _Api:
         sent = [0] * len(hs)
 
         def piece(i: int, d: Delta) -> dict[str, Any] | None:
+            if d.progress is not None:
+                return {**envelope([choice(i, "", None, [], sent[i])]), "prompt_progress": _progress_json(d)}
             if not d.text and not d.logprobs:
                 return None
             out = envelope([choice(i, d.text, None, d.logprobs, sent[i])])
@@ -734,6 +745,9 @@ class _Api:
             }, comps, parsed.n), parsed, comps, reqs))
 
         def piece(i: int, d: Delta) -> dict[str, Any] | None:
+            if d.progress is not None:  # llama-server sends the role again with each progress report
+                return {**chunk(i, {"role": "assistant", "content": None}, None, []),
+                        "prompt_progress": _progress_json(d)}
             if not d.text and not d.logprobs:
                 return None
             return chunk(i, {"content": d.text}, None, d.logprobs)

@@ -455,6 +455,8 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
         "n_draft_min": d.n_draft_min if n_draft_min is None else n_draft_min,
         "cache_prompt": _bool(body, "cache_prompt", d.cache_prompt),
         "slot_id": -1 if id_slot is None else id_slot,
+        # llama-server reports prompt progress to streams only
+        "return_progress": _bool(body, "return_progress", False) and _bool(body, "stream", False),
     }
 
 
