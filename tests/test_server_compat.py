@@ -597,6 +597,10 @@ def test_a_final_assistant_message_is_continued_not_answered(http: TestClient, e
     assert http.post("/apply-template", json={"messages": PREFILLED}).json()["prompt"] == open_turn
     explicit = {"messages": PREFILLED, "add_generation_prompt": False, "continue_final_message": True}
     assert http.post("/apply-template", json=explicit).json()["prompt"] == open_turn  # vLLM's name for it
+    parts = [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "Wh"},
+                                                          {"type": "text", "text": "ill"}]}]
+    assert http.post("/apply-template", json={"messages": parts}).json()["prompt"] == \
+        render_chat(engine.model, MESSAGES) + " Wh\n\nill"  # text parts joined as llama-server joins them
     r = http.post("/v1/chat/completions", json={"messages": PREFILLED, "max_tokens": 2}).json()
     assert r["usage"]["prompt_tokens"] == len(engine.tokenize_chat(open_turn))
     # asked not to continue, the assistant's turn is closed as the template closes it

@@ -238,8 +238,9 @@ class _Api:
         if continue_final:
             last = dict(messages[-1])
             content = last.get("content")
-            last["content"] = [*content, {"type": "text", "text": marker}] if isinstance(content, list) \
-                else (content or "") + marker
+            if isinstance(content, list):  # text parts, continued as one text (llama-server joins them so)
+                content = "\n\n".join(part["text"] for part in content)
+            last["content"] = (content or "") + marker
             messages[-1] = last
         run = functools.partial(render_chat, self.engine.model, messages,
                                 add_generation_prompt=r.add_generation_prompt, template=r.chat_template,
