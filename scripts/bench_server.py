@@ -248,10 +248,10 @@ def main() -> int:
     if set(servers) == {"llama-server", "pyspec"}:
         # a native llama-server against pyspec's x86-64-v3 build (scripts/test.sh's) compares AVX-512 kernels
         # with AVX2 ones: about 10% per token on an AVX-512 machine, not a difference of the servers
-        theirs, ours = llama_server_isa(), pyspec_isa()
-        if theirs != ours:
-            print(f"the builds run different CPU kernels: llama-server {' '.join(sorted(theirs))}; "
-                  f"pyspec {' '.join(sorted(ours))}. Build both alike (pyspec with CMAKE_ARGS=-DGGML_NATIVE=ON, "
+        isa_llama, isa_pyspec = llama_server_isa(), pyspec_isa()
+        if isa_llama != isa_pyspec:
+            print(f"the builds run different CPU kernels: llama-server {' '.join(sorted(isa_llama))}; "
+                  f"pyspec {' '.join(sorted(isa_pyspec))}. Build both alike (pyspec with CMAKE_ARGS=-DGGML_NATIVE=ON, "
                   f"as build_llama_tools.sh builds llama-server, or the portable wheel, which loads the best "
                   f"variant), or pass --allow-cpu-mismatch", file=sys.stderr)
             if not args.allow_cpu_mismatch:

@@ -513,4 +513,5 @@ def test_engine_load_gives_the_target_llama_servers_output_rows(chat_model, expe
         h = eng.submit(Request(prompt=PROMPT_REPEAT, n_predict=8))
         eng.run_until_idle()
         assert h.result().tokens == results[0].tokens[:8]
+        assert eng.draft_ctl is not None
         assert max(eng.draft_ctl.curve.sizes()) <= eng.ctx_tgt.n_outputs_max  # calibration batches fit the rows
