@@ -14,6 +14,7 @@ from pyspec.cli.llama_server_args import (
     LLAMA_SERVER_ENV,
     LLAMA_SERVER_OPTIONS,
     MAPPED,
+    PRIORITY_NAMES,
     ServeOptions,
     _table,
     env_argv,
@@ -22,6 +23,7 @@ from pyspec.cli.llama_server_args import (
     server_options,
     table_lines,
 )
+from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonCpuParams
 from pyspec.errors import CliError
 from pyspec.server.cors import CorsPolicy
 from pyspec.testing.models import llama_cpp_dir
@@ -169,7 +171,7 @@ CASES: list[tuple[list[str], str, Any]] = [
     (["--jinja", "--no-webui", "-cb", "--no-context-shift", "--cache-prompt", "--slots"], "not_applied", []),
     # accepted, named in the warning: pyspec does not do what they ask
     (["--no-jinja", "--webui", "-nocb", "--context-shift", "-tb", "4"], "not_applied",
-     ["--threads-batch", "--no-jinja", "--webui", "--no-cont-batching", "--context-shift"]),
+     ["--no-jinja", "--webui", "--no-cont-batching", "--context-shift"]),
     (["--props"], "props", True),
     ([], "props", False),
     # llama-server options pyspec has no use for: dropped with their values, named once
@@ -249,7 +251,9 @@ def test_a_real_world_llama_server_command_line():
     assert (opts.n_ctx, opts.parallel, opts.n_batch, opts.n_ubatch) == (4096, 4, 2048, 512)
     assert opts.types == "draft-simple"
     assert opts.spec_kw == {"n_max": 8, "n_min": 2, "p_min": 0.6, "ngram_n": 3, "ngram_m": 8}
-    assert opts.context_kw == {"flash_attn_type": "disabled", "type_k": "q8_0", "type_v": "q8_0", "kv_unified": True}
+    assert opts.context_kw == {"flash_attn_type": "disabled", "type_k": "q8_0", "type_v": "q8_0", "kv_unified": True,
+                               "n_threads_batch": 8}
+    assert opts.cpuparams_batch == CommonCpuParams(n_threads=8)
     assert (args.n_gpu_layers, opts.draft_n_gpu_layers, args.threads) == (99, 99, 8)
     assert (args.host, args.port, args.n_predict, args.slot_save_path) == ("0.0.0.0", 8081, 1024, "/tmp")
     assert opts.api_keys == ["sk-1", "sk-2"] and opts.model_alias == "coder"
@@ -259,7 +263,7 @@ def test_a_real_world_llama_server_command_line():
                                 "penalty_repeat": 1.05}
     assert opts.model_kw == {"load_mode": "mlock"}
     assert opts.not_applied == ["--log-disable", "--log-prefix", "--log-timestamps", "--timeout", "--cache-reuse",
-                                "--threads-http", "--reasoning-format", "--threads-batch"]
+                                "--threads-http", "--reasoning-format"]
 
 
 def test_the_llama_server_tests_harness_command_line():
@@ -436,3 +440,157 @@ def test_synthetic_acceptance_runs_llama_cpps_fixed_draft_lengths(monkeypatch: p
     with pytest.raises(_Loaded):
         commands.cmd_serve(args)
     assert seen["adaptive_draft"] is adaptive
+
+
+# --------------------------------------------------------------------------- the threadpools' options
+
+
+@pytest.fixture
+def eight_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+
+
+def test_the_priority_numbers_are_ggmls():
+    from pyspec.core.threadpool import THREAD_PRIORITIES
+
+    assert [PRIORITY_NAMES[n] for n in sorted(PRIORITY_NAMES)] == list(THREAD_PRIORITIES)
+
+
+@pytest.mark.parametrize(("argv", "cpus"), [
+    (["-C", "5"], (0, 2)),
+    (["--cpu-mask", "0xA"], (1, 3)),
+    (["-C", "f0"], (4, 5, 6, 7)),
+    (["-C", "0x0001"], (0,)),
+    (["-Cr", "2-4"], (2, 3, 4)),
+    (["--cpu-range", "-1"], (0, 1)),
+    (["-Cr", "6-"], (6, 7)),  # no hi: every CPU ggml knows, this machine's kept
+    (["-C", "1", "-Cr", "4-5", "-C", "0x8"], (0, 3, 4, 5)),  # arg.cpp: each adds to the one mask
+    (["-Cr", "3-1", "-C", "4"], (2,)),  # lo > hi sets nothing (parse_cpu_range's loop)
+])
+def test_cpu_masks_and_ranges_read_as_llama_cpp_reads_them(eight_cpus: None, argv: list[str],
+                                                            cpus: tuple[int, ...]):
+    _, opts = _parse(*argv)
+    assert opts.cpuparams == CommonCpuParams(cpumask=cpus)
+    assert opts.cpuparams_batch is None and opts.not_applied == []
+
+
+def test_a_long_mask_reads_its_first_128_digits(eight_cpus: None):
+    # parse_cpu_mask reads at most 128 digits (512 CPUs), the first of them the highest
+    _, opts = _parse("-C", "0" * 127 + "3" + "f" * 10)
+    assert opts.cpuparams.cpumask == (0, 1)
+
+
+def test_cpus_this_machine_lacks_are_dropped_with_a_warning(eight_cpus: None, caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.WARNING, logger="pyspec"):
+        _, opts = _parse("-C", "0x301")
+    assert opts.cpuparams.cpumask == (0,)
+    assert any("CPUs 8,9 are not on this machine" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CliError, match="-C/--cpu-mask and -Cr/--cpu-range name no CPU of this machine"):
+        _parse("-C", "0x300")
+    with pytest.raises(CliError, match="name no CPU"):
+        _parse("-C", "0")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], COMMON_CPU_PARAMS_DEFAULT),
+    (["-t", "2"], COMMON_CPU_PARAMS_DEFAULT),  # the pool takes the context's count
+    (["--prio", "-1"], CommonCpuParams(priority="low")),
+    (["--prio", "2", "--poll", "0", "--cpu-strict", "1"], CommonCpuParams(priority="high", poll=0, strict_cpu=True)),
+    (["--poll", "100", "--cpu-strict", "0"], CommonCpuParams(poll=100)),
+    (["--cpu-strict", "7"], CommonCpuParams(strict_cpu=True)),  # std::stoul: any but 0
+])
+def test_generation_pool_options(argv: list[str], expected: CommonCpuParams):
+    _, opts = _parse(*argv)
+    assert opts.cpuparams == expected
+    assert opts.cpuparams_batch is None  # postprocess_cpu_params: no -tb, the batch pool copies it
+
+
+def test_the_batch_pool_has_its_own_options_only_with_threads_batch(eight_cpus: None):
+    _, opts = _parse("-t", "2", "-tb", "4", "--prio", "2", "-Cb", "f0", "-Crb", "0-1", "--prio-batch", "1",
+                     "--poll-batch", "0", "--cpu-strict-batch", "1")
+    assert opts.cpuparams == CommonCpuParams(priority="high")
+    assert opts.cpuparams_batch == CommonCpuParams(n_threads=4, cpumask=(0, 1, 4, 5, 6, 7), priority="medium",
+                                                   strict_cpu=True, poll=0)
+    assert opts.context_kw == {"n_threads_batch": 4} and opts.not_applied == []
+    # -tb alone: a batch pool of that size with common_cpu_params' defaults, --prio not copied (as llama-server)
+    _, opts = _parse("--prio", "1", "-tb", "3")
+    assert opts.cpuparams_batch == CommonCpuParams(n_threads=3)
+    # -tb 0 (or less): every core, as std::thread::hardware_concurrency()
+    _, opts = _parse("-tb", "0")
+    assert opts.cpuparams_batch == CommonCpuParams(n_threads=8) and opts.context_kw == {"n_threads_batch": 8}
+
+
+def test_batch_options_without_threads_batch_are_named_as_having_no_effect():
+    _, opts = _parse("--prio", "1", "--prio-batch", "2", "--poll-batch", "0", "-Crb", "0-0")
+    assert opts.cpuparams == CommonCpuParams(priority="medium") and opts.cpuparams_batch is None
+    assert opts.not_applied == ["-Cb/-Crb (without -tb)", "--prio-batch (without -tb)", "--poll-batch (without -tb)"]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["-C", "0xg1"], "-C/--cpu-mask: '0xg1' (a hexadecimal CPU mask)"),
+    (["-Cb", "1 2"], "-Cb/--cpu-mask-batch"),
+    (["-Cr", "3"], "-Cr/--cpu-range: '3' (a CPU range lo-hi)"),
+    (["-Cr", "0-512"], "CPUs go up to 511"),
+    (["-Crb", "a-b"], "-Crb/--cpu-range-batch"),
+    (["--prio", "4"], "--prio: '4' (-1 .. 3)"),
+    (["--prio", "-2"], "--prio: '-2'"),
+    (["--prio-batch", "-1"], "--prio-batch: '-1' (0 .. 3)"),  # arg.cpp: no low priority for batches
+    (["--prio", "high"], "--prio: 'high' (an integer)"),
+    (["--poll", "101"], "--poll: '101' (a polling level 0 .. 100)"),
+    (["--poll-batch", "-1"], "--poll-batch"),
+    (["--cpu-strict", "yes"], "--cpu-strict: 'yes'"),
+    (["--cpu-strict-batch", "1.5"], "--cpu-strict-batch"),
+])
+def test_a_bad_threadpool_value_is_refused_naming_the_option(argv: list[str], named: str,
+                                                             capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert named in capsys.readouterr().err
+
+
+def test_too_many_batch_threads_is_one_cli_error():
+    with pytest.raises(CliError, match="-tb/--threads-batch 513 is more than ggml's 512 threads"):
+        _parse("-tb", "513")
+
+
+def test_cmd_serve_hands_the_threadpools_to_engine_load(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture):
+    from pyspec.generation.engine import Engine
+
+    seen: dict[str, Any] = {}
+
+    def load(model: Any = None, **kw: Any) -> Any:
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    rest, dropped = commands._serve_argv(["--port", "0", "-m", "t.gguf", "-t", "1", "-tb", "2", "--poll", "0",
+                                          "--prio", "0", "-Cr", "0-0"])
+    args = commands.build_parser().parse_args(["serve", *rest])
+    args.llama_dropped = dropped
+    with caplog.at_level(logging.WARNING, logger="pyspec"), pytest.raises(_Loaded):
+        commands.cmd_serve(args)
+    assert seen["cpuparams"] == CommonCpuParams(cpumask=(0,), poll=0)
+    assert seen["cpuparams_batch"] == CommonCpuParams(n_threads=2)
+    assert seen["context_kw"] == {"n_threads_batch": 2} and seen["n_threads"] == 1
+    assert not [r for r in caplog.records if "llama-server options" in r.getMessage()]
+
+
+def test_threadpool_options_through_engine_load_give_the_contexts_their_threads():
+    from pyspec.generation.engine import Engine, Request
+    from pyspec.testing.models import tiny_model_paths
+
+    _, opts = _parse("-t", "1", "-tb", "2", "--poll", "0", "-Cr", "0-0", "--cpu-strict", "1")
+    target, draft = tiny_model_paths("draft-simple")
+    with Engine.load(target, types="draft-simple", draft=draft, n_ctx=256, n_batch=64, n_threads=1,
+                     context_kw=opts.context_kw, cpuparams=opts.cpuparams,
+                     cpuparams_batch=opts.cpuparams_batch) as eng:
+        # the target decodes on two pools (1 thread, 2 for batches); the draft context gets -tb's count too
+        assert [p.n_threads for p in eng.ctx_tgt._threadpools] == [1, 2]
+        assert (eng.ctx_tgt.n_threads, eng.ctx_tgt.n_threads_batch) == (1, 2)
+        assert eng.ctx_dft is not None and (eng.ctx_dft.n_threads, eng.ctx_dft.n_threads_batch) == (1, 2)
+        h = eng.submit(Request(prompt="one two three", n_predict=8))
+        eng.run_until_idle()
+        assert h.result().stats.n_gen == 8

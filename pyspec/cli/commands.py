@@ -350,7 +350,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              # the cost-aware length would learn from what never decides; llama.cpp's fixed lengths
                              adaptive_draft=not args.fixed_draft and "synth_len" not in opts.spec_kw
                              and "synth_rates" not in opts.spec_kw,
-                             acceptance=args.acceptance,
+                             acceptance=args.acceptance, cpuparams=opts.cpuparams,
+                             cpuparams_batch=opts.cpuparams_batch,
                              **opts.spec_kw, **load_kw)
         if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see
             _check_threads(argparse.Namespace(threads=args.threads, n_ctx=opts.n_ctx), opts.parallel)

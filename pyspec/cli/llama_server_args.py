@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -539,6 +541,68 @@ def _gpu_layers(value: str) -> int:
         raise argparse.ArgumentTypeError(f"--n-gpu-layers takes a number, 'auto' or 'all', not {value!r}") from None
 
 
+_MAX_CPUS = 512  # GGML_MAX_N_THREADS: the length of common_cpu_params' cpumask
+# ggml_sched_priority's values (--prio N) -> ThreadPool's names (tests/test_serve_args.py checks them with ggml's)
+PRIORITY_NAMES = {-1: "low", 0: "normal", 1: "medium", 2: "high", 3: "realtime"}
+
+
+def _int(option: str, text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} (an integer)") from None
+
+
+def _cpu_mask(option: str) -> Callable[[str], frozenset[int]]:
+    """common.cpp's parse_cpu_mask: hexadecimal, an optional 0x, the last digit CPUs 0-3 (at most 128
+    digits read); the CPUs it sets."""
+    def conv(text: str) -> frozenset[int]:
+        digits = text[2:] if text.startswith("0x") else text
+        digits = digits[:128]
+        if any(c not in "0123456789abcdefABCDEF" for c in digits):
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} (a hexadecimal CPU mask)")
+        value = int(digits, 16) if digits else 0
+        return frozenset(i for i in range(4 * len(digits)) if value >> i & 1)
+    return conv
+
+
+def _cpu_range(option: str) -> Callable[[str], frozenset[int]]:
+    """common.cpp's parse_cpu_range: ``lo-hi`` (both included; no lo: 0, no hi: the last CPU ggml knows)."""
+    def conv(text: str) -> frozenset[int]:
+        m = re.fullmatch(r"([0-9]*)-([0-9]*)", text.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} (a CPU range lo-hi)")
+        lo = int(m[1]) if m[1] else 0
+        hi = int(m[2]) if m[2] else _MAX_CPUS - 1
+        if lo >= _MAX_CPUS or hi >= _MAX_CPUS:
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} (CPUs go up to {_MAX_CPUS - 1})")
+        return frozenset(range(lo, hi + 1))
+    return conv
+
+
+def _prio(option: str, lowest: int) -> Callable[[str], str]:
+    # arg.cpp: --prio takes low (-1) .. realtime (3), --prio-batch 0 .. 3
+    def conv(text: str) -> str:
+        n = _int(option, text)
+        if not lowest <= n <= 3:
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} ({lowest} .. 3)")
+        return PRIORITY_NAMES[n]
+    return conv
+
+
+def _poll(option: str) -> Callable[[str], int]:
+    def conv(text: str) -> int:
+        n = _int(option, text)
+        if not 0 <= n <= 100:
+            raise argparse.ArgumentTypeError(f"invalid value for {option}: {text!r} (a polling level 0 .. 100)")
+        return n
+    return conv
+
+
+def _strict(option: str) -> Callable[[str], bool]:
+    return lambda text: _int(option, text) != 0  # arg.cpp: a number, any but 0 is strict
+
+
 # the sampling defaults: llama-server's option -> CommonParamsSampling's field (pyspec serve's own
 # --temp, --top-k, --top-p, --min-p and --seed stay where they are; these are read by resolve())
 SAMPLING_FIELDS: dict[tuple[str, ...], tuple[str, Callable[[str], Any]]] = {
@@ -573,7 +637,26 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("-b", "--batch-size"), "n_batch", int),
     Mapped(("-ub", "--ubatch-size"), "n_ubatch", int, help="physical batch size (default: --batch-size)"),
     Mapped(("-t", "--threads"), "threads", int),
-    Mapped(("-tb", "--threads-batch"), "threads_batch", int),
+    Mapped(("-tb", "--threads-batch"), "threads_batch", int,
+           help="threads of batches and prompts (default: --threads; <= 0: every core)"),
+    # the threadpools (common_cpu_params): -C and -Cr add to one mask, as llama-server's do
+    Mapped(("-C", "--cpu-mask"), "cpu_mask", _cpu_mask("-C/--cpu-mask"), append=True,
+           help="CPUs the threads may run on, a hexadecimal mask (adds to --cpu-range)"),
+    Mapped(("-Cr", "--cpu-range"), "cpu_mask", _cpu_range("-Cr/--cpu-range"), append=True,
+           help="CPUs the threads may run on, lo-hi (adds to --cpu-mask)"),
+    Mapped(("--cpu-strict",), "cpu_strict", _strict("--cpu-strict"), help="1: one thread per CPU of the mask"),
+    Mapped(("--prio",), "prio", _prio("--prio", -1),
+           help="thread priority: -1 low, 0 normal, 1 medium, 2 high, 3 realtime"),
+    Mapped(("--poll",), "poll", _poll("--poll"), help="how long idle threads poll for work, 0 .. 100 (default 50)"),
+    Mapped(("-Cb", "--cpu-mask-batch"), "cpu_mask_batch", _cpu_mask("-Cb/--cpu-mask-batch"), append=True,
+           help="as --cpu-mask, for batches (with -tb only, as in llama-server)"),
+    Mapped(("-Crb", "--cpu-range-batch"), "cpu_mask_batch", _cpu_range("-Crb/--cpu-range-batch"), append=True,
+           help="as --cpu-range, for batches (with -tb only)"),
+    Mapped(("--cpu-strict-batch",), "cpu_strict_batch", _strict("--cpu-strict-batch"),
+           help="as --cpu-strict, for batches (with -tb only)"),
+    Mapped(("--prio-batch",), "prio_batch", _prio("--prio-batch", 0),
+           help="as --prio (0 .. 3), for batches (with -tb only)"),
+    Mapped(("--poll-batch",), "poll_batch", _poll("--poll-batch"), help="as --poll, for batches (with -tb only)"),
     Mapped(("-np", "--parallel"), "parallel", int),
     Mapped(("-fa", "--flash-attn"), "flash_attn", _flash_attn, help="flash attention: on, off or auto"),
     Mapped(("-ctk", "--cache-type-k"), "cache_type_k", _cache_type, help="K cache type (f16, q8_0, ...)"),
@@ -785,6 +868,8 @@ class ServeOptions:
     pooling: str | None  # their pooling (None: the model's)
     embd_normalize: int
     cors: Any  # a pyspec.server.cors.CorsPolicy (llama-server's --cors-* options)
+    cpuparams: Any  # the threadpools' CommonCpuParams (pyspec.common.common): generation
+    cpuparams_batch: Any  # and batches (None: as cpuparams)
     not_applied: list[str]  # llama-server options accepted without effect, for the one warning
 
 
@@ -793,6 +878,52 @@ def _read(path: str, what: str) -> str:
         return Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise CliError(f"cannot read the {what} {path}: {e.strerror or e}") from None
+
+
+_BATCH_ONLY = {"cpu_mask_batch": "-Cb/-Crb", "cpu_strict_batch": "--cpu-strict-batch", "prio_batch": "--prio-batch",
+               "poll_batch": "--poll-batch"}
+
+
+def _cpumask(g: Mapping[str, Any], dest: str, option: str) -> tuple[int, ...] | None:
+    """The CPUs of the masks and ranges given (their union), those of this machine; None: no mask given."""
+    if dest not in g:
+        return None
+    cpus = set().union(*g[dest])
+    n_cpu = min(os.cpu_count() or 1, _MAX_CPUS)
+    here = sorted(c for c in cpus if c < n_cpu)
+    if not here:
+        raise CliError(f"{option} name no CPU of this machine (CPUs 0 .. {n_cpu - 1})")
+    if len(here) < len(cpus):  # llama-server's threads fail to pin there and run anywhere: keep the rest
+        logging.getLogger("pyspec").warning("%s: CPUs %s are not on this machine (CPUs 0 .. %d); using %s", option,
+                                            ",".join(map(str, sorted(cpus - set(here)))), n_cpu - 1,
+                                            ",".join(map(str, here)))
+    return tuple(here)
+
+
+def _cpu_params(g: Mapping[str, Any]) -> tuple[Any, Any, int | None, list[str]]:
+    """common_params' cpuparams and cpuparams_batch as arg.cpp and postprocess_cpu_params leave them: the
+    generation pool from --cpu-mask / --cpu-range / --cpu-strict / --prio / --poll (its thread count the
+    context's, from --threads); the batch pool a copy of it unless --threads-batch is given, then its own from
+    the -batch options. Also the batch thread count (None: as --threads) and the -batch options that have no
+    effect (given without --threads-batch, as in llama-server)."""
+    from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonCpuParams
+
+    def params(suffix: str, mask_option: str, n_threads: int) -> CommonCpuParams:
+        if not any(k + suffix in g for k in ("cpu_mask", "cpu_strict", "prio", "poll")) and n_threads == -1:
+            return COMMON_CPU_PARAMS_DEFAULT
+        return CommonCpuParams(n_threads=n_threads, cpumask=_cpumask(g, "cpu_mask" + suffix, mask_option),
+                               priority=g.get("prio" + suffix, "normal"),
+                               strict_cpu=g.get("cpu_strict" + suffix, False), poll=g.get("poll" + suffix, 50))
+
+    cpuparams = params("", "-C/--cpu-mask and -Cr/--cpu-range", -1)
+    if "threads_batch" not in g:
+        return cpuparams, None, None, [f"{name} (without -tb)" for dest, name in _BATCH_ONLY.items() if dest in g]
+    n_batch = int(g["threads_batch"])
+    if n_batch <= 0:  # arg.cpp: std::thread::hardware_concurrency()
+        n_batch = os.cpu_count() or 1
+    if n_batch > _MAX_CPUS:
+        raise CliError(f"-tb/--threads-batch {n_batch} is more than ggml's {_MAX_CPUS} threads")
+    return cpuparams, params("_batch", "-Cb/--cpu-mask-batch and -Crb/--cpu-range-batch", n_batch), n_batch, []
 
 
 def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptions:
@@ -837,8 +968,10 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     for opt, key in (("cache_type_k", "type_k"), ("cache_type_v", "type_v"), ("kv_unified", "kv_unified")):
         if opt in g:
             context_kw[key] = g[opt]
-    if "threads_batch" in g:
-        not_applied.append("--threads-batch")  # pyspec gives the batch the --threads count
+    cpuparams, cpuparams_batch, threads_batch, unused = _cpu_params(g)
+    if threads_batch is not None:
+        context_kw["n_threads_batch"] = threads_batch
+    not_applied += unused
 
     model_kw: dict[str, Any] = {k: g[k] for k in ("load_mode", "lazy_mode") if g.get(k) is not None}
 
@@ -894,5 +1027,5 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
         model_alias=aliases[0] if aliases else None, model_aliases=aliases, model_tags=tags,
         metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)), props=bool(g.get("props", False)),
         embedding=bool(g.get("embedding", False)), pooling=pooling, embd_normalize=int(g.get("embd_normalize", 2)),
-        cors=CorsPolicy(**cors_kw),
+        cors=CorsPolicy(**cors_kw), cpuparams=cpuparams, cpuparams_batch=cpuparams_batch,
         not_applied=list(dict.fromkeys(not_applied)))

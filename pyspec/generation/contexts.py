@@ -321,8 +321,9 @@ def open_contexts(
     """
     kind = draft_kind(spec.types)
     threads: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
+    # context_kw wins over n_threads: pyspec serve's -tb sets n_threads_batch there
     common: dict[str, Any] = dict(n_ctx=n_ctx * n_seq, n_batch=n_batch, n_ubatch=n_ubatch or n_batch,
-                                  n_seq_max=n_seq, **threads, **(context_kw or {}))
+                                  n_seq_max=n_seq, **(threads | dict(context_kw or {})))
     if kind == "draft" and models.draft is not None:
         check_draft_vocab(models.target, models.draft)  # token ids pass between the two: refused before any context
     n_rs = 0 if mtp_checkpoint else spec.need_n_rs_seq()

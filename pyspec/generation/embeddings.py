@@ -76,9 +76,8 @@ class Embedder:
         for name, v in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        kw: dict[str, Any] = dict(context_kw or {})
-        if n_threads is not None:
-            kw.update(n_threads=n_threads, n_threads_batch=n_threads)
+        kw: dict[str, Any] = {} if n_threads is None else {"n_threads": n_threads, "n_threads_batch": n_threads}
+        kw.update(context_kw or {})  # context_kw wins: pyspec serve's -tb sets n_threads_batch there
         n_ubatch = min(n_ubatch, n_ctx)
         self.model = model
         self.ctx = Context(model, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, n_seq_max=1, embeddings=True,
