@@ -673,3 +673,57 @@ def test_return_progress_reports_each_prompt_batch(http: TestClient, engine: Eng
     # not asked, or not streamed: no report
     assert not _progress(_events(http.post(path, json={**body, "return_progress": False})))
     assert "prompt_progress" not in http.post(path, json={**body, "stream": False}).text
+
+
+# --- post_sampling_probs -------------------------------------------------------------------
+
+
+def _probs(http: TestClient, stream: bool = False, **body: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """completion_probabilities of a /completion (streamed ones joined) and the final answer."""
+    req = {"prompt": PROMPT * 3, "n_predict": 16, "n_probs": 10, "cache_prompt": False, **body}
+    if not stream:
+        r = http.post("/completion", json=req)
+        assert r.status_code == 200, r.text
+        return r.json()["completion_probabilities"], r.json()
+    r = http.post("/completion", json={**req, "stream": True})
+    assert r.status_code == 200, r.text
+    events = _events(r)
+    return [p for e in events[:-1] for p in e.get("completion_probabilities", [])], events[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_post_sampling_probs_are_the_samplers_candidates_after_its_chain(http: TestClient, stream: bool):
+    # llama-server's test_n_probs_post_sampling: top-k 5 leaves 5 candidates, dist gives them p summing to 1
+    probs, final = _probs(http, stream, temperature=1.0, top_k=5, seed=7, post_sampling_probs=True)
+    assert len(probs) == 16
+    for tok in probs:
+        assert "logprob" not in tok and "top_logprobs" not in tok
+        top = tok["top_probs"]
+        assert 1 <= len(top) <= 5 and all(0.0 < t["prob"] <= 1.0 for t in top)
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-5)
+        own = [t["prob"] for t in top if t["id"] == tok["id"]]
+        assert own == [pytest.approx(tok["prob"])]  # the sampled token is among them, with its p
+        assert {"id", "token", "bytes"} <= set(tok) and all({"id", "token", "bytes"} <= set(t) for t in top)
+    # the sampled tokens are those of the same request without post-sampling probabilities (the same seed)
+    plain, plain_final = _probs(http, stream, temperature=1.0, top_k=5, seed=7)
+    assert [t["id"] for t in probs] == [t["id"] for t in plain]
+    assert all(len(t["top_logprobs"]) == 10 for t in plain)  # the logits' log-softmax, ten of them
+
+
+def test_post_sampling_probs_of_verified_draft_tokens_are_their_own(http: TestClient):
+    # greedy, a repeating prompt: ngram-simple drafts and the target verifies; each verified token's
+    # candidates are taken after its own sample (the greedy chain leaves one, p 1)
+    probs, final = _probs(http, post_sampling_probs=True, temperature=0.0)
+    assert final["timings"]["draft_n_accepted"] > 0
+    assert all(t["prob"] == 1.0 and [p["id"] for p in t["top_probs"]] == [t["id"]] for t in probs)
+    plain, _ = _probs(http, temperature=0.0)
+    assert [t["id"] for t in probs] == [t["id"] for t in plain]
+
+
+def test_post_sampling_probs_in_a_chat_answer_keep_llama_servers_shape(http: TestClient):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "logprobs": True,
+                                                "top_logprobs": 3, "post_sampling_probs": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(c["prob"] == 1.0 and len(c["top_probs"]) == 1 for c in content)

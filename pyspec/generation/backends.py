@@ -12,6 +12,8 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from pyspec.common import sampling as smp
 from pyspec.common import speculative as sp
 from pyspec.common.common import CommonBatch
@@ -51,6 +53,8 @@ class SpeculativeBackend(Protocol):
     def end(self, seq_id: int) -> None:
         """The request on ``seq_id`` finished (the suffix type's output joins its global index)."""
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int: ...
+    def candidates(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """common_sampler_get_candidates(smpl, true) after the last sample: ids and p, highest p first."""
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None: ...
     def sample_and_accept_n(
         self, seq_id: int, ctx: Context, idxs: Sequence[int], draft: Sequence[int]) -> list[int]: ...
@@ -214,6 +218,10 @@ class PortBackend(_SamplerSlots):
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
         return smp.common_sampler_sample(self.smpls[seq_id], ctx, idx)
 
+    def candidates(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        cur = smp.candidates_array(smp.common_sampler_get_candidates(self.smpls[seq_id], True))
+        return cur["id"].copy(), cur["p"].copy()
+
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None:
         smp.common_sampler_accept(self.smpls[seq_id], token, is_generated)
 
@@ -291,6 +299,10 @@ class RefBackend(_SamplerSlots):
 
     def sample(self, seq_id: int, ctx: Context, idx: int) -> int:
         return int(self.smpls[seq_id].sample(ctx, idx))
+
+    def candidates(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        c = self.smpls[seq_id].candidates(True)
+        return c.ids, c.probs
 
     def accept_token(self, seq_id: int, token: int, is_generated: bool) -> None:
         self.smpls[seq_id].accept(token, is_generated)

@@ -54,12 +54,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pyspec.common.common import COMMON_CPU_PARAMS_DEFAULT, CommonContextSeqRmType, CommonCpuParams
 from pyspec.common.params import (
@@ -790,11 +793,12 @@ class Engine(EngineQueue):
                 continue
             idx = s.i_batch
             tok = eng.sample(s.id, ctx_tgt, idx)
+            post = [self._post_sampling_probs(s, tok)] if self._wants_post_probs(s) else None
             s.i_batch = -1
             eng.accept_token(s.id, tok, True)
             if ctl is not None:
                 ctl.observe(s.id, [tok])  # a plain step resolves a shadow draft too (or it waits for a verify)
-            self._emit(s, [tok], [idx])
+            self._emit(s, [tok], [idx], post)
 
         # slots with a draft: verify, accept, clean up the memory
         for s in generating:
@@ -869,11 +873,18 @@ class Engine(EngineQueue):
         # uses the copy, which a target that can drop part of a sequence never needs
         may_restore = self.slot_memory.tgt_needs_checkpoint(n_draft)
         saved = eng.save_sampler(s.id) if may_restore else None
+        post: list[TokenLogprob] | None = None
         if self.rejection:  # speculative sampling's rule instead of exact match (pyspec.generation.rejection)
             accepted = eng.sample_and_accept_rejection(s.id, ctx_tgt, idxs, s.spec_draft, s.spec_is_replay)
+        elif self._synth_probs:
+            accepted = self._accept_synth(s)
+        elif self._wants_post_probs(s):
+            accepted, post = self._sample_and_accept_n_post(s, idxs)
         else:
-            accepted = self._accept_synth(s) if self._synth_probs else \
-                eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
+            accepted = eng.sample_and_accept_n(s.id, ctx_tgt, idxs, s.spec_draft)
+        if post is None and self._wants_post_probs(s):
+            # the other rules sample inside: llama-server's answer for a verified draft (p 1, no candidates)
+            post = [TokenLogprob(t, *self._piece_text(t), 0.0) for t in accepted]
         s.spec_i_batch = []
         if s.spec_cap > 0:  # a new draft (not one re-verified after a checkpoint restore): vLLM's counters
             self.metrics.record_draft(job.stats.spec, n_draft, len(accepted) - 1)
@@ -920,7 +931,44 @@ class Engine(EngineQueue):
         s.tokens.extend(accepted[:-1])
         s.spec_draft = []
         self.slot_memory.drop_rejected(s)
-        self._emit(s, accepted, idxs[: len(accepted)])
+        self._emit(s, accepted, idxs[: len(accepted)], post)
+
+    def _wants_post_probs(self, s: Slot) -> bool:
+        return s.job is not None and s.job.request.n_probs > 0 and s.job.request.post_sampling_probs
+
+    def _piece_text(self, tok: int) -> tuple[str, bytes]:
+        b = self.vocab.token_to_piece_bytes(tok, special=True)
+        return b.decode("utf-8", "replace"), b
+
+    def _post_sampling_probs(self, s: Slot, tok: int) -> TokenLogprob:
+        """llama-server's populate_token_probs with post_sampling_probs, after the slot's last sample: the
+        sampler's candidates after its chain, the n_probs first up to the first of p 0; the token's own p (1
+        where the chain left it out, as llama-server leaves it). Log p here, as TokenLogprob holds."""
+        assert s.job is not None
+        ids, probs = self.backend.candidates(s.id)
+        n = min(len(ids), s.job.request.n_probs)
+        zero = np.flatnonzero(probs[:n] == 0.0)
+        n = int(zero[0]) if zero.size else n
+        hit = np.flatnonzero(ids == tok)
+        p = float(probs[hit[0]]) if hit.size and probs[hit[0]] > 0 else 1.0
+        top = [(int(i), *self._piece_text(int(i)), math.log(float(q))) for i, q in zip(ids[:n], probs[:n], strict=True)]
+        return TokenLogprob(tok, *self._piece_text(tok), math.log(p), top)
+
+    def _sample_and_accept_n_post(self, s: Slot, idxs: Sequence[int]) -> tuple[list[int], list[TokenLogprob]]:
+        """common_sampler_sample_and_accept_n (sampling.cpp) one sample at a time, each token's candidates
+        taken after its sample (the port's function leaves only the last token's)."""
+        eng, draft = self.backend, s.spec_draft
+        accepted: list[int] = []
+        post: list[TokenLogprob] = []
+        for i, idx in enumerate(idxs):
+            tok = eng.sample(s.id, self.ctx_tgt, idx)
+            post.append(self._post_sampling_probs(s, tok))
+            eng.accept_token(s.id, tok, True)
+            accepted.append(tok)
+            # as there: stop at a mismatch, and after an EOG that is not the draft's last token
+            if i == len(draft) or draft[i] != tok or (self.vocab.is_eog(tok) and i + 1 < len(draft)):
+                break
+        return accepted, post
 
     def _accept_synth(self, s: Slot) -> list[int]:
         """server_sample_and_accept_synth on the slot's sampler: the draft accepted at random (benchmarking)."""
@@ -934,8 +982,9 @@ class Engine(EngineQueue):
 
     # --- tokens out (the server's process_token) --------------------------------------
 
-    def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int]) -> None:
-        """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle."""
+    def _emit(self, s: Slot, toks: list[int], idxs: Sequence[int], post: Sequence[TokenLogprob] | None = None) -> None:
+        """Text, stop strings, end of generation and budget for each new token; the pieces go to the handle.
+        ``post``: the tokens' post-sampling probabilities (Request.post_sampling_probs), in place of the logits'."""
         job = s.job
         assert job is not None
         if not job.generated:
@@ -948,10 +997,11 @@ class Engine(EngineQueue):
         pieces = self._pieces
         reason = ""
         n_new = 0
-        for tok, idx in zip(toks, idxs, strict=True):
+        for i, (tok, idx) in enumerate(zip(toks, idxs, strict=True)):
             n_new += 1
             if n_probs > 0:
-                lp = token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
+                lp = post[i] if post is not None else \
+                    token_logprob(self.ctx_tgt.get_logits_ith(idx), self.vocab, tok, n_probs)
                 job.logprobs.append(lp)
                 new_probs.append(lp)
             if job.n_remaining > 0:

@@ -35,7 +35,9 @@ class Request:
     -1 generates until end of generation or the end of the context.
     ``sampling`` None uses the engine's default. ``n_probs`` > 0 returns the
     log-probability of each generated token and the ``n_probs`` most likely
-    tokens at its position (log-softmax of the target's logits). ``n_draft_max``
+    tokens at its position (log-softmax of the target's logits); with
+    ``post_sampling_probs`` those of the sampler's candidates after its chain instead
+    (llama-server's ``post_sampling_probs``: the n_probs first with p > 0). ``n_draft_max``
     caps this request's draft length (0: no speculation; None: the engine's
     setting); a draft shorter than ``n_draft_min`` is not verified (llama-server's
     ``speculative.n_min``). ``cache_prompt`` reuses the longest prefix that a slot's memory
@@ -59,6 +61,7 @@ class Request:
     chat_template: str | None = None  # chat: a template text or a llama.cpp built-in name instead of the model's
     chat_template_kwargs: Mapping[str, Any] | None = None
     return_progress: bool = False  # a Delta with PromptProgress as the prompt starts and after each of its batches
+    post_sampling_probs: bool = False  # n_probs from the sampler's candidates after its chain (log p)
 
 
 @dataclass

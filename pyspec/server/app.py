@@ -33,6 +33,7 @@ import errno
 import functools
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -177,7 +178,12 @@ def _progress_json(d: Delta) -> dict[str, Any]:
     return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": round(p.time_ms, 3)}
 
 
-def _lp_json(lp: TokenLogprob, n_top: int) -> dict[str, Any]:
+def _lp_json(lp: TokenLogprob, n_top: int, post_sampling: bool = False) -> dict[str, Any]:
+    # llama-server's probs_vector_to_json: post-sampling probabilities are answered as p, under "prob" / "top_probs"
+    if post_sampling:
+        return {"id": lp.id, "token": lp.text, "bytes": list(lp.token_bytes), "prob": math.exp(lp.logprob),
+                "top_probs": [{"id": i, "token": t, "bytes": list(b), "prob": math.exp(v)}
+                              for i, t, b, v in lp.top[:n_top]]}
     return {"id": lp.id, "token": lp.text, "bytes": list(lp.token_bytes), "logprob": lp.logprob,
             "top_logprobs": [{"id": i, "token": t, "bytes": list(b), "logprob": v} for i, t, b, v in lp.top[:n_top]]}
 
@@ -539,7 +545,7 @@ class _Api:
             "speculative": c.stats.speculative(),
         }
         if n_probs and not stream:
-            out["completion_probabilities"] = [_lp_json(lp, n_probs) for lp in c.logprobs]
+            out["completion_probabilities"] = [_lp_json(lp, n_probs, r.post_sampling_probs) for lp in c.logprobs]
         return out
 
     async def infill(self, req: HttpRequest) -> Response:
@@ -578,8 +584,9 @@ class _Api:
                                    "stop": False, "id_slot": -1}
             if d.progress is not None:
                 out["prompt_progress"] = _progress_json(d)
-            if parsed.request.n_probs:
-                out["completion_probabilities"] = [_lp_json(lp, parsed.request.n_probs) for lp in d.logprobs]
+            r = parsed.request
+            if r.n_probs:
+                out["completion_probabilities"] = [_lp_json(lp, r.n_probs, r.post_sampling_probs) for lp in d.logprobs]
             return out
 
         return self._stream(hs, [], piece, lambda cs: [self._native_final(c, r, True, i)
@@ -727,6 +734,8 @@ class _Api:
         def logprobs(lps: list[TokenLogprob]) -> dict[str, Any] | None:
             if not n_probs:
                 return None
+            if parsed.request.post_sampling_probs:  # llama-server answers these in its own shape, with p
+                return {"content": [_lp_json(lp, n_top, True) for lp in lps]}
             return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.token_bytes),
                                  "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)}
                                                   for _, t, b, v in lp.top[:n_top]]} for lp in lps]}

@@ -457,6 +457,8 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
         "slot_id": -1 if id_slot is None else id_slot,
         # llama-server reports prompt progress to streams only
         "return_progress": _bool(body, "return_progress", False) and _bool(body, "stream", False),
+        # probabilities of the sampler's candidates after its chain, not of the logits (answered as "prob")
+        "post_sampling_probs": _bool(body, "post_sampling_probs", False),
     }
 
 
