@@ -694,7 +694,7 @@ def _probs(http: TestClient, stream: bool = False, **body: Any) -> tuple[list[di
 @pytest.mark.parametrize("stream", [False, True])
 def test_post_sampling_probs_are_the_samplers_candidates_after_its_chain(http: TestClient, stream: bool):
     # llama-server's test_n_probs_post_sampling: top-k 5 leaves 5 candidates, dist gives them p summing to 1
-    probs, final = _probs(http, stream, temperature=1.0, top_k=5, seed=7, post_sampling_probs=True)
+    probs, _final = _probs(http, stream, temperature=1.0, top_k=5, seed=7, post_sampling_probs=True)
     assert len(probs) == 16
     for tok in probs:
         assert "logprob" not in tok and "top_logprobs" not in tok
@@ -706,7 +706,7 @@ def test_post_sampling_probs_are_the_samplers_candidates_after_its_chain(http: T
         assert own == [pytest.approx(tok["prob"])]  # the sampled token is among them, with its p
         assert {"id", "token", "bytes"} <= set(tok) and all({"id", "token", "bytes"} <= set(t) for t in top)
     # the sampled tokens are those of the same request without post-sampling probabilities (the same seed)
-    plain, plain_final = _probs(http, stream, temperature=1.0, top_k=5, seed=7)
+    plain, _plain_final = _probs(http, stream, temperature=1.0, top_k=5, seed=7)
     assert [t["id"] for t in probs] == [t["id"] for t in plain]
     assert all(len(t["top_logprobs"]) == 10 for t in plain)  # the logits' log-softmax, ten of them
 
