@@ -171,7 +171,14 @@ CASES: list[tuple[list[str], str, Any]] = [
     (["--jinja", "--no-webui", "-cb", "--no-context-shift", "--cache-prompt", "--slots"], "not_applied", []),
     # accepted, named in the warning: pyspec does not do what they ask
     (["--no-jinja", "--webui", "-nocb", "--context-shift", "-tb", "4"], "not_applied",
-     ["--no-jinja", "--webui", "--no-cont-batching", "--context-shift"]),
+     ["--no-jinja", "--webui", "--no-cont-batching"]),
+    # context shift (the engine's context_shift) and what a shift keeps by default
+    (["--context-shift"], "context_shift", True),
+    (["--context-shift", "--no-context-shift"], "context_shift", False),
+    ([], "context_shift", False),
+    (["--keep", "-1"], "n_keep", -1),
+    (["--keep", "32"], "n_keep", 32),
+    ([], "n_keep", 0),
     (["--props"], "props", True),
     ([], "props", False),
     # llama-server options pyspec has no use for: dropped with their values, named once
@@ -301,6 +308,7 @@ def test_a_bad_llama_server_value_is_refused_by_argparse(argv: list[str], messag
     (["--spec-type", "ngram-nope"], "--spec-type"),
     (["--chat-template-file", "/nonexistent/t.jinja"], "cannot read the chat template file"),
     (["--api-key-file", "/nonexistent/keys"], "cannot read the API key file"),
+    (["--keep", "-2"], "--keep must be -1"),
 ])
 def test_a_bad_value_is_one_cli_error(argv: list[str], message: str):
     with pytest.raises(CliError, match=message):
@@ -575,6 +583,7 @@ def test_cmd_serve_hands_the_threadpools_to_engine_load(monkeypatch: pytest.Monk
     assert seen["cpuparams"] == CommonCpuParams(cpumask=(0,), poll=0)
     assert seen["cpuparams_batch"] == CommonCpuParams(n_threads=2)
     assert seen["context_kw"] == {"n_threads_batch": 2} and seen["n_threads"] == 1
+    assert seen["context_shift"] is False
     assert not [r for r in caplog.records if "llama-server options" in r.getMessage()]
 
 
@@ -594,3 +603,21 @@ def test_threadpool_options_through_engine_load_give_the_contexts_their_threads(
         h = eng.submit(Request(prompt="one two three", n_predict=8))
         eng.run_until_idle()
         assert h.result().stats.n_gen == 8
+
+
+def test_cmd_serve_hands_context_shift_and_keep_on(monkeypatch: pytest.MonkeyPatch):
+    from pyspec.generation.engine import Engine
+
+    seen: dict[str, Any] = {}
+
+    def load(model: Any = None, **kw: Any) -> Any:
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    rest, dropped = commands._serve_argv(["--port", "0", "-m", "t.gguf", "--context-shift", "--keep", "-1"])
+    args = commands.build_parser().parse_args(["serve", *rest])
+    args.llama_dropped = dropped
+    with pytest.raises(_Loaded):
+        commands.cmd_serve(args)
+    assert seen["context_shift"] is True

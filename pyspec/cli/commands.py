@@ -351,13 +351,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              adaptive_draft=not args.fixed_draft and "synth_len" not in opts.spec_kw
                              and "synth_rates" not in opts.spec_kw,
                              acceptance=args.acceptance, cpuparams=opts.cpuparams,
-                             cpuparams_batch=opts.cpuparams_batch,
+                             cpuparams_batch=opts.cpuparams_batch, context_shift=opts.context_shift,
                              **opts.spec_kw, **load_kw)
         if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see
             _check_threads(argparse.Namespace(threads=args.threads, n_ctx=opts.n_ctx), opts.parallel)
         name = opts.model_alias or (Path(args.model).stem if args.model else
                                     ("pyspec-tiny" if args.tiny else REAL_MODEL_PACKAGE))
-        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, cache_prompt=not args.no_cache_prompt,
+        defaults = ServerDefaults(sampling=sampling, n_predict=args.n_predict, n_keep=opts.n_keep,
+                                  cache_prompt=not args.no_cache_prompt,
                                   chat_template=opts.chat_template, spm_infill=bool(getattr(args, "spm_infill", False)))
         embedder = None
         if opts.embedding:  # llama-server's --embedding: a context of the target with embeddings on, beside the slots

@@ -704,8 +704,10 @@ MAPPED: tuple[Mapped, ...] = (
     Mapped(("--no-webui",), "webui", None, False),
     Mapped(("-cb", "--cont-batching"), "cont_batching", None, True),
     Mapped(("-nocb", "--no-cont-batching"), "cont_batching", None, False),
-    Mapped(("--context-shift",), "context_shift", None, True),
+    Mapped(("--context-shift",), "context_shift", None, True,
+           help="a full slot drops half of what follows the kept tokens and goes on, instead of stopping"),
     Mapped(("--no-context-shift",), "context_shift", None, False),
+    Mapped(("--keep",), "n_keep", int, help="tokens of the prompt a context shift keeps (-1: all of it; default 0)"),
     Mapped(("-s", "--seed"), "seed", int),
     Mapped(("--temp", "--temperature"), "temp", float),
     Mapped(("--top-k",), "top_k", int),
@@ -744,8 +746,7 @@ MAPPED: tuple[Mapped, ...] = (
 )
 
 # llama-server options that ask for something pyspec serve does not do (named in the one warning)
-_NOT_DONE = {("jinja", False): "--no-jinja", ("webui", True): "--webui", ("cont_batching", False): "--no-cont-batching",
-             ("context_shift", True): "--context-shift"}
+_NOT_DONE = {("jinja", False): "--no-jinja", ("webui", True): "--webui", ("cont_batching", False): "--no-cont-batching"}
 
 
 def add_llama_server_args(parser: argparse.ArgumentParser) -> None:
@@ -870,6 +871,8 @@ class ServeOptions:
     cors: Any  # a pyspec.server.cors.CorsPolicy (llama-server's --cors-* options)
     cpuparams: Any  # the threadpools' CommonCpuParams (pyspec.common.common): generation
     cpuparams_batch: Any  # and batches (None: as cpuparams)
+    context_shift: bool  # --context-shift: a full slot shifts instead of stopping
+    n_keep: int  # --keep: what a context shift keeps of a request that does not say (-1: its prompt)
     not_applied: list[str]  # llama-server options accepted without effect, for the one warning
 
 
@@ -1012,6 +1015,10 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     if "origins" not in cors_kw and {"--tools", "--mcp-servers-config", "--mcp-servers-json"} & set(not_applied):
         cors_kw["origins"] = "localhost"
 
+    n_keep = int(g.get("n_keep", 0))
+    if n_keep < -1:
+        raise CliError(f"--keep must be -1 (the whole prompt) or more, not {n_keep}")
+
     pooling = g.get("pooling")
     if pooling == "rank":  # reranking (llama-server's /rerank) is not served: embeddings pool by the model's choice
         not_applied.append("--pooling rank")
@@ -1028,4 +1035,5 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
         metrics=bool(g.get("metrics", False)), slots=bool(g.get("slots", True)), props=bool(g.get("props", False)),
         embedding=bool(g.get("embedding", False)), pooling=pooling, embd_normalize=int(g.get("embd_normalize", 2)),
         cors=CorsPolicy(**cors_kw), cpuparams=cpuparams, cpuparams_batch=cpuparams_batch,
+        context_shift=bool(g.get("context_shift", False)), n_keep=n_keep,
         not_applied=list(dict.fromkeys(not_applied)))

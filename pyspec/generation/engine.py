@@ -147,6 +147,10 @@ class Engine(EngineQueue):
     speculative sampling rule (pyspec.generation.rejection: the target's distribution kept, more accepted at
     T > 0; draft-simple, EAGLE3 and MTP then sample their drafts). The port only; no grammar, mirostat,
     adaptive-p, backend sampling, draft n_min or synthetic acceptance with it.
+
+    ``context_shift`` (llama-server's ``--context-shift``): a slot whose context is full drops half of what
+    follows its request's ``n_keep`` first tokens and goes on, instead of stopping (memories that cannot
+    shift positions, recurrent ones, keep stopping, as there).
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class Engine(EngineQueue):
         draft_controller: DraftLengthController | None = None,
         suffix: SuffixParams | None = None,
         acceptance: str = "exact",
+        context_shift: bool = False,
     ) -> None:
         if suffix is not None and not isinstance(suffix, SuffixParams):
             raise TypeError(f"suffix must be SuffixParams, got {type(suffix).__name__}")
@@ -189,6 +194,9 @@ class Engine(EngineQueue):
 
         # how each context can roll back (clears their memory, as the server's start-up does)
         self.slot_memory = SlotMemory(ctx_tgt, self.ctx_dft)
+        self.context_shift = bool(context_shift) and self.slot_memory.can_shift()
+        if context_shift and not self.context_shift:
+            logger.warning("context shift is not supported by this context, it will be disabled")
         if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
             raise PyspecError("speculative decoding is not supported by this target context")
 
@@ -300,6 +308,7 @@ class Engine(EngineQueue):
         context_kw: Mapping[str, Any] | None = None,
         cpuparams: CommonCpuParams | None = COMMON_CPU_PARAMS_DEFAULT,
         cpuparams_batch: CommonCpuParams | None = None,
+        context_shift: bool = False,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
@@ -312,7 +321,7 @@ class Engine(EngineQueue):
         Engine's ("exact" or "rejection"). ``synth_len`` / ``synth_rates``: synthetic acceptance (benchmarking,
         llama-server's ``--spec-synth-len`` / ``--spec-synth-rates``). ``cpuparams`` / ``cpuparams_batch``: the
         threadpools of the target context (llama-server's ``--poll`` / ``--prio`` / ``--cpu-mask`` ...; None: no
-        pool, llama.cpp's own threads)."""
+        pool, llama.cpp's own threads). ``context_shift``: as the constructor's."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
@@ -335,7 +344,8 @@ class Engine(EngineQueue):
         try:
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
                        n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
-                       adaptive_draft=adaptive_draft, suffix=suffix, acceptance=acceptance)
+                       adaptive_draft=adaptive_draft, suffix=suffix, acceptance=acceptance,
+                       context_shift=context_shift)
         except BaseException:
             cs.close()
             raise
@@ -420,6 +430,10 @@ class Engine(EngineQueue):
             raise ValueError(f"n_draft_max must be >= 0 (or None), got {req.n_draft_max}")
         if isinstance(req.n_draft_min, bool) or not isinstance(req.n_draft_min, int) or req.n_draft_min < 0:
             raise ValueError(f"n_draft_min must be an int >= 0, got {req.n_draft_min!r}")
+        for name, low in (("n_keep", -1), ("n_discard", 0)):
+            v = getattr(req, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if self.rejection and req.n_draft_min > 0:
             raise ValueError("n_draft_min must be 0 with acceptance='rejection' (a draft dropped for being short "
                              "would be dropped for its own tokens)")
@@ -678,6 +692,10 @@ class Engine(EngineQueue):
         t_step = time.perf_counter()
         t_draft = t_skip = 0.0
         generating = [s for s in self.slots if s.generating]
+        if self.context_shift:  # the server's pre_decode: a full slot makes room before its next token
+            for s in generating:
+                if len(s.tokens) + 1 >= self.n_ctx_seq:
+                    self._shift_context(s)
 
         # draft for the slots that have room for one
         drafting: list[Slot] = []
@@ -933,6 +951,28 @@ class Engine(EngineQueue):
         self.slot_memory.drop_rejected(s)
         self._emit(s, accepted, idxs[: len(accepted)], post)
 
+    def _shift_context(self, s: Slot) -> None:
+        """The server's context shift (pre_decode): keep the request's first n_keep tokens (-1: its prompt;
+        one more for the BOS the model adds), drop n_discard after them (0: half of the rest, at most all of
+        it but one) from both memories, and move what follows back; the answer says it was truncated."""
+        job = s.job
+        assert job is not None
+        n_keep = len(job.prompt) if job.request.n_keep < 0 else job.request.n_keep
+        if self.vocab.add_bos:
+            n_keep += 1
+        n_keep = min(self.n_ctx_seq - 4, n_keep)
+        n_left = len(s.tokens) - n_keep
+        n_discard = job.request.n_discard or n_left // 2
+        n_discard = min(max(n_discard, 0), max(0, n_left - 1))
+        logger.warning("slot %d context shift, n_keep = %d, n_left = %d, n_discard = %d", s.id, n_keep, n_left,
+                       n_discard)
+        self.slot_memory.shift(s, n_keep, n_discard)
+        job.truncated = True
+        if self.backend.has_spec:
+            # the implementations start over on the shifted tokens: an n-gram map's indices point past the
+            # shorter history (llama-server keeps them, and its ngram-map-k aborts on map.idx_last_check > cur_len)
+            self.backend.begin(s.id, s.tokens)
+
     def _wants_post_probs(self, s: Slot) -> bool:
         return s.job is not None and s.job.request.n_probs > 0 and s.job.request.post_sampling_probs
 
@@ -1021,8 +1061,9 @@ class Engine(EngineQueue):
         if new_tokens:
             s.sampled = new_tokens[-1]
             job.generated.extend(new_tokens)
-        if not reason and len(s.tokens) + 1 >= self.n_ctx_seq:
+        if not reason and not self.context_shift and len(s.tokens) + 1 >= self.n_ctx_seq:
             reason = "context"
+            job.truncated = True  # llama-server's answer to a generation the context cut short
         out = release_text(job, bool(reason))
         if out or new_tokens:
             job.handle._put(Delta(out, new_tokens, new_probs))

@@ -109,4 +109,4 @@ def completion(job: Job, slot_id: int) -> Completion:
     if job.t_first:
         st.t_gen_ms = (time.perf_counter() - job.t_first) * 1e3
     return Completion(job.handle.id, job.prompt, job.generated, job.text, job.stop_reason, job.stopping_word,
-                      slot_id, job.logprobs, st)
+                      slot_id, job.logprobs, st, job.truncated)

@@ -62,6 +62,9 @@ class Request:
     chat_template_kwargs: Mapping[str, Any] | None = None
     return_progress: bool = False  # a Delta with PromptProgress as the prompt starts and after each of its batches
     post_sampling_probs: bool = False  # n_probs from the sampler's candidates after its chain (log p)
+    # context shift (Engine(context_shift=True)): the first tokens kept (-1: the prompt), how many go (0: half)
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 @dataclass
@@ -190,6 +193,7 @@ class Completion:
     slot_id: int = -1
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
+    truncated: bool = False  # the context cut the generation short, or was shifted to go on (llama-server's)
 
 
 class RequestHandle:

@@ -103,6 +103,21 @@ class SlotMemory:
             # restore the draft's speculative state
             self.spec_state.set_state(s.id, ckpt.data_spec)
 
+    def can_shift(self) -> bool:
+        """Whether both memories can move positions (llama_memory_can_shift): context shift needs it."""
+        return all(c.memory.can_shift() for c in (self.ctx_tgt, self.ctx_dft) if c is not None)
+
+    def shift(self, s: Slot, n_keep: int, n_discard: int) -> None:
+        """The server's context shift of a slot: drop its tokens [n_keep, n_keep + n_discard) from both memories
+        and move those after them back by n_discard (slot.mem.seq_rm / seq_add)."""
+        n = len(s.tokens)
+        for ctx in (self.ctx_tgt, self.ctx_dft):
+            if ctx is not None:
+                ctx.memory.seq_rm(s.id, n_keep, n_keep + n_discard)
+                ctx.memory.seq_add(s.id, n_keep + n_discard, n, -n_discard)
+        del s.tokens[n_keep : n_keep + n_discard]
+        s.checkpoints = []  # their positions moved
+
     def clear(self, s: Slot) -> None:
         """Forget everything the slot holds: both memories, its tokens, its prompt checkpoints."""
         common_context_seq_rm(self.ctx_tgt, s.id, -1, -1)

@@ -41,6 +41,7 @@ class Job:
         self.stats = RequestStats(n_prompt=len(tokens))
         self.stop_reason = ""
         self.stopping_word = ""
+        self.truncated = False  # the context cut the generation short, or shifted (llama-server's truncated)
         self.t_start = 0.0
         self.t_first = 0.0
 

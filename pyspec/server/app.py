@@ -538,7 +538,7 @@ class _Api:
             "prompt": self.engine.vocab.detokenize(c.prompt_tokens, unparse_special=True),  # BOS as text too
             "tokens_cached": c.stats.n_cached,
             "has_new_line": "\n" in c.text,
-            "truncated": False,  # pyspec never drops a part of the prompt to fit it
+            "truncated": c.truncated,  # the context cut the generation short, or was shifted
             "stop_type": _STOP_TYPE.get(c.stop_reason, "none"),
             "stopping_word": c.stopping_word,
             "timings": c.stats.timings(),

@@ -40,6 +40,7 @@ class ServerDefaults:
 
     sampling: CommonParamsSampling = dataclasses.field(default_factory=CommonParamsSampling)
     n_predict: int = -1
+    n_keep: int = 0  # context shift: the first tokens kept (--keep; -1: the prompt)
     n_draft_max: int | None = None  # None: the engine's speculative n_max
     n_draft_min: int = 0
     cache_prompt: bool = True
@@ -459,6 +460,9 @@ def _common(body: Mapping[str, Any], d: ServerDefaults, n_vocab: int, n_parallel
         "return_progress": _bool(body, "return_progress", False) and _bool(body, "stream", False),
         # probabilities of the sampler's candidates after its chain, not of the logits (answered as "prob")
         "post_sampling_probs": _bool(body, "post_sampling_probs", False),
+        # context shift (--context-shift): the first tokens kept (-1: the prompt), how many go (0: half the rest)
+        "n_keep": d.n_keep if (k := _int(body, "n_keep", -1, 1 << 30)) is None else k,
+        "n_discard": _int(body, "n_discard", 0, 1 << 30) or 0,
     }
 
 

@@ -35,7 +35,8 @@ FIELDS = ["prompt", "n_predict", "max_tokens", "max_completion_tokens", "tempera
           "chat_template_kwargs", "tools", "tool_choice", "return_progress", "timings_per_token", "ignore_eos",
           "min_keep", "mirostat", "mirostat_tau", "xtc_probability", "post_sampling_probs", "lora", "input",
           "encoding_format", "embd_normalize", "prompt_string", "multimodal_data", "text", "type", "stream_options",
-          "continue_final_message", "add_generation_prompt", "verbose", "schema", "properties", "items"]
+          "continue_final_message", "add_generation_prompt", "verbose", "schema", "properties", "items", "n_keep",
+          "n_discard"]
 NUMBERS = ["0", "1", "-1", "0.5", "2", "1e400", "-1e400", "NaN", "Infinity", "1e-400", "2147483648",
            "9223372036854775808", "-9223372036854775809", "1" + "0" * 40, "3.4e38", "256", "31999", "32000"]
 STRINGS = ["", "a", "hello world", "\\u0000", "\\ud800", "root ::= \\\"a\\\"", "{{ x }}", "x" * 300,
