@@ -143,15 +143,20 @@ class _TooLarge(Exception):
     pass
 
 
-async def _body(req: HttpRequest) -> Any:
+async def _raw_body(req: HttpRequest) -> bytes:
+    """The request's body, read chunk by chunk so that one over _MAX_BODY is refused before it is all held."""
     chunks, n = [], 0
     async for chunk in req.stream():
         n += len(chunk)
         if n > _MAX_BODY:
             raise _TooLarge
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _body(req: HttpRequest) -> Any:
     # parsing and checking run in a worker thread: a large body costs that thread, not the event loop
-    return await asyncio.to_thread(parse_json, b"".join(chunks))
+    return await asyncio.to_thread(parse_json, await _raw_body(req))
 
 
 def _nested_values(paths: list[str], obj: dict[str, Any]) -> dict[str, Any]:
@@ -653,16 +658,10 @@ class _Api:
         if not self.cors_proxy_on:  # llama-server's res_403
             return JSONResponse({"error": {"message": "this feature is disabled", "type": "feature_disabled"}},
                                 status_code=403)
-        chunks, n = [], 0
-        async for chunk in req.stream():
-            n += len(chunk)
-            if n > _MAX_BODY:
-                raise _TooLarge
-            chunks.append(chunk)
+        body = await _raw_body(req)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in req.headers.raw]
         try:
-            ans = await asyncio.to_thread(proxy_request, req.method, req.query_params.get("url", ""), headers,
-                                          b"".join(chunks))
+            ans = await asyncio.to_thread(proxy_request, req.method, req.query_params.get("url", ""), headers, body)
         except OSError as e:
             return _error(502, str(e), "server_error")
         kind = next((v for k, v in ans.headers if k.lower() == "content-type"), None)
