@@ -248,10 +248,11 @@ def _offline_spec(types: str, n_max: int) -> Any:
                             suffix=suffix_params(n_max) if wants_suffix else None)
 
 
-def tokens_per_step(n_gen: int, n_accepted: int) -> float:
-    """Generated tokens per target decode (plain steps and verified drafts alike): what speed follows, unlike the
-    mean accepted length, which counts only the steps with a draft (a type that drafts rarely but long wins it)."""
-    return n_gen / max(1, n_gen - n_accepted)
+def tokens_per_step(n_gen: int, n_accepted: int, n_restores: int = 0) -> float:
+    """Generated tokens per target decode (plain steps, verified drafts and re-verifications after a checkpoint
+    restore): what speed follows, unlike the mean accepted length, which counts only the steps with a draft
+    (a type that drafts rarely but long wins it)."""
+    return n_gen / max(1, n_gen - n_accepted + n_restores)
 
 
 def offline_trace(types: str, steps: list[Step], n_max: int) -> dict[str, Any]:
@@ -320,6 +321,7 @@ def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
     tokens: list[list[int]] = []
     per_request: list[float] = []  # generation tokens/s of each request
     n_drafts = n_drafted = n_accepted = n_gen = 0
+    restores0 = engine.n_checkpoint_restores
     seconds = 0.0  # generation only (first token to the end): the prompts cost every type alike
     for step in steps:
         out = engine.submit(Request(prompt=step["prompt"], n_predict=step["n_predict"], stop=step["stop"])).result()
@@ -328,12 +330,17 @@ def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
         tokens.append(list(out.tokens))
         per_request.append(len(out.tokens) / max(1e-9, st.t_gen_ms / 1e3))
         n_gen += len(out.tokens)
-        n_drafts += sum(1 for n, _ in st.drafts if n > 0)
-        n_drafted += st.n_drafted
-        n_accepted += st.n_accepted
+        # vLLM's counters: a draft counted once, when first verified (llama-server's draft_n_accepted counts
+        # the accepted tokens of a draft re-verified after a checkpoint restore a second time)
+        n_drafts += st.spec.n_drafts
+        n_drafted += st.spec.n_draft_tokens
+        n_accepted += st.spec.n_accepted_tokens
+    # a partial acceptance the target's memory cannot roll back (Gemma 3's sliding window) restores a
+    # checkpoint and verifies the accepted tokens again: one more target decode each
+    n_restores = engine.n_checkpoint_restores - restores0
     return {"tokens": tokens, "n_gen": n_gen, "n_drafts": n_drafts, "n_drafted": n_drafted,
-            "n_accepted": n_accepted, "seconds": seconds, "per_request": per_request,
-            "tokens_per_step": tokens_per_step(n_gen, n_accepted),
+            "n_accepted": n_accepted, "n_restores": n_restores, "seconds": seconds, "per_request": per_request,
+            "tokens_per_step": tokens_per_step(n_gen, n_accepted, n_restores),
             "mean_acceptance_length": 1 + n_accepted / n_drafts if n_drafts else None,
             "accepted_per_draft_token": n_accepted / n_drafted if n_drafted else None}
 
