@@ -197,6 +197,11 @@ class Engine(EngineQueue):
         self.context_shift = bool(context_shift) and self.slot_memory.can_shift()
         if context_shift and not self.context_shift:
             logger.warning("context shift is not supported by this context, it will be disabled")
+        if self.context_shift and spec is not None and CommonSpeculativeType.DRAFT_EAGLE3 in spec.types:
+            # EAGLE3's draft context holds the target's hidden states one position behind its tokens: moved as
+            # the target's are, the next batch it processes no longer follows them (llama_process fails)
+            self.context_shift = False
+            logger.warning("context shift is not supported with draft-eagle3, it will be disabled")
         if self.ctx_tgt_seq_rm_type == CommonContextSeqRmType.NO:
             raise PyspecError("speculative decoding is not supported by this target context")
 
