@@ -294,6 +294,20 @@ def test_an_option_neither_pyspec_nor_llama_server_knows_is_refused(capsys: pyte
     (["-fa", "maybe"], "flash-attn"),
     (["-ctk", "q3_k"], "cache type"),
     (["-ngl", "some"], "n-gpu-layers"),
+    # the threadpool options name themselves and what they take
+    (["-C", "0xg1"], "-C/--cpu-mask: '0xg1' (a hexadecimal CPU mask)"),
+    (["-Cb", "1 2"], "-Cb/--cpu-mask-batch"),
+    (["-Cr", "3"], "-Cr/--cpu-range: '3' (a CPU range lo-hi)"),
+    (["-Cr", "0-512"], "CPUs go up to 511"),
+    (["-Crb", "a-b"], "-Crb/--cpu-range-batch"),
+    (["--prio", "4"], "--prio: '4' (-1 .. 3)"),
+    (["--prio", "-2"], "--prio: '-2'"),
+    (["--prio-batch", "-1"], "--prio-batch: '-1' (0 .. 3)"),  # arg.cpp: no low priority for batches
+    (["--prio", "high"], "--prio: 'high' (an integer)"),
+    (["--poll", "101"], "--poll: '101' (a polling level 0 .. 100)"),
+    (["--poll-batch", "-1"], "--poll-batch"),
+    (["--cpu-strict", "yes"], "--cpu-strict: 'yes'"),
+    (["--cpu-strict-batch", "1.5"], "--cpu-strict-batch"),
 ])
 def test_a_bad_llama_server_value_is_refused_by_argparse(argv: list[str], message: str,
                                                          capsys: pytest.CaptureFixture[str]):
@@ -534,28 +548,6 @@ def test_batch_options_without_threads_batch_are_named_as_having_no_effect():
     _, opts = _parse("--prio", "1", "--prio-batch", "2", "--poll-batch", "0", "-Crb", "0-0")
     assert opts.cpuparams == CommonCpuParams(priority="medium") and opts.cpuparams_batch is None
     assert opts.not_applied == ["-Cb/-Crb (without -tb)", "--prio-batch (without -tb)", "--poll-batch (without -tb)"]
-
-
-@pytest.mark.parametrize(("argv", "named"), [
-    (["-C", "0xg1"], "-C/--cpu-mask: '0xg1' (a hexadecimal CPU mask)"),
-    (["-Cb", "1 2"], "-Cb/--cpu-mask-batch"),
-    (["-Cr", "3"], "-Cr/--cpu-range: '3' (a CPU range lo-hi)"),
-    (["-Cr", "0-512"], "CPUs go up to 511"),
-    (["-Crb", "a-b"], "-Crb/--cpu-range-batch"),
-    (["--prio", "4"], "--prio: '4' (-1 .. 3)"),
-    (["--prio", "-2"], "--prio: '-2'"),
-    (["--prio-batch", "-1"], "--prio-batch: '-1' (0 .. 3)"),  # arg.cpp: no low priority for batches
-    (["--prio", "high"], "--prio: 'high' (an integer)"),
-    (["--poll", "101"], "--poll: '101' (a polling level 0 .. 100)"),
-    (["--poll-batch", "-1"], "--poll-batch"),
-    (["--cpu-strict", "yes"], "--cpu-strict: 'yes'"),
-    (["--cpu-strict-batch", "1.5"], "--cpu-strict-batch"),
-])
-def test_a_bad_threadpool_value_is_refused_naming_the_option(argv: list[str], named: str,
-                                                             capsys: pytest.CaptureFixture[str]):
-    with pytest.raises(SystemExit):
-        _parse(*argv)
-    assert named in capsys.readouterr().err
 
 
 def test_too_many_batch_threads_is_one_cli_error():
