@@ -13,6 +13,7 @@ from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.generation.draft_length import (
     Acceptance,
+    Bucket,
     CostCurve,
     DraftLengthController,
     LinearCost,
@@ -328,7 +329,7 @@ def test_n_min_is_respected():
 class Wrong(DraftLengthController):
     """A model that is sure no draft is accepted: what the guard is for."""
 
-    def survival(self, seq_id: int, n: int, full: bool | None = None, offset: int = 0) -> list[float]:
+    def survival(self, seq_id: int, n: int, full: Bucket = None, offset: int = 0) -> list[float]:
         return [0.01] * n
 
 
@@ -487,6 +488,29 @@ def test_reset_seq_drops_a_pending_shadow():
     ctl.reset_seq(3)
     ctl.observe(3, [1, 2])
     assert ctl._seq(3).n_shadows == 0
+
+def test_long_shadow_drafts_dropped_while_they_still_match_restore_the_calibration():
+    # one verified draft that went wrong (30 expected, 5 accepted) leaves the model's estimates low; then a
+    # draft of 40 is made at every step and matches to its end. Each takes 40 steps to resolve and only
+    # MAX_PENDING are kept, so the oldest are dropped while they still match: they count as all accepted so
+    # far, and the sequence drafts again (it stayed at plain decoding to the end of a long copy before)
+    ctl = controller(CPU_CURVE)
+    s = ctl._seq(0)
+    s.predicted, s.realised = 30.0, 5.0
+    passage = list(range(100, 400))
+    assert ctl.trim(0, 40, 40) == 0
+    kept = []
+    for i in range(64):
+        draft = passage[i + 1 : i + 41]
+        n = ctl.trim(0, len(draft), 40)
+        kept.append(n)
+        if n:
+            break
+        ctl.shadow(0, draft, full=True)
+        ctl.observe(0, [passage[i + 1]])
+    assert kept[-1] > 8, kept
+    assert s.calibration(ctl.CALIBRATION_WEIGHT) > 0.6
+
 
 # --- in the engine: Engine.n_draft_max asks the controller, the verify step follows it ----------
 

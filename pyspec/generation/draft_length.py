@@ -67,6 +67,7 @@ __all__ = [
     "CostCurve",
     "DraftLengthController",
     "LinearCost",
+    "draft_bucket",
     "expected_tokens",
     "interpolate_cost",
     "oracle_speedup",
@@ -537,8 +538,19 @@ def _clip(q: float) -> float:
 
 
 # an implementation's acceptance is kept over all its drafts (None), and over those as long as asked
-# (True) and shorter (False)
-Bucket = bool | None
+# (True) and shorter (False), or over the classes the implementation tells its drafts apart by (a str:
+# the suffix type's match lengths)
+Bucket = bool | str | None
+
+
+def draft_bucket(spec: Any, seq_id: int, full: bool) -> Bucket:
+    """The class of the draft ``seq_id`` got last from ``spec`` (a CommonSpeculative) for
+    :meth:`DraftLengthController.trim`: the implementation's own (``draft_bucket(seq_id)``, the suffix
+    type's) where it gives one, else ``full`` (whether the draft is as long as asked)."""
+    impl = spec.impl_last[seq_id]
+    own = getattr(impl, "draft_bucket", None)
+    b = own(seq_id) if own is not None else None
+    return full if b is None else b
 
 
 @dataclass
@@ -549,8 +561,13 @@ class _Decision:
     n_draft: int
     n_model: int
     n_active: int
-    predicted: float = 0.0  # the accepted tokens the model expected of the whole draft
+    survival: list[float] = field(default_factory=list)  # the model's P(the first j + 1 tokens are accepted)
     offset: int = 0  # its first token's position in its passage
+
+    @property
+    def predicted(self) -> float:
+        """The accepted tokens the model expected of the whole draft."""
+        return sum(self.survival)
 
 
 # the policies the guard compares on a sequence's own path
@@ -601,7 +618,7 @@ class _Pending:
     part, counted already); ``skip``: tokens of the next observation that are those accepted ones."""
 
     draft: list[int]
-    full: bool | None
+    full: Bucket
     impl: str | None
     offset: int = 0
     matched: int = 0
@@ -742,7 +759,7 @@ class DraftLengthController:
         return n_accepted
 
     def record_acceptance(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int,
-                          full: bool | None = None) -> None:
+                          full: Bucket = None) -> None:
         """``impl``'s draft of ``n_drafted`` verified tokens for ``seq_id`` had ``n_accepted`` accepted.
 
         ``full``: whether the implementation returned as many tokens as asked (before :meth:`trim`).
@@ -768,7 +785,7 @@ class DraftLengthController:
                 return
         self._record(seq_id, impl, n_drafted, n_accepted, full, offset)
 
-    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: Bucket = None) -> None:
         """``impl``'s draft for ``seq_id`` was made but not verified (:meth:`trim` kept none of it).
 
         Its tokens are compared with the ones the sequence generates next (:meth:`observe`), and each
@@ -782,7 +799,7 @@ class DraftLengthController:
         self._add_pending(s, _Pending([int(t) for t in draft], full, impl, offset, decision=s.decision))
         s.draft_offset = s.decision = None
 
-    def hold_tail(self, seq_id: int, tail: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+    def hold_tail(self, seq_id: int, tail: Sequence[int], impl: str | None = None, full: Bucket = None) -> None:
         """:meth:`trim` cut ``tail`` from the draft about to be verified: what it would have given is learned
         from what the sequence generates next, if the kept part is all accepted (:meth:`record_acceptance`)."""
         if self.fixed or not tail:
@@ -839,13 +856,13 @@ class DraftLengthController:
 
     # --- the acceptance ---------------------------------------------------------------------
 
-    def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: bool | None,
+    def _record(self, seq_id: int, impl: str | None, n_drafted: int, n_accepted: int, full: Bucket,
                 offset: int) -> None:
         if n_drafted <= 0:  # no draft: nothing tested (Acceptance.record ignores it too)
             return
         self._update(seq_id, impl, full, lambda acc: acc.record(n_drafted, n_accepted, offset))
 
-    def _update(self, seq_id: int, impl: str | None, full: bool | None, update: Any) -> None:
+    def _update(self, seq_id: int, impl: str | None, full: Bucket, update: Any) -> None:
         """Apply ``update`` (a function of an :class:`Acceptance`) to the sequence's counts and to its
         implementation's (all its drafts', keeping the sequence's share, and ``full``'s bucket)."""
         name = impl or self.impl
@@ -863,8 +880,24 @@ class DraftLengthController:
     def _add_pending(self, s: _Seq, p: _Pending) -> None:
         s.pending.append(p)
         if len(s.pending) > self.MAX_PENDING:
-            del s.pending[0]
+            self._censor(s, s.pending.pop(0))
         s.latest = p
+
+    def _censor(self, s: _Seq, p: _Pending) -> None:
+        """A pending draft is dropped before its fate is known: its first ``t`` tokens were all accepted, which
+        the calibration counts against the model's E[min(accepted, t)].
+
+        Without it only the drafts that miss early would ever reach the calibration (a draft matched to its end
+        takes as many steps as it has tokens, and the oldest of ``MAX_PENDING`` is dropped first): in a long
+        copy one early rejection then held the sequence at plain decoding to the end of the request.
+        """
+        d = p.decision
+        t = p.base + p.matched
+        if d is None or t <= 0 or not self.curve.ready:
+            return
+        k_cal = self.CALIBRATION_DECAY
+        s.predicted = s.predicted * k_cal + sum(d.survival[:t])
+        s.realised = s.realised * k_cal + t
 
     def _others(self, impl: str, s: _Seq | None) -> tuple[float, float]:
         """(q1, qn) of ``impl``'s drafts that are not ``s``'s, shrunk towards the prior."""
@@ -875,7 +908,7 @@ class DraftLengthController:
             counts = [max(0.0, c - m) for c, m in zip(counts, share.now(acc), strict=True)]
         return rates_of(counts, self.PRIOR, self.PRIOR_WEIGHT_IMPL)
 
-    def rates(self, seq_id: int, full: bool | None = None) -> tuple[float, float]:
+    def rates(self, seq_id: int, full: Bucket = None) -> tuple[float, float]:
         """(q1, qn) of a sequence's drafts (of one bucket, or all): the two-rate summary of :meth:`survival`.
 
         Each draft counts once: the sequence's own counts shrunk towards the
@@ -893,7 +926,7 @@ class DraftLengthController:
         d = self._bucket_difference(impl, full)
         return _clip(mine[0] + d[0]), _clip(mine[1] + d[1])
 
-    def _bucket_difference(self, impl: str, full: bool) -> tuple[float, float]:
+    def _bucket_difference(self, impl: str, full: bool | str) -> tuple[float, float]:
         """The implementation's rates over one bucket's drafts less those over all its drafts (the bucket's
         counts shrunk towards the rates of all the drafts as measured: an empty bucket, or one that holds
         all the drafts, makes no difference)."""
@@ -901,7 +934,7 @@ class DraftLengthController:
         bucket = self._acc(impl, full).rates(pooled, self.PRIOR_WEIGHT_BUCKET)
         return bucket[0] - pooled[0], bucket[1] - pooled[1]
 
-    def survival(self, seq_id: int, n: int, full: bool | None = None, offset: int = 0) -> list[float]:
+    def survival(self, seq_id: int, n: int, full: Bucket = None, offset: int = 0) -> list[float]:
         """[P(the first j + 1 tokens of ``seq_id``'s next draft are accepted) for j < n], for a draft that
         starts at passage position ``offset``.
 
@@ -1016,17 +1049,21 @@ class DraftLengthController:
             n = cap  # the length costs nothing once a draft is made: trim decides
         return self._or_probe(seq_id, n, cap, n_active)
 
-    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1) -> int:
-        """How many of a draft's ``n_draft`` tokens to verify (0: decode plainly); ``cap`` is what was asked for."""
+    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1, bucket: Bucket = None) -> int:
+        """How many of a draft's ``n_draft`` tokens to verify (0: decode plainly); ``cap`` is what was asked for.
+
+        ``bucket``: the draft's class where the implementation gives one (:func:`draft_bucket`), else whether it
+        is as long as asked; pass the same to :meth:`shadow`, :meth:`hold_tail` and :meth:`record_acceptance`.
+        """
         if self.fixed or n_draft <= 0 or not self.curve.ready:
             return max(0, n_draft)
         s = self._seq(seq_id)
         s.asked = max(0, s.asked - 1)
         s.draft_offset = offset = s.offset_now()
-        sv = self.survival(seq_id, n_draft, n_draft >= cap, offset)
+        sv = self.survival(seq_id, n_draft, n_draft >= cap if bucket is None else bucket, offset)
         n, _ = self.best(n_draft, n_active, sv, draft_cost=False)
         n = self._or_probe(seq_id, n, n_draft, n_active)
-        s.decision = _Decision(n_draft, n, n_active, sum(sv), offset)
+        s.decision = _Decision(n_draft, n, n_active, sv, offset)
         mode = s.guard.mode
         return n if mode == MODEL else (0 if mode == PLAIN else n_draft)
 
@@ -1060,7 +1097,7 @@ class DraftLengthController:
         if self.curve.ready:
             out["cost_1_ms"] = round(self.curve.cost(1) * 1e3, 3)
             out["cost_relative"] = {n: round(v, 2) for n, v in self.curve.relative().items()}
-        out["impls"] = {name + ("" if b is None else (" full" if b else " short")):
+        out["impls"] = {name + ("" if b is None else f" {b}" if isinstance(b, str) else (" full" if b else " short")):
                         {"q1_qn": [round(x, 3) for x in acc.rates(self.PRIOR, self.PRIOR_WEIGHT_IMPL)],
                          "drafts": acc.n_drafts}
                         for (name, b), acc in self._impl.items()}
@@ -1099,8 +1136,8 @@ class CappedDraftLength(DraftLengthController):
     def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:
         return max(0, min(cap, self.limit))
 
-    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1) -> int:
+    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1, bucket: Bucket = None) -> int:
         return max(0, min(n_draft, self.limit))
 
-    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: bool | None = None) -> None:
+    def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: Bucket = None) -> None:
         return  # trim keeps every draft of at least one token: nothing goes unverified
