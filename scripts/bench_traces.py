@@ -53,6 +53,7 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
 from pyspec.cli.bench import BUILTIN_PROMPTS  # noqa: E402
 from pyspec.common import speculative as sp  # noqa: E402
 from pyspec.generation.contexts import parse_types, spec_params  # noqa: E402
+from pyspec.generation.draft_replay import Trace, policies, replay_session  # noqa: E402
 from pyspec.generation.driver import greedy_sampling  # noqa: E402
 from pyspec.generation.engine import Engine  # noqa: E402
 from pyspec.generation.requests import Request  # noqa: E402
@@ -317,6 +318,40 @@ def offline(traces: dict[str, list[Step]], types: list[str], n_max: int) -> dict
     return results
 
 
+# --- replay: speed on a modelled clock ----------------------------------------------------------
+
+def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name: str, n_max: int) -> None:
+    """Each trace's requests in order through one speculative state and one controller per policy (plain,
+    llama.cpp's fixed lengths, cost-aware) on a machine profile of scripts/draft_length_sim.py: tokens per
+    second on the modelled clock (exact and repeatable; no checkpoint restores, no prompt time)."""
+    from draft_length_sim import machine  # the profiles live beside the replay's other script
+
+    m = machine(machine_name)
+    for name, steps in traces.items():
+        if any(not s.get("plain_tokens") for s in steps):
+            raise SystemExit(f"bench_traces: --replay needs a --record file with the plain tokens ({name} has none)")
+        session = [Trace(list(s["prompt_tokens"]), list(s["plain_tokens"]), f"{name}#{i}") for i, s in enumerate(steps)]
+        plain = replay_session(session, [], None, m)
+        print(f"\n{name} ({len(steps)} requests, {sum(len(t.target) for t in session)} tokens) on {machine_name}")
+        print("type                  policy       mean acc. length   drafts   tokens/step   vs plain   lowest request")
+        for t in types:
+            if t == "none":
+                continue
+            rest, wants_suffix = split_suffix_type(t.replace("+", ","))
+            for pol in ("fixed", "cost-aware"):
+                ctl = policies()[pol](m)
+                runs = replay_session(session, parse_types(rest), ctl, m, spec_kw={"n_max": n_max},
+                                      suffix=suffix_params(n_max) if wants_suffix else None)
+                drafts = [d for r in runs for d in r.drafts]
+                n_gen = sum(r.n_tokens for r in runs)
+                rel = n_gen / sum(r.seconds for r in runs) / (sum(r.n_tokens for r in plain) /
+                                                              sum(r.seconds for r in plain))
+                low = min(r.tps / q.tps for r, q in zip(runs, plain, strict=True))
+                mal = 1 + sum(a for _, a in drafts) / len(drafts) if drafts else None
+                print(f"{t:20s}  {pol:10s}  {'-' if mal is None else f'{mal:8.2f}':>16s}   {len(drafts):6d}   "
+                      f"{n_gen / sum(r.n_steps for r in runs):11.2f}   {rel:7.2f}x   {low:13.2f}x")
+
+
 def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
     tokens: list[list[int]] = []
     per_request: list[float] = []  # generation tokens/s of each request
@@ -368,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace-file", help="replay the prompts recorded in this file (no recording run)")
     ap.add_argument("--offline", action="store_true",
                     help="acceptance only, without the model, from a --trace-file's recorded plain tokens")
+    ap.add_argument("--replay", metavar="MACHINE",
+                    help="speed on a modelled clock, without the model, from a --trace-file's recorded plain tokens: "
+                         "a machine profile of scripts/draft_length_sim.py (gemma-2t, gemma-1t, ...)")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
     logging.getLogger("pyspec").setLevel(logging.ERROR)
@@ -380,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.record:
             Path(args.record).write_text(json.dumps(traces, indent=1))
     traces = {name: traces[name] for name in args.traces.split(",")}
+    if args.replay:
+        replay_traces(traces, args.types.split(","), args.replay, 16)
+        return 0
     if args.offline:
         res = offline(traces, args.types.split(","), 16)
         if args.json:

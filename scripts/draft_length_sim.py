@@ -178,15 +178,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     print("machine / type: cost-aware tok/s over max(plain, fixed): worst prompt, median where drafting pays; "
           "over the oracle (best fixed length per prompt): worst, median")
     failed = 0
+    cells: list[float] = []  # every (machine, type, prompt): cost-aware over max(plain, fixed)
     for mname in args.machines.split(","):
         m = machine(mname)
         for tname in args.types.split(","):
             res = compare(traces, parse_types(tname), m, spec_kw=SPEC_KW, pols=policies(), seeds=seeds)
             worst, med, worst_o, med_o = summarise(res, args.verbose)
+            cells += [r.tps["cost-aware"] / r.best_of_plain_fixed for r in res]
             ok = worst >= 0.98 and (med != med or med >= 1.03) and worst_o >= 0.95
             failed += not ok
             print(f"  {mname:<22} {tname:<14} worst {worst:5.2f}  median {med:5.2f}   oracle: worst {worst_o:5.2f}  "
                   f"median {med_o:5.2f}{'' if ok else '   SHORT'}")
+    print(f"all {len(cells)} cells: geometric mean {statistics.geometric_mean(cells):.4f}, "
+          f"{sum(c < 0.98 for c in cells)} under 0.98, lowest {min(cells):.2f}")
     return 1 if failed and args.strict else 0
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController
-from pyspec.generation.draft_replay import Machine, Trace, compare, policies, replay
+from pyspec.generation.draft_replay import Machine, Trace, compare, policies, replay, replay_session
+from pyspec.suffix.impl import SuffixParams
 
 MS = 1e-3
 # a CPU-like verify curve: 9 rows cost 5 one-token decodes
@@ -96,3 +97,24 @@ def test_the_machine_s_curve_may_fall_where_measured():
     assert m.verify_cost(4) < m.verify_cost(3)
     assert m.verify_cost(6) == pytest.approx(4.0)
     assert m.verify_cost(10) == pytest.approx(6.0)  # the slope of the last two beyond the largest
+
+
+def test_a_session_carries_the_suffix_type_s_cross_request_index():
+    # the second request writes what the first wrote, from another prompt: only the global index,
+    # filled by the first request's output, can draft it
+    out = list(range(5000, 5060))
+    first = Trace(prompt=list(range(2000, 2024)), target=out, name="first")
+    second = Trace(prompt=list(range(7000, 7024)), target=out, name="second")
+    sfx = SuffixParams(n_max=8)
+
+    def fixed() -> DraftLengthController:
+        return DraftLengthController(fixed=True, curve=CPU.seed_curve(CostCurve()))
+
+    alone = replay(second, [], fixed(), CPU, suffix=sfx)
+    _, again = replay_session([first, second], [], fixed(), CPU, suffix=sfx)
+    assert sum(a for _, a in alone.drafts) == 0
+    assert sum(a for _, a in again.drafts) > len(out) // 2
+    assert again.n_tokens == alone.n_tokens == len(out) - 1  # the same text, in fewer steps
+    assert again.n_steps < alone.n_steps / 3
+    with pytest.raises(ValueError, match="controller"):
+        replay(second, [], None, CPU, suffix=sfx)

@@ -310,6 +310,24 @@ def test_suffix_alone_drafts_through_the_dispatcher_and_accept_counts() -> None:
         assert _draft(spec, 0, hist, unit[6]) == [*unit[7:], *unit[:7]]
 
 
+def test_a_drafts_class_is_its_match_length_rounded_down_to_a_power_of_two() -> None:
+    with _suffix_spec(n_seq=2) as spec:
+        impl = spec.impls[0]
+        assert isinstance(impl, SuffixImpl)
+        assert impl.draft_bucket(0) is None  # no draft yet
+        unit = list(range(100, 140))
+        sp.common_speculative_begin(spec, 0, unit * 2)
+        assert _draft(spec, 0, unit * 2, unit[0])
+        assert impl.last_match[0] == 41 and impl.draft_bucket(0) == "m16"  # 16 tokens and more: one class
+        sp.common_speculative_begin(spec, 1, [7, 8, 9, 1, 2, 3, 7, 8])
+        assert _draft(spec, 1, [7, 8, 9, 1, 2, 3, 7, 8], 9) == [1, 2, 3]  # "7 8 9" matched: 3 tokens
+        assert impl.draft_bucket(1) == "m2"
+        assert _draft(spec, 1, [7, 8, 9, 1, 2, 3, 7, 8, 9], 5) == []  # no match: no class
+        assert impl.draft_bucket(1) is None and impl.draft_bucket(0) == "m16"
+        with pytest.raises(SpeculativeError, match="seq_id"):
+            impl.draft_bucket(2)
+
+
 def test_suffix_comes_first_and_the_upstream_types_follow() -> None:
     spec = speculative_init(CommonParamsSpeculative(types=["ngram-mod"]), 2, suffix=SuffixParams())  # type: ignore[list-item]
     assert spec is not None

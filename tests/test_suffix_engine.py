@@ -142,3 +142,16 @@ def test_engine_refuses_suffix_parameters_of_another_type(chat_model):
             Engine(ctx, None, greedy_sampling(), suffix={"n_max": 4})  # type: ignore[arg-type]
     finally:
         ctx.close()
+
+
+def test_the_cost_aware_length_keeps_the_suffix_types_acceptance_per_match_length(chat_model):
+    # the controller is told each suffix draft's class (its match length) and learns each class apart
+    ctx = Context(chat_model, n_ctx=512, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    with Engine(ctx, None, greedy_sampling(), n_parallel=1, owned=[ctx], adaptive_draft=True,
+                suffix=SuffixParams()) as eng:
+        run(eng, [REPEAT], 48)
+        assert eng.draft_ctl is not None
+        impls = eng.draft_ctl.summary()["impls"]
+    classes = {k.split()[1] for k in impls if k.startswith("suffix ")}
+    assert classes and classes <= {"m1", "m2", "m4", "m8", "m16"}
+    assert sum(v["drafts"] for k, v in impls.items() if k.startswith("suffix ")) > 0

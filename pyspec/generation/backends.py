@@ -23,6 +23,7 @@ from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.core.model import Model
 from pyspec.fastpath.sampler import fast_sampler_init
+from pyspec.generation.draft_length import Bucket, draft_bucket
 from pyspec.generation.rejection import RejectionSampling, check_acceptance
 from pyspec.generation.statistics import ImplStats
 from pyspec.suffix.impl import SuffixImpl, SuffixParams, impl_name, speculative_init
@@ -70,6 +71,8 @@ class SpeculativeBackend(Protocol):
     def impl_stats(self) -> list[ImplStats]: ...
     def last_impl(self, seq_id: int) -> str | None:
         """Name of the implementation whose draft ``seq_id`` used last (None before any)."""
+    def draft_bucket(self, seq_id: int, full: bool) -> Bucket:
+        """The draft-length controller's class of ``seq_id``'s last draft (``full``: it is as long as asked)."""
     def close(self) -> None: ...
 
 
@@ -249,6 +252,9 @@ class PortBackend(_SamplerSlots):
         impl = self.spec.impl_last[seq_id] if self.spec is not None else None
         return None if impl is None else impl_name(impl)
 
+    def draft_bucket(self, seq_id: int, full: bool) -> Bucket:
+        return full if self.spec is None else draft_bucket(self.spec, seq_id, full)
+
 
 class RefBackend(_SamplerSlots):
     """The C++ reference: common_speculative_* and common_sampler_* through libpyspec_ref."""
@@ -329,6 +335,9 @@ class RefBackend(_SamplerSlots):
     def last_impl(self, seq_id: int) -> str | None:
         t = self.spec.last_impl_type(seq_id) if self.spec is not None else None
         return None if t is None else sp.common_speculative_type_to_str(CommonSpeculativeType(t))
+
+    def draft_bucket(self, seq_id: int, full: bool) -> Bucket:
+        return full  # the C++ implementations give no class of their own
 
 
 BACKENDS: dict[str, type[PortBackend] | type[RefBackend]] = {"python": PortBackend, "cpp": RefBackend}

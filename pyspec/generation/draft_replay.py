@@ -44,7 +44,15 @@ from typing import Any
 from pyspec.common import speculative as sp
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import spec_params
-from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController, interpolate_cost
+from pyspec.generation.draft_length import (
+    Bucket,
+    CappedDraftLength,
+    CostCurve,
+    DraftLengthController,
+    draft_bucket,
+    interpolate_cost,
+)
+from pyspec.suffix.impl import SuffixParams, speculative_init, suffix_n_max
 
 __all__ = [
     "Machine",
@@ -55,6 +63,7 @@ __all__ = [
     "compare",
     "policies",
     "replay",
+    "replay_session",
 ]
 
 
@@ -155,97 +164,115 @@ def _draft(spec: Any, n_max: int, history: list[int], id_last: int) -> list[int]
 
 
 def replay(trace: Trace, types: Sequence[T], ctl: DraftLengthController | None, machine: Machine, *,
-           spec_kw: Mapping[str, Any] | None = None, seed: int = 0) -> ReplayResult:
-    """Play ``trace`` with the implementations of ``types`` (``[]`` or ``[NONE]``: plain decoding) and the
-    draft lengths of ``ctl`` on ``machine``; ``spec_kw``: :func:`spec_params`' keywords.
+           spec_kw: Mapping[str, Any] | None = None, suffix: SuffixParams | None = None,
+           seed: int = 0) -> ReplayResult:
+    """Play ``trace`` with the implementations of ``types`` (``[]`` or ``[NONE]``: plain decoding; ``suffix``:
+    the suffix type in front of them) and the draft lengths of ``ctl`` on ``machine``; ``spec_kw``:
+    :func:`spec_params`' keywords.
 
     ``ctl`` is used as the Engine uses it: its curve should hold the start-up calibration
     (:meth:`Machine.seed_curve`); it is left as the run leaves it.
     """
+    return replay_session([trace], types, ctl, machine, spec_kw=spec_kw, suffix=suffix, seed=seed)[0]
+
+
+def replay_session(traces: Sequence[Trace], types: Sequence[T], ctl: DraftLengthController | None,
+                   machine: Machine, *, spec_kw: Mapping[str, Any] | None = None,
+                   suffix: SuffixParams | None = None, seed: int = 0) -> list[ReplayResult]:
+    """:func:`replay` of several requests in order through one slot: one speculative state and one controller
+    for all of them, as an Engine with one slot keeps them (the suffix type's cross-request index fills from
+    each request's output; the controller keeps each implementation's acceptance and the cost curve, and
+    forgets the sequence's own at each new request)."""
     types = [t for t in types if t != T.NONE]
-    if not trace.target:
+    if any(not tr.target for tr in traces):
         raise ValueError("a trace needs at least one target token")
-    params = spec_params(types, **dict(spec_kw or {})) if types else None
-    spec = sp.common_speculative_init(params, 1) if params is not None else None
-    if spec is not None and ctl is None:
-        raise ValueError("a replay with a speculative type needs a draft-length controller")
-    n_max = sp.common_speculative_n_max(params) if params is not None else 0
-    rng = random.Random(seed)
+    params = spec_params(types, **dict(spec_kw or {})) if types or suffix is not None else None
+    spec = speculative_init(params, 1, suffix=suffix) if params is not None else None
+    try:
+        if spec is not None and ctl is None:
+            raise ValueError("a replay with a speculative type needs a draft-length controller")
+        n_max = max(sp.common_speculative_n_max(params) if types else 0, suffix_n_max(suffix))
+        rng = random.Random(seed)
+        return [_play(tr, spec, n_max, ctl, machine, rng) for tr in traces]
+    finally:
+        if spec is not None:
+            spec.close()
+
+
+def _play(trace: Trace, spec: Any, n_max: int, ctl: DraftLengthController | None, machine: Machine,
+          rng: random.Random) -> ReplayResult:
+    """One request of :func:`replay_session`."""
 
     def noisy(seconds: float, f: float) -> float:
         return seconds * f * (math.exp(rng.gauss(0.0, machine.jitter)) if machine.jitter > 0 else 1.0)
 
-    try:
-        history = list(trace.prompt)  # what the target's memory holds
-        target = trace.target
-        sampled, g = target[0], 1  # the prompt's decode sampled the first token
-        if spec is not None:
-            sp.common_speculative_begin(spec, 0, history)
-        if ctl is not None:
-            ctl.reset_seq(0)
-        adaptive = ctl is not None and not ctl.fixed
-        out = ReplayResult(0, 0.0, 0)
-        d0, d1 = machine.draft
-        o0, o1 = machine.overhead
-        prev_b = 1
-        while g < len(target):
-            f = machine.factor(g)
-            draft: list[int] = []
-            full = False
-            if spec is not None and ctl is not None:
-                room = len(target) - g - 1  # the tokens left after this step's own (Engine._n_draft_room)
-                n_ask = min(room, n_max)
-                if adaptive and n_ask > 0:
-                    n_ask = ctl.choose(0, n_ask, 1)
-                if n_ask > 0:
-                    draft = _draft(spec, n_ask, history, sampled)
-                    out.n_draft_calls += 1
-                    t_draft = noisy(d0 + d1 * len(draft), f)
-                    out.seconds += t_draft
-                    if adaptive:
-                        ctl.record_draft_call(1, len(draft), t_draft)
-                        full = len(draft) >= n_ask
-                        if draft:
-                            keep = ctl.trim(0, len(draft), n_ask, 1)
-                            if keep == 0:
-                                ctl.shadow(0, draft, None, full)
-                            elif keep < len(draft):
-                                ctl.hold_tail(0, draft[keep:], None, full)
-                            del draft[keep:]
-            b = 1 + len(draft)
-            t_verify = noisy(machine.verify_cost(b) + (machine.switch if b != prev_b else 0.0), f)
-            prev_b = b
-            t_loop = noisy(o0 + o1 * b, f)
-            if draft:
-                j = 0
-                while j < len(draft) and g + j < len(target) and draft[j] == target[g + j]:
-                    j += 1
-                accepted = target[g : g + j + 1]
-                assert spec is not None and ctl is not None
-                sp.common_speculative_accept(spec, 0, ctl.accepted_for_impl(0, len(draft), j) if adaptive else j)
-                out.drafts.append((len(draft), j))
+    history = list(trace.prompt)  # what the target's memory holds
+    target = trace.target
+    sampled, g = target[0], 1  # the prompt's decode sampled the first token
+    if spec is not None:
+        sp.common_speculative_begin(spec, 0, history)
+    if ctl is not None:
+        ctl.reset_seq(0)
+    adaptive = ctl is not None and not ctl.fixed
+    out = ReplayResult(0, 0.0, 0)
+    d0, d1 = machine.draft
+    o0, o1 = machine.overhead
+    prev_b = 1
+    while g < len(target):
+        f = machine.factor(g)
+        draft: list[int] = []
+        full: Bucket = False
+        if spec is not None and ctl is not None:
+            room = len(target) - g - 1  # the tokens left after this step's own (Engine._n_draft_room)
+            n_ask = min(room, n_max)
+            if adaptive and n_ask > 0:
+                n_ask = ctl.choose(0, n_ask, 1)
+            if n_ask > 0:
+                draft = _draft(spec, n_ask, history, sampled)
+                out.n_draft_calls += 1
+                t_draft = noisy(d0 + d1 * len(draft), f)
+                out.seconds += t_draft
                 if adaptive:
-                    ctl.record_acceptance(0, None, len(draft), j, full)
-                ctl.observe(0, accepted)
-            else:
-                accepted = [target[g]]
-                if ctl is not None:
-                    ctl.observe(0, accepted)
-            history.append(sampled)
-            history.extend(accepted[:-1])
-            sampled = accepted[-1]
-            g += len(accepted)
-            out.n_tokens += len(accepted)
-            out.n_steps += 1
-            out.seconds += t_verify + t_loop
+                    ctl.record_draft_call(1, len(draft), t_draft)
+                    full = draft_bucket(spec, 0, len(draft) >= n_ask)
+                    if draft:
+                        keep = ctl.trim(0, len(draft), n_ask, 1, full)
+                        if keep == 0:
+                            ctl.shadow(0, draft, None, full)
+                        elif keep < len(draft):
+                            ctl.hold_tail(0, draft[keep:], None, full)
+                        del draft[keep:]
+        b = 1 + len(draft)
+        t_verify = noisy(machine.verify_cost(b) + (machine.switch if b != prev_b else 0.0), f)
+        prev_b = b
+        t_loop = noisy(o0 + o1 * b, f)
+        if draft:
+            j = 0
+            while j < len(draft) and g + j < len(target) and draft[j] == target[g + j]:
+                j += 1
+            accepted = target[g : g + j + 1]
+            assert spec is not None and ctl is not None
+            sp.common_speculative_accept(spec, 0, ctl.accepted_for_impl(0, len(draft), j) if adaptive else j)
+            out.drafts.append((len(draft), j))
+            if adaptive:
+                ctl.record_acceptance(0, None, len(draft), j, full)
+            ctl.observe(0, accepted)
+        else:
+            accepted = [target[g]]
             if ctl is not None:
-                ctl.record_verify(b, t_verify)
-                if adaptive:
-                    ctl.record_overhead(b, t_loop)
-        return out
-    finally:
-        if spec is not None:
-            spec.close()
+                ctl.observe(0, accepted)
+        history.append(sampled)
+        history.extend(accepted[:-1])
+        sampled = accepted[-1]
+        g += len(accepted)
+        out.n_tokens += len(accepted)
+        out.n_steps += 1
+        out.seconds += t_verify + t_loop
+        if ctl is not None:
+            ctl.record_verify(b, t_verify)
+            if adaptive:
+                ctl.record_overhead(b, t_loop)
+    return out
 
 
 # --- comparing policies ---------------------------------------------------------------------

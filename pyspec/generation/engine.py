@@ -738,14 +738,14 @@ class Engine(EngineQueue):
                     ctl.record_draft_call(len(requests), sum(len(s.spec_draft) for s in drafting), t_draft)
                     for s in drafting:  # how much of each draft is worth verifying, now that it is known
                         n = len(s.spec_draft)
-                        s.spec_full = n >= s.spec_cap
+                        s.spec_bucket = eng.draft_bucket(s.id, n >= s.spec_cap)
                         if n and not self.rejection:  # rejection sampling: no trim that depends on the draft
-                            keep = ctl.trim(s.id, n, s.spec_cap, len(generating))
+                            keep = ctl.trim(s.id, n, s.spec_cap, len(generating), s.spec_bucket)
                             impl = eng.last_impl(s.id) if self._multi_impl else None
                             if keep == 0:  # not verified: its acceptance is learned from what follows
-                                ctl.shadow(s.id, s.spec_draft, impl, s.spec_full)
+                                ctl.shadow(s.id, s.spec_draft, impl, s.spec_bucket)
                             elif keep < n:  # the cut tokens too, once the kept ones are accepted
-                                ctl.hold_tail(s.id, s.spec_draft[keep:], impl, s.spec_full)
+                                ctl.hold_tail(s.id, s.spec_draft[keep:], impl, s.spec_bucket)
                             del s.spec_draft[keep:]
                 for s in drafting:
                     assert s.job is not None
@@ -943,7 +943,7 @@ class Engine(EngineQueue):
         job.stats.drafts.append((s.spec_n_drafted, n_accepted))
         if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
-                                             n_draft, len(accepted) - 1, s.spec_full)
+                                             n_draft, len(accepted) - 1, s.spec_bucket)
         if self.draft_ctl is not None:
             self.draft_ctl.observe(s.id, accepted)  # resolves a shadow draft (a no-op when fixed)
         if self.on_event is not None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
+from pyspec.generation.draft_length import Bucket
 from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
 from pyspec.generation.synth import SynthRng
 
@@ -60,7 +61,9 @@ class Slot:
         self.spec_i_batch: list[int] = []
         self.spec_ckpt = CommonPromptCheckpoint()
         self.spec_cap = 0  # the most draft tokens asked for this step
-        self.spec_full = False  # whether the draft came back as long as asked
+        # the draft's class for the draft-length controller: the implementation's (the suffix type's match
+        # length) or whether it came back as long as asked
+        self.spec_bucket: Bucket = False
         self.spec_n_drafted = 0  # the size of the draft as made (a replay after a checkpoint restore is shorter)
         self.spec_is_replay = False  # the draft is the accepted part of one, re-verified after a checkpoint restore
         self.spec_synth_rng: SynthRng | None = None  # synthetic acceptance's generator (the server's spec_synth_rng)
