@@ -243,10 +243,10 @@ def record_traces(eng: Engine, turns: int, n_predict: int) -> dict[str, list[Ste
 # --- offline: acceptance without the model ----------------------------------------------------
 
 def _offline_spec(types: str, n_max: int) -> Any:
-    """One sequence's speculative state for ``types`` (suffix with its defaults and ``n_max``)."""
+    """One sequence's speculative state for ``types`` (suffix with its defaults)."""
     rest, wants_suffix = split_suffix_type(types.replace("+", ","))
     return speculative_init(spec_params(parse_types(rest), n_max=n_max), 1,
-                            suffix=suffix_params(n_max) if wants_suffix else None)
+                            suffix=suffix_params() if wants_suffix else None)
 
 
 def tokens_per_step(n_gen: int, n_accepted: int, n_restores: int = 0) -> float:
@@ -341,7 +341,7 @@ def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name:
             for pol in ("fixed", "cost-aware"):
                 ctl = policies()[pol](m)
                 runs = replay_session(session, parse_types(rest), ctl, m, spec_kw={"n_max": n_max},
-                                      suffix=suffix_params(n_max) if wants_suffix else None)
+                                      suffix=suffix_params() if wants_suffix else None)
                 drafts = [d for r in runs for d in r.drafts]
                 n_gen = sum(r.n_tokens for r in runs)
                 rel = n_gen / sum(r.seconds for r in runs) / (sum(r.n_tokens for r in plain) /
@@ -381,9 +381,11 @@ def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace, types: str) -> Engine:
+    # n_max is the draft models' option (the n-gram types draft up to their own sizes); suffix keeps its own too
+    suffix = suffix_params() if split_suffix_type(types.replace("+", ","))[1] else None
     eng = Engine.load(args.model, types=types.replace("+", ","), n_parallel=1, n_ctx=4096, n_threads=args.threads,
-                      n_max=16, adaptive_draft=not args.fixed_draft, batch_invariant=args.batch_invariant,
-                      sampling=greedy_sampling())
+                      n_max=16, suffix=suffix, adaptive_draft=not args.fixed_draft,
+                      batch_invariant=args.batch_invariant, sampling=greedy_sampling())
     eng.start()
     return eng
 

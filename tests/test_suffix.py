@@ -30,7 +30,8 @@ from pyspec.suffix.index import SENTINEL
 
 
 def _brute(text: list[int], ctx: list[int], n_max: int, *, max_depth: int = 64, factor: float = 1.0,
-           min_prob: float = 0.1, limit: int | None = None) -> tuple[list[int], list[float], int]:
+           min_prob: float = 0.1, limit: int | None = None,
+           open_end: bool = False) -> tuple[list[int], list[float], int]:
     lim = len(text) if limit is None else limit
     d = min(len(ctx), max_depth)
     occ: list[int] = []
@@ -46,11 +47,18 @@ def _brute(text: list[int], ctx: list[int], n_max: int, *, max_depth: int = 64, 
     probs: list[float] = []
     prob = 1.0
     j = 0
+
+    def at(i: int) -> int | None:  # the text, and with open_end the draft after it (the sequence goes on)
+        if i < len(text):
+            return text[i] if text[i] != SENTINEL else None
+        return out[i - len(text)] if open_end and i - len(text) < len(out) else None
+
     while len(out) < max_spec:
         counts: dict[int, int] = {}
         for e in occ:
-            if e + j < len(text) and text[e + j] != SENTINEL:
-                counts[text[e + j]] = counts.get(text[e + j], 0) + 1
+            t = at(e + j)
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
         if not counts:
             break
         best, c = max(counts.items(), key=lambda kv: kv[1])
@@ -59,7 +67,7 @@ def _brute(text: list[int], ctx: list[int], n_max: int, *, max_depth: int = 64, 
             break
         out.append(best)
         probs.append(prob)
-        occ = [e for e in occ if e + j < len(text) and text[e + j] == best]
+        occ = [e for e in occ if at(e + j) == best]
         j += 1
     return out, probs, m
 
@@ -82,13 +90,14 @@ texts = st.lists(st.integers(0, 3), min_size=0, max_size=160)
 
 @settings(max_examples=300, deadline=None)
 @given(texts, st.integers(0, 40), st.sampled_from([1, 4, 5, 16, 64]),
-       st.sampled_from([0.0, 0.1, 0.3]), st.sampled_from([0.5, 1.0, 2.0]))
+       st.sampled_from([0.0, 0.1, 0.3]), st.sampled_from([0.5, 1.0, 2.0]), st.booleans())
 def test_local_draft_equals_the_tree_semantics(text: list[int], n_max: int, max_depth: int, min_prob: float,
-                                               factor: float) -> None:
+                                               factor: float, open_end: bool) -> None:
     ix = _local(text, max_depth=max_depth, max_occurrences=10_000)
-    got = ix.draft(text, n_max, max_spec_factor=factor, min_token_prob=min_prob, limit=len(text) - 1)
+    got = ix.draft(text, n_max, max_spec_factor=factor, min_token_prob=min_prob, limit=len(text) - 1,
+                   open_end=open_end)
     toks, probs, m = _brute(text, text, n_max, max_depth=max_depth, factor=factor, min_prob=min_prob,
-                            limit=len(text) - 1)
+                            limit=len(text) - 1, open_end=open_end)
     assert (got.tokens, got.match_len) == (toks, m)
     assert got.probs == pytest.approx(probs)
 
@@ -151,6 +160,25 @@ def test_repeated_text_drafts_the_repetition() -> None:
     text = [*unit, 1, 2, 3, *unit[:3]]
     assert _local(text).draft(text, 5, limit=len(text) - 1).tokens == unit[3:6]
     assert _local(text).draft(text, 5, max_spec_factor=3.0, limit=len(text) - 1).tokens == unit[3:8]
+
+
+def test_an_index_of_the_sequence_itself_drafts_the_repeat_past_the_texts_end() -> None:
+    # "a b c a b c a": the context "c a" last occurred two tokens back; its continuation "b c a" reaches the
+    # end of the text, and the sequence that goes on as drafted repeats it (period 3)
+    text = [1, 2, 3, 1, 2, 3, 1]
+    ix = _local(text)
+    closed = ix.draft(text, 12, max_spec_factor=4.0, limit=len(text) - 1)
+    assert closed.tokens == [2, 3, 1]
+    opened = ix.draft(text, 12, max_spec_factor=4.0, limit=len(text) - 1, open_end=True)
+    assert opened.tokens == [2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1] and opened.probs == [1.0] * 12
+    assert opened.match_len == closed.match_len == 4
+    # a run of one token: period 1
+    run = [5, 9, 9, 9]
+    assert _local(run).draft(run, 6, max_spec_factor=2.0, limit=3, open_end=True).tokens == [9] * 4
+    # the global index holds finished outputs, not the sequence: it never repeats past an output's end
+    g = GlobalSuffixIndex()
+    g.add(text)
+    assert g.draft([3, 1, 2, 3], 12, max_spec_factor=4.0).tokens == [1]
 
 
 def test_the_draft_length_follows_the_match_length() -> None:
@@ -301,13 +329,14 @@ def test_suffix_alone_drafts_through_the_dispatcher_and_accept_counts() -> None:
         unit = list(range(100, 120))
         prompt = unit * 2
         sp.common_speculative_begin(spec, 0, prompt)
-        assert _draft(spec, 0, prompt, unit[0]) == [*unit[1:], unit[0]]  # the match is 21 long, the text ends
+        # the match is 21 long, so 21 tokens: the text up to its end, then the repeat it implies
+        assert _draft(spec, 0, prompt, unit[0]) == [*unit[1:], *unit[:2]]
         assert _draft(spec, 0, prompt, unit[0], n_max=5) == unit[1:6]  # the caller's n_max truncates
         sp.common_speculative_accept(spec, 0, 5)
-        assert (impl.n_gen_drafts, impl.n_gen_tokens, impl.n_acc_tokens) == (2, 25, 5)
+        assert (impl.n_gen_drafts, impl.n_gen_tokens, impl.n_acc_tokens) == (2, 26, 5)
         # the history grew by the accepted tokens: the index follows it
         hist = [*prompt, *unit[:6]]
-        assert _draft(spec, 0, hist, unit[6]) == [*unit[7:], *unit[:7]]
+        assert _draft(spec, 0, hist, unit[6]) == [*unit[7:], *unit[:7], *unit[7:14]]  # a 27-token match
 
 
 def test_a_drafts_class_is_its_match_length_rounded_down_to_a_power_of_two() -> None:
@@ -404,8 +433,9 @@ def test_crash_safety_of_the_implementation() -> None:
             impl.begin(0, [2**31])
         sp.common_speculative_begin(spec, 0, [])
         assert _draft(spec, 0, [], 7) == []  # empty prompt: nothing to match
-        # drafting without a begin; "3 3 3" occurred once before the end, followed by one 3
-        assert _draft(spec, 1, [3, 3, 3], 3, n_max=10**6) == [3]
+        # drafting without a begin; "3 3 3" occurred once before the end, followed by one 3 and, as the
+        # sequence goes on, the repeat: as many as the match is long
+        assert _draft(spec, 1, [3, 3, 3], 3, n_max=10**6) == [3, 3, 3]
         assert _draft(spec, 1, [], 0, n_max=0) == []
     with pytest.raises(ValueError, match="n_seq"):
         speculative_init(CommonParamsSpeculative(), 0, suffix=SuffixParams())
@@ -436,8 +466,8 @@ def test_any_call_sequence_drafts_real_text_or_raises_a_clear_error(calls: list[
                     d = _draft(spec, seq, toks, n % 5, n_max=n)
                     assert len(d) <= (12 if n <= 0 else min(n, 12))
                     text = [*toks, n % 5]
-                    if d and impl.n_draft_global == 0:
-                        assert any(text[e : e + len(d)] == d for e in range(1, len(text)))
+                    if d and impl.n_draft_global == 0:  # a continuation of the text (repeating past its end)
+                        assert any([*text, *d][e : e + len(d)] == d for e in range(1, len(text)))
             except SpeculativeError as e:
                 assert "seq_id" in str(e) or "no draft" in str(e)
             assert len(shared) <= 120

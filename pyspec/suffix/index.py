@@ -25,6 +25,10 @@ would give it:
    ``min_token_prob``; ``S`` narrows to the occurrences that took the token. The score is the
    sum of the drafted tokens' path probabilities (the caller keeps the better of the local and
    the global draft).
+4. ``open_end`` (the local index: its text is the sequence itself, which goes on as drafted):
+   an occurrence's continuation that reaches the text's end goes on with the draft's own tokens,
+   so a repeat of period ``n - end`` is drafted in full where the text alone would stop it (a run
+   of one token, a line written again and again).
 
 The one difference from a tree: ``S`` is found through the chain of the longest level ``k <= m``
 (``m < 4k``), whose newest ``max_occurrences`` occurrences are read. So the drafts equal the
@@ -33,7 +37,8 @@ tests check that against a brute-force reading of the tree semantics); past that
 occurrences are not counted, which favours recent text (what suffix decoding wants anyway).
 
 A draft is always a run of tokens that really follows an occurrence of the matched suffix in
-the indexed text (the walk only narrows ``S``; each step keeps at least one occurrence).
+the indexed text (the walk only narrows ``S``; each step keeps at least one occurrence), with
+``open_end`` in the text followed by the draft.
 
 Costs: appending t tokens is O(t) numpy work (hashes by doubling, chains linked vectorized);
 a draft reads at most ``8 * max_occurrences`` chain links per level and gathers a
@@ -398,20 +403,37 @@ class SuffixIndex:
             return m, p[lens == m] + 1
         return 0, np.zeros(0, np.intp)
 
-    def walk(self, ends: np.ndarray, max_spec: int, min_token_prob: float) -> tuple[list[int], list[float]]:
-        """The greedy walk below the matched node whose occurrences end at ``ends`` (newest first)."""
+    def walk(self, ends: np.ndarray, max_spec: int, min_token_prob: float, *,
+             open_end: bool = False) -> tuple[list[int], list[float]]:
+        """The greedy walk below the matched node whose occurrences end at ``ends`` (newest first).
+
+        ``open_end``: the text is the sequence so far and goes on as drafted, so an occurrence whose
+        continuation reaches the text's end continues with the draft's own tokens (a repeat, of period
+        ``n - end``), where it would otherwise stop."""
         if max_spec <= 0 or ends.size == 0:
             return [], []
-        idx = ends[:, None] + np.arange(max_spec)[None, :]
-        inside = idx < self.n
-        rows = np.where(inside, self.tokens[np.minimum(idx, self.n - 1)], SENTINEL).tolist()
+        n = self.n
+        width = min(max_spec, n - int(ends.min()))  # the columns any occurrence has inside the text
+        idx = ends[:, None] + np.arange(width)[None, :]
+        inside = idx < n
+        rows = np.where(inside, self.tokens[np.minimum(idx, n - 1)], SENTINEL).tolist()
+        # row r's token j lies past the end when j >= n - end_r: it is then the draft's token j - (n - end_r)
+        period = (n - ends).tolist() if open_end else None
+
+        def token(r: int, j: int, out: list[int]) -> int:
+            t: int = rows[r][j] if j < width else SENTINEL
+            if t == SENTINEL and period is not None and 0 < period[r] <= j:
+                t = out[j - period[r]]
+            return t
+
         active = list(range(len(rows)))
         prob = 1.0
         out: list[int] = []
         probs: list[float] = []
         for j in range(max_spec):
             if len(active) == 1:  # one occurrence left: the rest is a copy, each step 1/1
-                for t in rows[active[0]][j:]:
+                for k in range(j, max_spec):
+                    t = token(active[0], k, out)
                     if t == SENTINEL:
                         break
                     out.append(t)
@@ -419,7 +441,7 @@ class SuffixIndex:
                 break
             counts: dict[int, int] = {}
             for r in active:  # newest first: dict order breaks ties toward the newest occurrence
-                t = rows[r][j]
+                t = token(r, j, out)
                 if t != SENTINEL:
                     counts[t] = counts.get(t, 0) + 1
             if not counts:
@@ -430,12 +452,13 @@ class SuffixIndex:
                 break
             out.append(best)
             probs.append(prob)
-            active = [r for r in active if rows[r][j] == best]
+            active = [r for r in active if token(r, j, out) == best]
         return out, probs
 
     def draft(self, ctx: Sequence[int], n_max: int, *, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-              limit: int | None = None) -> SuffixDraft:
-        """The draft for context ``ctx`` (its last max_depth tokens are read); see the module docstring."""
+              limit: int | None = None, open_end: bool = False) -> SuffixDraft:
+        """The draft for context ``ctx`` (its last max_depth tokens are read); see the module docstring
+        (``open_end``: :meth:`walk`'s, for an index of the sequence itself)."""
         n_max = check_int("n_max", n_max, 0)
         if not math.isfinite(max_spec_factor) or max_spec_factor < 0:
             raise ValueError(f"max_spec_factor must be finite and >= 0, got {max_spec_factor}")
@@ -447,9 +470,9 @@ class SuffixIndex:
             return _EMPTY
         f = max_spec_factor * m  # may be inf for a huge factor: compared before ceil
         max_spec = n_max if f >= n_max else math.ceil(f)
-        # no continuation is longer than the text after the oldest occurrence (bounds the gather)
-        max_spec = min(max_spec, self.n - int(ends.min()))
-        toks, probs = self.walk(ends, max_spec, min_token_prob)
+        if not open_end:  # no continuation is longer than the text after the oldest occurrence (bounds the gather)
+            max_spec = min(max_spec, self.n - int(ends.min()))
+        toks, probs = self.walk(ends, max_spec, min_token_prob, open_end=open_end)
         return SuffixDraft(toks, probs, float(sum(probs)), m)
 
 
