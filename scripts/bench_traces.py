@@ -53,7 +53,7 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
 from pyspec.cli.bench import BUILTIN_PROMPTS  # noqa: E402
 from pyspec.common import speculative as sp  # noqa: E402
 from pyspec.generation.contexts import parse_types, spec_params  # noqa: E402
-from pyspec.generation.draft_replay import Trace, policies, replay_session  # noqa: E402
+from pyspec.generation.draft_replay import Trace, copy_bound, policies, replay_session  # noqa: E402
 from pyspec.generation.driver import greedy_sampling  # noqa: E402
 from pyspec.generation.engine import Engine  # noqa: E402
 from pyspec.generation.requests import Request  # noqa: E402
@@ -332,7 +332,8 @@ def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name:
             raise SystemExit(f"bench_traces: --replay needs a --record file with the plain tokens ({name} has none)")
         session = [Trace(list(s["prompt_tokens"]), list(s["plain_tokens"]), f"{name}#{i}") for i, s in enumerate(steps)]
         plain = replay_session(session, [], None, m)
-        print(f"\n{name} ({len(steps)} requests, {sum(len(t.target) for t in session)} tokens) on {machine_name}")
+        print(f"\n{name} ({len(steps)} requests, {sum(len(t.target) for t in session)} tokens) on {machine_name}: "
+              f"a perfect copier would reach {copy_bound(session, m):.2f}x plain (copy_bound)")
         print("type                  policy       mean acc. length   drafts   tokens/step   vs plain   lowest request")
         for t in types:
             if t == "none":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController
-from pyspec.generation.draft_replay import Machine, Trace, compare, policies, replay, replay_session
+from pyspec.generation.draft_replay import Machine, Trace, compare, copy_bound, policies, replay, replay_session
 from pyspec.suffix.impl import SuffixParams
 
 MS = 1e-3
@@ -118,3 +120,64 @@ def test_a_session_carries_the_suffix_type_s_cross_request_index():
     assert again.n_steps < alone.n_steps / 3
     with pytest.raises(ValueError, match="controller"):
         replay(second, [], None, CPU, suffix=sfx)
+
+
+def test_the_copy_bound_is_plain_decoding_where_nothing_occurred_before():
+    assert copy_bound([novel()], CPU) == pytest.approx(1.0)
+
+
+def test_the_copy_bound_verifies_a_copied_passage_in_one_step():
+    # the target copies 33 tokens of the prompt: after its first token, 31 more are drafted and the last
+    # sampled, in one step of 32 rows; plain decoding takes 32 steps
+    linear = Machine({1: 1.0, 17: 2.0})  # c(32) = 1 + 31 / 16
+    prompt = list(range(100, 140))
+    assert copy_bound([Trace(prompt, prompt[:33])], linear) == pytest.approx(32 / (1 + 31 / 16))
+    # at most n_max drafted a step: 31 tokens take two steps of 16 rows, the last one sampled in the second
+    assert copy_bound([Trace(prompt, prompt[:33])], linear, n_max=16) == pytest.approx(32 / (2 * (1 + 15 / 16)))
+    # a run of one token repeats itself: the copy may run on into the passage it copies
+    run = Trace([7, 8, 9], [9] * 20)
+    assert copy_bound([run], linear) == pytest.approx(19 / (1 + 18 / 16))
+    # an earlier request's output is there to copy from
+    first, second = Trace([1, 2, 3], list(range(500, 533))), Trace([4, 5, 6], list(range(500, 533)))
+    assert copy_bound([second], linear) == pytest.approx(1.0)
+    assert copy_bound([first, second], linear) == pytest.approx(64 / (32 + 1 + 31 / 16))  # the first is plain
+    # where 4 rows cost less than 3, a step that takes 3 tokens verifies 4 rows: "2 3" copied, "50" sampled
+    blocks = Machine({1: 1.0, 3: 2.5, 4: 1.5, 8: 5.0})
+    assert copy_bound([Trace([1, 2, 3], [9, 2, 3, 50])], blocks) == pytest.approx(3 / 1.5)
+
+
+# the block kernels' machine (4 rows cost less than 3) and a load: the bound holds on both
+BLOCKS = Machine({1: 10 * MS, 3: 40 * MS, 4: 33 * MS, 9: 67 * MS, 17: 104 * MS}, draft=(0.0, 0.008 * MS),
+                 overhead=(0.3 * MS, 0.07 * MS), switch=0.5 * MS, load=[(20, 1.5)])
+
+
+def _edited_copies(draw: st.DrawFn) -> list[tuple[list[int], list[int]]]:
+    """Requests whose outputs copy passages of their prompts and of earlier outputs, with new tokens between."""
+    session: list[tuple[list[int], list[int]]] = []
+    seen: list[int] = []
+    for _ in range(draw(st.integers(1, 3))):
+        prompt = draw(st.lists(st.integers(0, 9), min_size=1, max_size=40))
+        seen += prompt
+        target: list[int] = []
+        for _ in range(draw(st.integers(1, 6))):
+            a = draw(st.integers(0, len(seen) - 1))
+            target += seen[a : a + draw(st.integers(1, 30))] if draw(st.booleans()) else \
+                draw(st.lists(st.integers(0, 9), max_size=5))
+        target += [0, 1] if len(target) < 2 else []
+        seen += target
+        session.append((prompt, target))
+    return session
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.composite(_edited_copies)(), st.sampled_from([CPU, BLOCKS]))
+def test_no_drafter_that_copies_a_passage_beats_the_copy_bound(session: list[tuple[list[int], list[int]]],
+                                                               machine: Machine) -> None:
+    traces = [Trace(p, t) for p, t in session]
+    plain = replay_session(traces, [], None, machine)
+    t_plain = sum(r.seconds for r in plain) / sum(r.n_tokens for r in plain)
+    bound = copy_bound(traces, machine)
+    for types, sfx in (([T.NGRAM_SIMPLE], None), ([], SuffixParams())):
+        for name in ("fixed", "cost-aware", "cap3"):
+            runs = replay_session(traces, types, policies()[name](machine), machine, spec_kw=SPEC_KW, suffix=sfx)
+            assert t_plain / (sum(r.seconds for r in runs) / sum(r.n_tokens for r in runs)) <= bound * (1 + 1e-9)

@@ -41,6 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pyspec.common import speculative as sp
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import spec_params
@@ -61,6 +63,7 @@ __all__ = [
     "ReplayResult",
     "Trace",
     "compare",
+    "copy_bound",
     "policies",
     "replay",
     "replay_session",
@@ -273,6 +276,58 @@ def _play(trace: Trace, spec: Any, n_max: int, ctl: DraftLengthController | None
             if adaptive:
                 ctl.record_overhead(b, t_loop)
     return out
+
+
+# --- what copying could reach ---------------------------------------------------------------
+
+def _longest_earlier_copy(text: np.ndarray, start: int, cap: int) -> int:
+    """The length (at most ``cap``) of the longest passage of ``text`` from ``start`` on that also begins at an
+    earlier position (it may run on into the passage itself: a repeat)."""
+    want = text[start : start + cap]
+    cands = np.flatnonzero(text[:start] == want[0]) if want.size else want
+    k = 0
+    while cands.size:  # the earlier positions that match the first k + 1 tokens
+        k += 1
+        if k == want.size:
+            break
+        cands = cands[text[cands + k] == want[k]]  # cands + k < start + k: inside the text
+    return k
+
+
+def copy_bound(traces: Sequence[Trace], machine: Machine, n_max: int = 64) -> float:
+    """Tokens per second over plain decoding's for a drafter that copies perfectly: at each step it knows
+    the longest passage of what follows that occurred earlier in the session (earlier requests' prompts
+    and outputs, the prompt, the output so far; a repeat may run on into itself), drafts it (at most
+    ``n_max`` tokens) for free, and verifies the length that makes the request fastest (chosen in
+    hindsight). A bound for the drafters that copy a passage (ngram-simple, ngram-map-k, suffix), on
+    ``machine``'s verify and loop costs (no graph switches, no jitter); types that chain n-grams
+    (ngram-mod, ngram-cache) may draft text that never occurred as one passage, and pass it.
+    """
+    o0, o1 = machine.overhead
+    seen: list[int] = []
+    t_plain = t_copy = 0.0
+    for tr in traces:
+        if not tr.target:
+            raise ValueError("a trace needs at least one target token")
+        base = len(seen) + len(tr.prompt)
+        seen += [*tr.prompt, *tr.target]
+        text = np.asarray(seen, np.int64)
+        n = len(tr.target)
+        # cheapest[b]: a step that takes b tokens (b - 1 of them drafted): it may verify more rows where a larger
+        # batch costs less (kernels that work on rows in blocks)
+        cheapest = [0.0] + [machine.verify_cost(b) + o0 + o1 * b for b in range(1, n_max + 2)]
+        for b in range(n_max, 0, -1):
+            cheapest[b] = min(cheapest[b], cheapest[b + 1])
+        plain = machine.verify_cost(1) + o0 + o1
+        # fastest[g]: the seconds from target token g (its predecessor sampled) to the end
+        fastest = [0.0] * (n + 1)
+        for g in range(n - 1, 0, -1):
+            f = machine.factor(g)
+            t_plain += plain * f
+            reach = min(_longest_earlier_copy(text, base + g, n_max), n - 1 - g)
+            fastest[g] = min(cheapest[1 + k] * f + fastest[g + k + 1] for k in range(reach + 1))
+        t_copy += fastest[1]
+    return t_plain / t_copy if t_copy > 0 else 1.0
 
 
 # --- comparing policies ---------------------------------------------------------------------
