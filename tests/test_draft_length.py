@@ -182,6 +182,30 @@ def test_draft_cost_uses_the_prior_until_a_call_is_measured():
     assert dc.params() == pytest.approx((0.0001, 0.0))
 
 
+def test_two_calls_of_nearly_one_length_do_not_set_a_model_free_drafts_slope():
+    # a suffix lookup costs about 0.3 ms a call whatever it drafts: a call of 0 tokens and a slightly slower
+    # one of 1 token are no evidence of 0.14 ms a token (60 tokens: more than half a one-token decode)
+    calls = ((0, 0.000265), (1, 0.000403))
+    unregularised, model_free = LinearCost(), LinearCost(ridge=DraftLengthController.DRAFT_RIDGE)
+    for n_tok, seconds in calls:
+        unregularised.record(1, n_tok, seconds)
+        model_free.record(1, n_tok, seconds)
+    assert unregularised.params()[1] == pytest.approx(0.000138)
+    d0, d1 = model_free.params()
+    assert d1 < 0.00001
+    assert 0.000265 < d0 < 0.000403
+
+
+def test_a_model_free_drafts_slope_is_read_once_calls_of_many_lengths_show_it():
+    dc = LinearCost(decay=1.0, ridge=DraftLengthController.DRAFT_RIDGE)
+    for n_tok in list(range(33)) * 2:
+        dc.record(1, n_tok, 0.0002 + 0.00005 * n_tok)
+    d0, d1 = dc.params()
+    assert d0 == pytest.approx(0.0002, rel=0.03)
+    assert d1 == pytest.approx(0.00005, rel=0.03)
+    assert dc.mean_tokens() == pytest.approx(16.0)
+
+
 def test_the_loop_s_own_time_is_charged_per_step_while_every_step_verifies_one_row():
     # plain decoding only: a step's own time cannot be split between the step and its rows, and charging
     # it to rows would price each draft row at a whole step's overhead
@@ -219,6 +243,21 @@ def test_cheap_drafts_are_always_made_and_trimmed_once_seen():
     feed(ctl, 0, [(8, 0)] * 10)
     assert ctl.choose(0, 8) == 8
     assert ctl.trim(0, 8, 8) == 0
+
+
+def test_a_model_free_type_looks_at_its_draft_when_its_calls_cost_little_for_what_they_draft():
+    # the p2 prompt of `pyspec bench` with suffix: two early one-token drafts were rejected, and pricing the
+    # cap (60 tokens) at the slope of two calls kept the controller from drafting through a list that every
+    # draft then matched. A model-free type drafts its own length: its calls' mean, not the cap
+    def after_two_calls(ctl: DraftLengthController) -> DraftLengthController:
+        ctl.record_draft_call(1, 0, 0.000265)
+        ctl.record_draft_call(1, 1, 0.000403)
+        feed(ctl, 0, [(1, 0)] * 5)
+        return ctl
+
+    assert after_two_calls(controller(CPU_CURVE, model_free=True)).choose(0, 60) == 60
+    # a draft model's tokens are decodes: with the same two calls it decides before drafting
+    assert after_two_calls(controller(CPU_CURVE)).choose(0, 60) == 0
 
 
 def test_drafts_that_are_always_rejected_are_not_verified_on_a_cpu():

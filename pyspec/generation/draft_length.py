@@ -500,6 +500,10 @@ class LinearCost:
     prior_d0: float = 0.0
     prior_d1: float = 0.0
     per_call: bool = False  # where calls and tokens cannot be told apart, all of it per call (else per token)
+    # tokens²: evidence, never decayed, that d1 is prior_d1. Without it two calls of 0 and 1 tokens set the
+    # slope: a model-free draft call's fixed cost read as 0.14 ms a token, so 60 tokens cost half a decode
+    # and the controller stopped drafting where every draft would have been accepted
+    ridge: float = 0.0
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # Σcc, Σct, Σtt, Σc·s, Σt·s
     n_calls: int = 0
 
@@ -515,11 +519,23 @@ class LinearCost:
         s[4] = s[4] * k + t * seconds
         self.n_calls += 1
 
+    def mean_tokens(self) -> float:
+        """Tokens per call (decayed as the fit); 0 before a call is measured."""
+        cc, ct = self._s[0], self._s[1]
+        return ct / cc if cc > 0 else 0.0
+
     def params(self) -> tuple[float, float]:
         """(d0, d1): the prior until a call is measured, then the fit (never negative)."""
         if self.n_calls == 0:
             return self.prior_d0, self.prior_d1
         cc, ct, tt, cs, ts = self._s
+        if self.ridge > 0:  # the prior on d1 as data: the determinant is at least cc * ridge > 0
+            tt, ts = tt + self.ridge, ts + self.ridge * self.prior_d1
+            det = cc * tt - ct * ct
+            d0, d1 = (cs * tt - ct * ts) / det, (cc * ts - ct * cs) / det
+            if d0 < 0:
+                return 0.0, max(0.0, ts / tt)
+            return (d0, d1) if d1 >= 0 else (cs / cc, 0.0)
         det = cc * tt - ct * ct
         if det > 1e-9 * cc * tt:
             d0 = (cs * tt - ct * ts) / det
@@ -696,6 +712,7 @@ class DraftLengthController:
     PRIOR_WEIGHT_SEQ = 3.0  # an implementation's rates count as this many drafts of a sequence
     PRIOR_WEIGHT_POS = 2.0  # a sequence's rates count as this many tests of each passage position
     MARGIN = 1.02  # a draft must promise 2% more tokens per second than plain decoding
+    DRAFT_RIDGE = 16.0  # tokens²: LinearCost.ridge of a model-free type's draft cost
     CHEAP = 0.05  # drafting the whole cap costs less than this share of a one-token decode: always draft
     PROBE_FIRST, PROBE_MAX = 32, 512  # steps at 0 before a probe; doubles after each probe
     MAX_PENDING = 16  # drafts compared at once per sequence (one a step; the oldest dropped first)
@@ -712,12 +729,15 @@ class DraftLengthController:
     GUARD_MARGIN = 0.05  # another policy must have done this much better
 
     def __init__(self, *, fixed: bool = False, curve: CostCurve | None = None, n_min: int = 0,
-                 impl: str = "", draft_d1: float = 0.0) -> None:
+                 impl: str = "", draft_d1: float = 0.0, model_free: bool = False) -> None:
         self.fixed = fixed
         self.curve = curve if curve is not None else CostCurve()
         self.n_min = max(0, n_min)  # a draft shorter than this is discarded by the implementation
         self.impl = impl  # the type set: its draft calls are timed together
-        self.draft_cost = LinearCost(prior_d1=draft_d1)
+        # model_free (n-gram and suffix types): a draft call's time is its own, next to nothing per token, until
+        # calls of many lengths show otherwise; a draft model's tokens are decodes, read from the first calls
+        self.model_free = model_free
+        self.draft_cost = LinearCost(prior_d1=draft_d1, ridge=self.DRAFT_RIDGE if model_free else 0.0)
         # the loop's own time: per step, per verified row; where every step verified as many rows (plain
         # decoding), per step: a row's share cannot be told, and charging it all to rows would price a
         # draft's rows at a whole step's overhead each
@@ -1040,7 +1060,9 @@ class DraftLengthController:
         if s.asked:
             self._tally_empty(s, n_active)
         d0, d1 = self.draft_cost.params()
-        if d0 + d1 * cap < self.CHEAP * self.curve.cost(1):
+        # a model-free type drafts its own length (a match's continuation), whatever the cap: its calls' mean
+        n_call = min(cap, self.draft_cost.mean_tokens()) if self.model_free else cap
+        if d0 + d1 * n_call < self.CHEAP * self.curve.cost(1):
             s.asked += 1
             return cap  # drafting costs next to nothing: see the draft, then trim it
         s.draft_offset = s.offset_now()

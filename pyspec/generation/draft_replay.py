@@ -341,7 +341,7 @@ def policies(caps: Sequence[int] = (1, 2, 3, 4, 6, 8)) -> dict[str, Policy]:
     out: dict[str, Policy] = {
         "plain": lambda m: None,
         "fixed": lambda m: DraftLengthController(fixed=True, curve=m.seed_curve(CostCurve())),
-        "cost-aware": lambda m: DraftLengthController(curve=m.seed_curve(CostCurve())),
+        "cost-aware": lambda m: DraftLengthController(curve=m.seed_curve(CostCurve()), model_free=True),
     }
     for k in caps:
         out[f"cap{k}"] = functools.partial(_capped, k)

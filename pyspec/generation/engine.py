@@ -82,6 +82,7 @@ from pyspec.core.batch import Batch
 from pyspec.core.context import Context
 from pyspec.errors import ClosedError, PyspecError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
+from pyspec.generation.contexts import draft_kind
 from pyspec.generation.draft_length import CALIBRATION_SIZES, DraftLengthController, shared_cost_curve
 from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
 from pyspec.generation.queue import Command, EngineQueue
@@ -253,7 +254,7 @@ class Engine(EngineQueue):
             self.draft_ctl = draft_controller or DraftLengthController(
                 fixed=not adaptive_draft, curve=shared_cost_curve(ctx_tgt),
                 n_min=spec.draft.n_min if spec is not None and CommonSpeculativeType.DRAFT_SIMPLE in types else 0,
-                impl=",".join(names))
+                impl=",".join(names), model_free=draft_kind(types) == "none")
             self._calibrate()
         # draft-simple keeps its draft context in step with the target by decoding every target batch
         # on it (process), a decode per step even where the controller drafts nothing. With cost-aware
