@@ -701,7 +701,9 @@ class DraftLengthController:
     reports), not the acceptance and the draft and step costs, which feed only
     the cost-aware choice.
     ``draft_d1`` is a first guess of the seconds a drafted token costs (a draft
-    model's one-token decode), until draft calls are measured.
+    model's one-token decode), until draft calls are measured. ``model_free``: the types
+    draft without a model (n-gram, suffix; the Engine sets it): a draft call's time is
+    taken as per call until calls of many lengths show a per-token part.
     """
 
     # (q1, qn) before anything is known: optimistic, so that a new implementation gets tried;
