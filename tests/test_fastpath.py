@@ -14,10 +14,12 @@ from test_sampling import PROMPT, Side
 from pyspec import Context
 from pyspec.common import sampling as smp
 from pyspec.common import speculative as sp
+from pyspec.common.common import CommonBatch
 from pyspec.common.params import CommonParamsSampling, CommonParamsSpeculative
 from pyspec.common.params import CommonSamplerType as S
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import DraftRequest
+from pyspec.core.batch import Batch
 from pyspec.fastpath import sampler as fp
 from pyspec.ffi import ext, ffi, llama
 from pyspec.generation.backends import PortBackend
@@ -364,3 +366,37 @@ def test_the_engines_draft_samplers_are_fast_and_draft_what_the_ports_draft(targ
             spec.close()
     assert kinds == [{smp.CommonSampler}, {fp.FastSampler}]
     assert drafts[0] == drafts[1] and drafts[0]
+
+
+def test_the_target_batch_reaches_only_implementations_that_read_it(target_model):
+    """The n-gram types' process() ignores its batch: the python backend skips copying the target's rows into a
+    common_batch for them, and hands them to any implementation whose process() is its own."""
+    seen: list[int] = []
+
+    class Reading(sp.CommonSpeculativeImplNgramSimple):
+        def process(self, batch: CommonBatch) -> bool:
+            seen.append(len(batch))
+            return True
+
+    batch = Batch(8, 0, 1)
+    for i, t in enumerate(PROMPT[:5]):
+        batch.add(t, i, 0, i == 4)
+    params = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+    backend = PortBackend(target_model, params, GREEDY, 1)
+    try:
+        assert backend.spec is not None
+        ngram = backend.spec.impls[0]
+        assert type(ngram) is sp.CommonSpeculativeImplNgramSimple
+
+        def record(batch: CommonBatch) -> bool:
+            seen.append(len(batch))
+            return True
+
+        ngram.process = record  # type: ignore[method-assign]  # on the instance: the type keeps the batch-free one
+        assert backend.process(batch)
+        assert seen == [0]  # not copied: the type's own process() reads nothing
+        backend.spec.impls.append(Reading(params, 1, ngram.config))
+        assert backend.process(batch)
+        assert seen == [0, 5, 5]  # one implementation reads it: every one gets the rows
+    finally:
+        backend.close()

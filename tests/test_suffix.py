@@ -134,7 +134,7 @@ def test_a_draft_is_a_continuation_that_occurred_and_at_most_n_max_long(text: li
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=120), st.lists(st.integers(1, 6), min_size=1, max_size=40))
+@given(st.lists(st.integers(0, 3), max_size=120), st.lists(st.integers(1, 24), min_size=1, max_size=40))
 def test_appending_in_pieces_indexes_as_appending_at_once(text: list[int], pieces: list[int]) -> None:
     # a decode step's few tokens take the Python path, a prompt the numpy one: the same chains
     once, inc = _local(text), SuffixIndex()
@@ -221,8 +221,11 @@ def test_bad_arguments_raise_clear_errors() -> None:
         ix.append([2**31])
     with pytest.raises(ValueError, match="int32"):
         ix.draft([2**40], 3)
-    with pytest.raises(ValueError):
-        ix.append(["a"])  # type: ignore[list-item]
+    for bad in (["a"], [1.5], [True, 2], [None]):
+        with pytest.raises(ValueError, match="int32"):
+            ix.append(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="int32"):
+        ix.draft([1, 2.0], 3)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="min_token_prob"):
         ix.draft([1], 3, min_token_prob=1.5)
     for kw in ({"n_max": 0}, {"n_max": -3}, {"max_depth": 0}, {"max_spec_factor": float("nan")},
@@ -419,6 +422,15 @@ def test_rolled_back_or_replaced_history_is_followed() -> None:
             assert impl.seqs[0].index.tail(10**6) == h
             fresh = _local(h).draft(h, 24, limit=len(h) - 1).tokens
             assert got == fresh
+        # a step's growth (Python ints, up to pyspec.suffix.index.FEW tokens) with a few tokens rewound in the
+        # compared window now and then
+        h = hist[:60]
+        for step in range(60):
+            r, k = int(rng.integers(0, 4)) if step % 3 == 0 else 0, int(rng.integers(1, 21))
+            h = h[: len(h) - r] + rng.integers(0, 6, k).tolist()
+            got = _draft(spec, 0, h[:-1], h[-1])
+            assert impl.seqs[0].index.tail(10**6) == h
+            assert got == _local(h).draft(h, 24, limit=len(h) - 1).tokens
 
 
 def test_crash_safety_of_the_implementation() -> None:

@@ -48,7 +48,7 @@ from pyspec.common.speculative import (
     common_speculative_type_to_str,
 )
 from pyspec.errors import SpeculativeError
-from pyspec.suffix.index import GlobalSuffixIndex, SuffixDraft, SuffixIndex, as_tokens, check_int
+from pyspec.suffix.index import FEW, GlobalSuffixIndex, SuffixDraft, SuffixIndex, as_tokens, check_int, token_list
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
@@ -172,33 +172,40 @@ class SuffixImpl(CommonSpeculativeImpl):
         return True
 
     def _sync(self, st: _SeqState, prompt: Sequence[int], id_last: int) -> None:
-        """Make the local index hold ``prompt + [id_last]``, appending, or rolling back where they differ."""
+        """Make the local index hold ``prompt + [id_last]``, appending, or rolling back where they differ.
+
+        A step's growth (the common case) is compared and appended as Python ints: in the generation loop
+        each numpy call costs several times its warm cost (pyspec.suffix.index.FEW)."""
         idx = st.index
         n_p = len(prompt)
         n_t = n_p + 1
+        (id_last,) = token_list([id_last], "id_last")
         if not st.active:  # drafting without a begin: the history so far counts as the prompt
             idx.clear()
             st.n_prompt, st.active = n_p, True
         c = min(idx.n, n_t)
         a = max(0, c - _SYNC_WINDOW)
         if c > a:
-            have = idx.tokens[a:c]
-            want = as_tokens(prompt[a : min(c, n_p)], "prompt")
+            have = idx.tokens[a:c].tolist()
+            want = token_list(prompt[a : min(c, n_p)], "prompt")
             if c == n_t:
-                want = np.append(want, np.int64(id_last))
-            diff = np.flatnonzero(have != want)
-            if diff.size and a > 0:  # not a step's growth: the whole history is compared (O(context), rare)
-                want = as_tokens(prompt[: min(c, n_p)], "prompt")
-                if c == n_t:
-                    want = np.append(want, np.int64(id_last))
-                diff = np.flatnonzero(idx.tokens[:c] != want)
-            if diff.size:
-                c = int(diff[0]) if a > 0 else a + int(diff[0])
+                want.append(id_last)
+            if have != want:
+                if a > 0:  # not a step's growth: the whole history is compared (O(context), rare)
+                    full = as_tokens(prompt[: min(c, n_p)], "prompt")
+                    if c == n_t:
+                        full = np.append(full, np.int64(id_last))
+                    c = int(np.flatnonzero(idx.tokens[:c] != full)[0])
+                else:
+                    c = next(i for i, (x, y) in enumerate(zip(have, want, strict=True)) if x != y)
         if c < idx.n:
             idx.truncate(c)
             st.n_prompt = min(st.n_prompt, c)
         if c < n_t:  # then c <= n_p: the rest of the history, then id_last
-            idx.append(np.append(as_tokens(prompt[c:n_p], "prompt"), np.int64(id_last)))
+            if n_p - c < FEW:
+                idx.append([*token_list(prompt[c:n_p], "prompt"), id_last])
+            else:
+                idx.append(np.append(as_tokens(prompt[c:n_p], "prompt"), np.int64(id_last)))
 
     def draft_one(self, seq_id: int, dp: CommonSpeculativeDraftParams) -> SuffixDraft:
         """The better of the local and the global draft for ``seq_id``'s history (not written to dp)."""

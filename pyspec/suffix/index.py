@@ -53,13 +53,17 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["SENTINEL", "GlobalSuffixIndex", "SuffixDraft", "SuffixIndex", "as_tokens", "check_int", "index_levels"]
+__all__ = [
+    "FEW", "SENTINEL", "GlobalSuffixIndex", "SuffixDraft", "SuffixIndex", "as_tokens", "check_int", "index_levels",
+    "token_list",
+]
 
 # separates requests in the global index: outside int32, so no llama_token equals it
 SENTINEL = -(1 << 40)
@@ -70,6 +74,11 @@ _GOLD = 0x9E3779B97F4A7C15  # Fibonacci hashing: the bucket is the product's top
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _MIN_CAP = 1024
 _CHUNK = 1 << 16
+# at most this many tokens take the Python paths (token_list, _link_few): a decode step's, or an accepted draft's.
+# In the generation loop the decode before each draft call has evicted the caches, and there each numpy call
+# costs several times what it does in a warm loop (Gemma 3 270M, 2 threads: a draft call 300 us against 100)
+FEW = 64
+_FEW_CANDIDATES = 8  # a match's occurrences compared one by one in Python, up to this many
 
 
 def index_levels(max_depth: int) -> tuple[int, ...]:
@@ -105,6 +114,21 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def token_list(tokens: Sequence[int] | np.ndarray, what: str) -> list[int]:
+    """A few ``tokens`` as a list of Python ints, checked as :func:`as_tokens` checks them (ValueError)."""
+    if isinstance(tokens, np.ndarray):
+        return list(as_tokens(tokens, what).tolist())
+    try:
+        out = [operator.index(t) for t in tokens]
+    except TypeError as e:
+        raise ValueError(f"{what} must be a sequence of int32 token ids: {e}") from None
+    if out and (min(out) < _INT32_MIN or max(out) > _INT32_MAX):
+        raise ValueError(f"{what} must be int32 token ids (llama_token)")
+    if bool in map(type, tokens):
+        raise ValueError(f"{what} must be int32 token ids, got a bool")
+    return out
+
+
 def _window_hashes(w: np.ndarray, levels: tuple[int, ...]) -> list[np.ndarray]:
     """For each level k, the hash of the k-gram ending at each index of ``w`` (garbage for x < k - 1).
 
@@ -134,14 +158,23 @@ def _powers(n: int) -> tuple[np.ndarray, tuple[int, ...]]:
     return np.array(ints, np.uint64), tuple(ints)
 
 
-def _suffix_hashes(ctx_rev: np.ndarray, levels: tuple[int, ...]) -> dict[int, int]:
+def _suffix_hashes(ctx_rev: list[int], levels: tuple[int, ...]) -> dict[int, int]:
     """The hash (as _window_hashes) of the context's last k tokens, for each level k <= len(ctx).
 
-    ``ctx_rev`` is the context reversed (newest first); uint64 sums wrap mod 2^64 like the hash."""
+    ``ctx_rev`` is the context reversed (newest first). In Python ints (at most max_depth terms): a draft
+    call's numpy calls cost most of it in the generation loop (FEW)."""
     n = min(len(ctx_rev), levels[-1])
-    pw = _powers(levels[-1])[0]
-    sums = np.cumsum((ctx_rev[:n] + 1).astype(np.uint64) * pw[:n])
-    return {k: int(sums[k - 1]) for k in levels if k <= n}
+    pw = _powers(levels[-1])[1]
+    out: dict[int, int] = {}
+    h = done = 0
+    for k in levels:
+        if k > n:
+            break
+        for j in range(done, k):
+            h = (h + ((ctx_rev[j] + 1) & _MASK) * pw[j]) & _MASK
+        done = k
+        out[k] = h
+    return out
 
 
 @dataclass(frozen=True)
@@ -286,7 +319,7 @@ class SuffixIndex:
         self._roll = (b - 1, w0, hs, last_sent)
 
     def _link_chunk(self, a: int, b: int) -> None:
-        if b - a <= 4:
+        if b - a <= FEW // 4:  # each token costs a Python loop per level: cheaper than numpy's calls up to ~16
             self._link_few(a, b)
             return
         self._roll = None
@@ -313,13 +346,20 @@ class SuffixIndex:
 
     def append(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Index ``tokens`` after the text (int32 token ids; SENTINEL ends a request)."""
-        a = tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 else as_tokens(tokens, "tokens")
-        if a.size == 0:
+        a: np.ndarray | list[int]
+        if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
+            a = tokens
+        elif not isinstance(tokens, np.ndarray) and len(tokens) <= FEW:
+            a = token_list(tokens, "tokens")
+        else:
+            a = as_tokens(tokens, "tokens")
+        k = len(a)
+        if k == 0:
             return
-        self._reserve(int(a.size))
+        self._reserve(k)
         old = self.n
-        self.tokens[old : old + a.size] = a
-        self.n = old + int(a.size)
+        self.tokens[old : old + k] = a
+        self.n = old + k
         self._link_range(old, self.n)
 
     def truncate(self, n: int) -> None:
@@ -384,7 +424,7 @@ class SuffixIndex:
         if not ctx or self.n <= self.lo:
             return 0, np.zeros(0, np.intp)
         d = min(len(ctx), self.max_depth)
-        ctx_rev = np.array(ctx[::-1][:d], np.int64)
+        ctx_rev = ctx[: -d - 1 : -1]
         hs = _suffix_hashes(ctx_rev, self.levels)
         for li in range(len(self.levels) - 1, -1, -1):
             k = self.levels[li]
@@ -393,15 +433,31 @@ class SuffixIndex:
             cands = self._candidates(li, hs[k], ctx[-1], lim)
             if not cands:
                 continue
+            if len(cands) <= _FEW_CANDIDATES:  # each compared in Python: fewer numpy calls than the block
+                lens_l = [self._common_suffix(p, ctx_rev) for p in cands]
+                m = max(lens_l)
+                if m < k:
+                    continue
+                return m, np.array([p + 1 for p, n in zip(cands, lens_l, strict=True) if n == m], np.intp)
             p = np.array(cands, np.intp)
             idx = p[:, None] - np.arange(d)[None, :]
-            eq = (self.tokens[np.maximum(idx, self.lo)] == ctx_rev[None, :]) & (idx >= self.lo)
+            eq = (self.tokens[np.maximum(idx, self.lo)] == np.array(ctx_rev, np.int64)[None, :]) & (idx >= self.lo)
             lens = np.where(eq.all(axis=1), d, eq.argmin(axis=1))
             m = int(lens.max())
             if m < k:  # hash collisions only
                 continue
             return m, p[lens == m] + 1
         return 0, np.zeros(0, np.intp)
+
+    def _common_suffix(self, p: int, ctx_rev: list[int]) -> int:
+        """How many of ``ctx_rev`` (newest first) the text ending at position p repeats (not before lo)."""
+        seg = self.tokens[max(self.lo, p - len(ctx_rev) + 1) : p + 1].tolist()
+        n = 0
+        for x, y in zip(reversed(seg), ctx_rev, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
 
     def walk(self, ends: np.ndarray, max_spec: int, min_token_prob: float, *,
              open_end: bool = False) -> tuple[list[int], list[float]]:
@@ -413,12 +469,17 @@ class SuffixIndex:
         if max_spec <= 0 or ends.size == 0:
             return [], []
         n = self.n
-        width = min(max_spec, n - int(ends.min()))  # the columns any occurrence has inside the text
-        idx = ends[:, None] + np.arange(width)[None, :]
-        inside = idx < n
-        rows = np.where(inside, self.tokens[np.minimum(idx, n - 1)], SENTINEL).tolist()
+        ends_l: list[int] = ends.tolist()
+        width = min(max_spec, n - min(ends_l))  # the columns any occurrence has inside the text
+        rows: list[list[int]]
+        if len(ends_l) <= _FEW_CANDIDATES:  # a slice each: fewer numpy calls than the gather (FEW)
+            rows = [self.tokens[e : min(n, e + width)].tolist() for e in ends_l]
+            rows = [r + [SENTINEL] * (width - len(r)) for r in rows]
+        else:
+            idx = ends[:, None] + np.arange(width)[None, :]
+            rows = np.where(idx < n, self.tokens[np.minimum(idx, n - 1)], SENTINEL).tolist()
         # row r's token j lies past the end when j >= n - end_r: it is then the draft's token j - (n - end_r)
-        period = (n - ends).tolist() if open_end else None
+        period = [n - e for e in ends_l] if open_end else None
 
         def token(r: int, j: int, out: list[int]) -> int:
             t: int = rows[r][j] if j < width else SENTINEL
@@ -464,7 +525,7 @@ class SuffixIndex:
             raise ValueError(f"max_spec_factor must be finite and >= 0, got {max_spec_factor}")
         if not 0.0 <= min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
-        tail: list[int] = as_tokens(ctx[-self.max_depth :], "context").tolist()
+        tail = token_list(ctx[-self.max_depth :], "context")
         m, ends = self.match(tail, limit)
         if m == 0:
             return _EMPTY
