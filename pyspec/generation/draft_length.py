@@ -440,7 +440,10 @@ class Acceptance:
 
     def counts(self) -> tuple[float, float, float, float]:
         """(first tested, first accepted, next tested, next accepted), decayed."""
-        return self.first_tested, self.first_accepted, self.next_tested, self.next_accepted
+        g = self._g  # the properties' reads, inline: a step reads these once per pending draft
+        if not self._t:
+            return 0.0, 0.0, self._tn * g, self._an * g
+        return self._t[0] * g, self._a[0] * g, self._tn * g, self._an * g
 
     def rates(self, prior: tuple[float, float], weight: float) -> tuple[float, float]:
         """(q1, qn) shrunk towards ``prior`` as if it were ``weight`` more observations."""
@@ -484,7 +487,8 @@ class _Share:
     def add(self, acc: Acceptance, before: Sequence[float], n0: int) -> None:
         """``acc`` went from ``before`` (its counts when it had ``n0`` drafts) to now by this sequence's update."""
         k = acc.decay ** (acc.n_drafts - n0)  # the update decayed the old counts by k: the share too
-        self.counts = [c + (x - b * k) for c, x, b in zip(self.now(acc), acc.counts(), before, strict=True)]
+        k_at = acc.decay ** (acc.n_drafts - self.at)  # self.now(acc), inline
+        self.counts = [c * k_at + (x - b * k) for c, x, b in zip(self.counts, acc.counts(), before, strict=True)]
         self.at = acc.n_drafts
 
 
@@ -890,7 +894,9 @@ class DraftLengthController:
         name = impl or self.impl
         s = self._seq(seq_id)
         acc = self._acc(name, None)
-        share = s.share.setdefault(name, _Share(at=acc.n_drafts))
+        share = s.share.get(name)
+        if share is None:
+            share = s.share[name] = _Share(at=acc.n_drafts)
         before, n0 = acc.counts(), acc.n_drafts
         update(acc)
         share.add(acc, before, n0)
