@@ -487,8 +487,7 @@ class _Share:
     def add(self, acc: Acceptance, before: Sequence[float], n0: int) -> None:
         """``acc`` went from ``before`` (its counts when it had ``n0`` drafts) to now by this sequence's update."""
         k = acc.decay ** (acc.n_drafts - n0)  # the update decayed the old counts by k: the share too
-        k_at = acc.decay ** (acc.n_drafts - self.at)  # self.now(acc), inline
-        self.counts = [c * k_at + (x - b * k) for c, x, b in zip(self.counts, acc.counts(), before, strict=True)]
+        self.counts = [c + (x - b * k) for c, x, b in zip(self.now(acc), acc.counts(), before, strict=True)]
         self.at = acc.n_drafts
 
 
