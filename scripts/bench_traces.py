@@ -403,13 +403,8 @@ def _spread(xs: list[float]) -> str:
 
 def timed(traces: dict[str, list[Step]], type_list: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each type on each trace, ``args.repeat`` times, a fresh Engine each run; interleaved (repeats outermost,
-    then traces, then types) so that a change in the machine's speed touches every type alike.
-
-    Per trace and type: the first run's counts and tokens, the median seconds and per-request speed, and the
-    paired ratios of each repeat: ``vs_plain_runs`` (tok/s over plain decoding's in the same repeat; needs
-    "none" among the types), ``vs_best_ngram_runs`` (over the fastest n-gram type other than this one in the
-    same repeat), and ``lowest_request_vs_plain`` (the lowest, over requests, of each request's median ratio to
-    plain)."""
+    then traces, then types) so that a change in the machine's speed touches every type alike. The results
+    are :func:`summarise`'s."""
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for rep in range(args.repeat):
         for name, steps in traces.items():
@@ -418,22 +413,32 @@ def timed(traces: dict[str, list[Step]], type_list: list[str], args: argparse.Na
                       flush=True)
                 with _load(args, types) as eng:
                     runs.setdefault((name, types), []).append(run_trace(eng, steps))
+    return summarise(runs, {name: len(steps) for name, steps in traces.items()}, type_list)
+
+
+def summarise(runs: dict[tuple[str, str], list[dict[str, Any]]], n_requests: dict[str, int],
+              type_list: list[str]) -> dict[str, dict[str, Any]]:
+    """Per trace and type, from ``runs[(trace, type)]`` (:func:`run_trace`'s results, repeat k at index k):
+    the first run's counts and tokens, the median seconds and per-request speed, and the paired ratios of
+    each repeat: ``vs_plain_runs`` (tok/s over plain decoding's in the same repeat; needs "none" among the
+    types), ``vs_best_ngram_runs`` (over the fastest n-gram type other than this one in the same repeat), and
+    ``lowest_request_vs_plain`` (the lowest, over requests, of each request's median ratio to plain)."""
     results: dict[str, dict[str, Any]] = {}
-    for name, steps in traces.items():
+    for name, n_req in n_requests.items():
         tps = {t: [x["n_gen"] / x["seconds"] for x in runs[(name, t)]] for t in type_list}
         plain = runs.get((name, "none"))
         for types in type_list:
             rr = runs[(name, types)]
             others = [t for t in type_list if _is_ngram(t) and t != types]
             r = dict(rr[0], seconds=statistics.median(x["seconds"] for x in rr),
-                     per_request=[statistics.median(x["per_request"][i] for x in rr) for i in range(len(steps))])
+                     per_request=[statistics.median(x["per_request"][i] for x in rr) for i in range(n_req)])
             r["vs_plain_runs"] = [a / b for a, b in zip(tps[types], tps["none"], strict=True)] if plain else []
             r["vs_best_ngram_runs"] = [tps[types][k] / max(tps[t][k] for t in others)
-                                       for k in range(args.repeat)] if others else []
+                                       for k in range(len(rr))] if others else []
             r["vs_plain"] = statistics.median(r["vs_plain_runs"]) if plain else None
             r["lowest_request_vs_plain"] = min(
                 statistics.median(x["per_request"][i] / p["per_request"][i] for x, p in zip(rr, plain, strict=True))
-                for i in range(len(steps))) if plain else None
+                for i in range(n_req)) if plain else None
             results.setdefault(name, {})[types] = r
     return results
 
