@@ -55,7 +55,14 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
 from pyspec.cli.bench import BUILTIN_PROMPTS  # noqa: E402
 from pyspec.common import speculative as sp  # noqa: E402
 from pyspec.generation.contexts import parse_types, spec_params  # noqa: E402
-from pyspec.generation.draft_replay import Trace, copy_bound, policies, replay_session  # noqa: E402
+from pyspec.generation.draft_replay import (  # noqa: E402
+    Trace,
+    controller_settings,
+    copy_bound,
+    parse_setting,
+    policies,
+    replay_session,
+)
 from pyspec.generation.driver import greedy_sampling  # noqa: E402
 from pyspec.generation.engine import Engine  # noqa: E402
 from pyspec.generation.requests import Request  # noqa: E402
@@ -463,7 +470,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="speed on a modelled clock, without the model, from a --trace-file's recorded plain tokens: "
                          "a machine profile of scripts/draft_length_sim.py (gemma-2t, gemma-1t, ...)")
     ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an experiment: a DraftLengthController constant changed for the timed runs and the "
+                         "replay (e.g. MARGIN=1.05, PRIOR='(0.6, 0.85)'); repeatable")
     args = ap.parse_args(argv)
+    try:
+        for item in args.set:
+            parse_setting(item)
+    except ValueError as e:
+        raise SystemExit(f"bench_traces: --set: {e}") from None
+    with controller_settings(args.set):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.getLogger("pyspec").setLevel(logging.ERROR)
     if args.trace_file:
         traces = json.loads(Path(args.trace_file).read_text())

@@ -39,8 +39,15 @@ if (_repo / "pyspec" / "lib").is_dir() and any((_repo / "pyspec" / "lib").glob("
 from pyspec.cli.bench import BUILTIN_PROMPTS, run_once  # noqa: E402
 from pyspec.common.params import CommonSpeculativeType as T  # noqa: E402
 from pyspec.generation.contexts import load_models, parse_types  # noqa: E402
-from pyspec.generation.draft_length import DraftLengthController  # noqa: E402
-from pyspec.generation.draft_replay import Machine, PromptResult, Trace, compare, policies  # noqa: E402
+from pyspec.generation.draft_replay import (  # noqa: E402
+    Machine,
+    PromptResult,
+    Trace,
+    compare,
+    controller_settings,
+    parse_setting,
+    policies,
+)
 
 TYPES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 # the bench's n-gram settings (pyspec bench's --ngram-n / --ngram-m defaults)
@@ -169,12 +176,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     traces = read_traces(args.traces)
     if args.n_predict:
         traces = [Trace(t.prompt, t.target[: args.n_predict], t.name) for t in traces]
+    try:
+        for item in args.set or []:
+            parse_setting(item)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
+    with controller_settings(args.set or []):  # an experiment: the controller's constants changed
+        return _run(args, traces)
+
+
+def _run(args: argparse.Namespace, traces: list[Trace]) -> int:
     seeds = range(args.seeds)
-    for item in args.set or []:  # an experiment: a class attribute of the controller changed
-        name, _, value = item.partition("=")
-        if not hasattr(DraftLengthController, name):
-            raise SystemExit(f"--set: DraftLengthController has no attribute {name!r}")
-        setattr(DraftLengthController, name, type(getattr(DraftLengthController, name))(float(value)))
     print("machine / type: cost-aware tok/s over max(plain, fixed): worst prompt, median where drafting pays; "
           "over the oracle (best fixed length per prompt): worst, median")
     failed = 0
@@ -217,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", "-v", action="store_true", help="every prompt")
     p.add_argument("--strict", action="store_true", help="exit 1 when a row falls short of the issue's figures")
     p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                   help="an experiment: set a DraftLengthController class attribute (e.g. GUARD_MIN=1e9)")
+                   help="an experiment: a DraftLengthController constant changed (e.g. GUARD_MIN=1e9, "
+                        "PRIOR='(0.6, 0.85)'); repeatable")
     p.set_defaults(func=cmd_run)
     args = ap.parse_args(argv)
     return int(args.func(args))

@@ -8,7 +8,17 @@ from hypothesis import strategies as st
 
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.draft_length import CappedDraftLength, CostCurve, DraftLengthController
-from pyspec.generation.draft_replay import Machine, Trace, compare, copy_bound, policies, replay, replay_session
+from pyspec.generation.draft_replay import (
+    Machine,
+    Trace,
+    compare,
+    controller_settings,
+    copy_bound,
+    parse_setting,
+    policies,
+    replay,
+    replay_session,
+)
 from pyspec.suffix.impl import SuffixParams
 
 MS = 1e-3
@@ -181,3 +191,59 @@ def test_no_drafter_that_copies_a_passage_beats_the_copy_bound(session: list[tup
         for name in ("fixed", "cost-aware", "cap3"):
             runs = replay_session(traces, types, policies()[name](machine), machine, spec_kw=SPEC_KW, suffix=sfx)
             assert t_plain / (sum(r.seconds for r in runs) / sum(r.n_tokens for r in runs)) <= bound * (1 + 1e-9)
+
+
+# --- experiments: the controller's constants changed for a replay ----------------------------------
+
+def test_a_setting_takes_the_kind_of_the_constant_it_changes():
+    assert parse_setting("MARGIN=1") == ("MARGIN", 1.0) and isinstance(parse_setting("MARGIN=1")[1], float)
+    assert parse_setting(" PRIOR = (0.6, 0.85) ") == ("PRIOR", (0.6, 0.85))
+    assert parse_setting("MAX_PENDING=8") == ("MAX_PENDING", 8)
+    assert parse_setting("GUARD_POLICIES=(1,)") == ("GUARD_POLICIES", (1,))  # tuple[int, ...]: any length
+
+
+@pytest.mark.parametrize("item, why", [
+    ("MARGIN", "NAME=VALUE"),
+    ("margin=1.0", "NAME=VALUE"),
+    ("NO_SUCH=1", "NAME=VALUE"),
+    ("MARGIN=fast", "literal"),
+    ("MARGIN=__import__('os')", "literal"),
+    ("MARGIN=(1, 2)", "kind"),
+    ("MARGIN=True", "kind"),
+    ("MARGIN=1e999", "kind"),
+    ("MAX_PENDING=2.5", "kind"),
+    ("PRIOR=(0.5,)", "kind"),
+    ("PRIOR=('a', 'b')", "kind"),
+    ("MARGIN=" + "(" * 5000 + ")" * 5000, "literal"),
+    ("GUARD_POLICIES=(1.5,)", "kind"),
+])
+def test_a_bad_setting_is_refused_with_what_is_wrong(item, why):
+    with pytest.raises(ValueError, match=why):
+        parse_setting(item)
+
+
+def test_settings_hold_inside_the_block_and_are_undone_after_it():
+    margin, prior = DraftLengthController.MARGIN, DraftLengthController.PRIOR
+    with controller_settings(["MARGIN=1.5", "PRIOR=(0.5, 0.6)"]) as got:
+        assert got == {"MARGIN": 1.5, "PRIOR": (0.5, 0.6)}
+        assert (DraftLengthController().MARGIN, CappedDraftLength(2).PRIOR) == (1.5, (0.5, 0.6))
+    assert (DraftLengthController.MARGIN, DraftLengthController.PRIOR) == (margin, prior)
+    with pytest.raises(RuntimeError), controller_settings(["MARGIN=2.0"]):
+        raise RuntimeError("a failed experiment")
+    assert DraftLengthController.MARGIN == margin
+    # a bad item anywhere changes nothing
+    with pytest.raises(ValueError), controller_settings(["MARGIN=3.0", "PRIOR=oops"]):
+        pass
+    assert DraftLengthController.MARGIN == margin
+
+
+def test_a_setting_changes_what_the_replay_plays():
+    # a margin no draft can meet, and no guard to verify whole drafts instead, hold the cost-aware controller at
+    # plain decoding on a repeated passage
+    tr = periodic()
+    ctl = policies()["cost-aware"]
+    before = replay(tr, [T.NGRAM_SIMPLE], ctl(CPU), CPU, spec_kw=SPEC_KW)
+    with controller_settings(["MARGIN=100.0", "GUARD_POLICIES=(1,)"]):
+        held = replay(tr, [T.NGRAM_SIMPLE], ctl(CPU), CPU, spec_kw=SPEC_KW)
+    assert before.drafts and any(a > 0 for _, a in before.drafts)
+    assert held.drafts == [] and held.n_steps == held.n_tokens > before.n_steps

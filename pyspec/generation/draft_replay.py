@@ -34,10 +34,13 @@ it would learn in the engine.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import functools
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +66,9 @@ __all__ = [
     "ReplayResult",
     "Trace",
     "compare",
+    "controller_settings",
     "copy_bound",
+    "parse_setting",
     "policies",
     "replay",
     "replay_session",
@@ -350,6 +355,60 @@ def policies(caps: Sequence[int] = (1, 2, 3, 4, 6, 8)) -> dict[str, Policy]:
 
 def _capped(limit: int, machine: Machine) -> DraftLengthController:
     return CappedDraftLength(limit, curve=machine.seed_curve(CostCurve()))
+
+
+# --- experiments: the controller's constants changed -----------------------------------------
+
+def _like(old: Any, new: Any, variadic: bool = False) -> Any:
+    """``new`` as a value of ``old``'s kind (a bool, an int, a float, or a tuple of them of the same length, or of
+    any length where ``variadic``: a constant declared ``tuple[X, ...]``)."""
+    if isinstance(old, bool) or isinstance(new, bool):
+        if type(old) is type(new):
+            return new
+    elif isinstance(old, int) and isinstance(new, int):
+        return new
+    elif isinstance(old, float) and isinstance(new, (int, float)) and math.isfinite(new):
+        return float(new)
+    elif isinstance(old, tuple) and isinstance(new, (tuple, list)) and len(old) == len(new):
+        return tuple(_like(o, n) for o, n in zip(old, new, strict=True))
+    elif variadic and isinstance(old, tuple) and isinstance(new, (tuple, list)) and old:
+        return tuple(_like(old[0], n) for n in new)
+    raise ValueError(f"{new!r} is not of the kind of {old!r}")
+
+
+def parse_setting(item: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` as (name, value) for one of :class:`DraftLengthController`'s constants (its upper-case class
+    attributes), the value a Python literal of the constant's kind; ValueError naming what is wrong."""
+    name, eq, text = item.partition("=")
+    name = name.strip()
+    if not eq or not name.isupper() or not hasattr(DraftLengthController, name):
+        known = ", ".join(sorted(n for n in vars(DraftLengthController) if n.isupper()))
+        raise ValueError(f"{item!r}: not NAME=VALUE for a DraftLengthController constant ({known})")
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise ValueError(f"{item!r}: the value must be a Python literal") from None
+    declared = str(typing.get_type_hints(DraftLengthController).get(name, ""))
+    try:
+        return name, _like(getattr(DraftLengthController, name), value, declared.endswith(", ...]"))
+    except ValueError as e:
+        raise ValueError(f"{item!r}: {e}") from None
+
+
+@contextlib.contextmanager
+def controller_settings(items: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """Inside the block, :class:`DraftLengthController`'s constants as ``items`` (``NAME=VALUE``, see
+    :func:`parse_setting`) set them, for every controller (the Engine's too); an experiment on the replay
+    without editing the module. Yields the settings; every value is checked before any is set."""
+    settings = dict(parse_setting(item) for item in items)
+    old = {name: vars(DraftLengthController)[name] for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(DraftLengthController, name, value)
+        yield settings
+    finally:
+        for name, value in old.items():
+            setattr(DraftLengthController, name, value)
 
 
 @dataclass
