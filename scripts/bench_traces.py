@@ -36,6 +36,7 @@ Speed figures need a quiet machine; the acceptance figures do not.
     python scripts/bench_traces.py --threads 2 --repeat 3
     python scripts/bench_traces.py --types none,ngram-mod,suffix --record traces.json --json out.json
     python scripts/bench_traces.py --trace-file traces.json --repeat 3
+    python scripts/bench_traces.py --trace-file traces.json --replay gemma-2t-b --set PRIOR_WEIGHT_POS=1.0
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ then the worst prompt and the median over the prompts where drafting pays.
     python scripts/draft_length_sim.py record --tiny --out /tmp/tiny.json -n 128
     python scripts/draft_length_sim.py run --traces /tmp/gemma.json --machines gemma-2t,gemma-1t
     python scripts/draft_length_sim.py run --traces /tmp/tiny.json --machines tiny-1t --types ngram-mod -v
+    python scripts/draft_length_sim.py run --traces /tmp/gemma.json --set GUARD_MARGIN=0.1 --set "PRIOR=(0.6, 0.85)"
     python scripts/draft_length_sim.py prompts --out /tmp/prompts.txt   # the same prompts for pyspec bench -f
 
 Everything here is exact and repeatable: tokens per second on a modelled clock, not a

@@ -397,9 +397,10 @@ def parse_setting(item: str) -> tuple[str, Any]:
 
 @contextlib.contextmanager
 def controller_settings(items: Sequence[str]) -> Iterator[dict[str, Any]]:
-    """Inside the block, :class:`DraftLengthController`'s constants as ``items`` (``NAME=VALUE``, see
-    :func:`parse_setting`) set them, for every controller (the Engine's too); an experiment on the replay
-    without editing the module. Yields the settings; every value is checked before any is set."""
+    """Sets the :class:`DraftLengthController` constants that ``items`` name (``NAME=VALUE``, see
+    :func:`parse_setting`) for the block, for every controller (the Engine's too), and puts them back after it:
+    an experiment on the replay without editing the module. Every value is checked before any is set; yields
+    the settings."""
     settings = dict(parse_setting(item) for item in items)
     old = {name: vars(DraftLengthController)[name] for name in settings}
     try:
