@@ -3,27 +3,13 @@ acceptance of real implementations on a made-up trace."""
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_traces", ROOT / "scripts" / "bench_traces.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_traces"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _script()
+B = load_script("bench_traces")
 
 
 def _run(tps: float, per_request: list[float], n_gen: int = 100) -> dict[str, Any]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import http.server
-import importlib.util
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from pyspec.testing.models import llama_cpp_dir
 
@@ -18,12 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bump():
-    spec = importlib.util.spec_from_file_location("bump_llama", ROOT / "scripts" / "bump_llama.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bump_llama"] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    yield mod
+    yield load_script("bump_llama")
     del sys.modules["bump_llama"]
 
 

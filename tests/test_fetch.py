@@ -4,7 +4,6 @@ index, verified, cached and extracted; every failure stops with a message that s
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from script_modules import load_script
 
 from pyspec import version
 
@@ -23,18 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "fetch_llama.py"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fetch_llama", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def fetch(tmp_path, monkeypatch) -> ModuleType:
     """The script as a module, with an empty cache and no archive override."""
-    mod = load_script()
+    mod = load_script("fetch_llama")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(mod.ARCHIVE_ENV, raising=False)
     return mod
@@ -182,7 +174,7 @@ def test_offline_the_script_says_what_failed_and_what_to_do(tmp_path):
     )
     assert res.returncode == 1, res.stderr
     err = res.stderr
-    fetch = load_script()
+    fetch = load_script("fetch_llama")
     assert f"could not download {fetch.ARCHIVE}" in err
     assert "http://127.0.0.1:9/simple" in err and "Connection refused" in err
     assert f"{fetch.ARCHIVE_ENV}=/path/to/{fetch.ARCHIVE}" in err and fetch.SHA256 in err

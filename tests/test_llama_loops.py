@@ -8,13 +8,12 @@ off, greedy, fixed draft lengths); see docs/parity.md, "llama.cpp's own loop".
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 from pyspec import Model
 from pyspec.generation.contexts import default_model_path
@@ -24,16 +23,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _loops():
-    spec = importlib.util.spec_from_file_location("llama_loops", ROOT / "scripts" / "llama_loops.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["llama_loops"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-L = _loops()
+L = load_script("llama_loops")
 
 
 @pytest.fixture(scope="module")
