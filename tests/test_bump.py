@@ -13,8 +13,6 @@ from script_modules import load_script
 
 from pyspec.testing.models import llama_cpp_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def bump():

@@ -20,9 +20,6 @@ from pyspec.generation.contexts import default_model_path
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 L = load_script("llama_loops")
 
 
