@@ -496,6 +496,22 @@ def test_the_acceptance_of_a_passage_ending_at_one_position_is_not_taken_for_geo
     assert expected_tokens(q1, qn, 7) < expected_tokens(1.0, 1.0, 7) - 1.5  # what the two rates would say
 
 
+def test_a_new_sequence_knows_where_the_earlier_sequences_drafts_went_wrong():
+    # a server's requests fill one template: each draft copies the template's opening and is rejected at
+    # its 4th token (where each request's own value goes). A new request, with no drafts of its own, is
+    # expected to do the same: its estimate follows each position of the earlier ones' drafts, not a rate
+    # for all later positions (which would read 0.69 and call an 8-token draft worth 3.8 tokens)
+    ctl = controller(CPU_CURVE)
+    for seq_id in range(6):
+        feed(ctl, seq_id, [(8, 3)])
+    sv = ctl.survival(6, 8)
+    assert sv[2] > 0.75 and sv[3] < 0.2 and sum(sv) == pytest.approx(3.0, abs=0.25)
+    assert expected_tokens(*ctl.rates(6), 8) > sum(sv) + 0.5  # what the two rates alone would say
+    # its own drafts, where they differ, take over: accepted whole three times, it verifies beyond the 4th
+    feed(ctl, 7, [(8, 8)] * 3)
+    assert ctl.survival(7, 8)[3] > 0.5
+
+
 def test_a_trimmed_drafts_tail_is_learned_from_what_follows_when_the_kept_part_is_accepted():
     # 3 of a draft of 8 verified and accepted; the 5 cut ones are compared with the tokens that come
     # next (the step's own token first): 2 of them match, so the draft counts as 8 drafted, 5 accepted

@@ -18,8 +18,9 @@ for, from what it measures on the machine it runs on:
 - the **acceptance** of each implementation and each sequence, per position in the
   passage a draft copies (:class:`Acceptance`): P(the first k draft tokens are
   accepted) is the product of each position's rate, the sequence's counts shrunk
-  towards its two rates (first position; later ones), those towards the
-  implementation's, those towards a prior;
+  towards the implementation's at that position (over every sequence's drafts of
+  the class), those towards the sequence's two rates (first position; later ones),
+  those towards the implementation's, those towards a prior;
 - the **draft cost** d(n) = d0 + d1 * n of each implementation (n-gram lookups
   cost next to nothing, a draft model a decode per token) and the loop's own
   time per step o(b) = o0 + o1 * b, b the rows verified (each is sampled: on a
@@ -407,17 +408,15 @@ class Acceptance:
         """Per position, the decayed acceptances."""
         return [x * self._g for x in self._a]
 
-    def hazards(self, rates: tuple[float, float], start: int, n: int, weight: float) -> list[float]:
-        """For positions start..start + n - 1: P(accepted | the draft's tokens before it were). Each
-        position's counts are shrunk towards ``rates`` (position 0's: the first; the others': the second)
-        as if it were ``weight`` more tests: a position seldom tested keeps the rate, one tested often
-        its own."""
-        t, a, g = self._t, self._a, self._g
-        w = weight / g  # in stored units
+    def hazards(self, prior: Sequence[float], start: int, weight: float) -> list[float]:
+        """For positions start..start + len(prior) - 1: P(accepted | the draft's tokens before it were). Each
+        position's counts are shrunk towards its prior (``prior[j]`` for position start + j) as if it were
+        ``weight`` more tests: a position seldom tested keeps its prior, one tested often its own rate."""
+        t, a = self._t, self._a
+        w = weight / self._g  # in stored units
         out = []
-        for p in range(start, start + n):
-            p = min(p, MAX_POSITION)
-            q = rates[0] if p == 0 else rates[1]
+        for j, q in enumerate(prior):
+            p = min(start + j, MAX_POSITION)
             out.append((a[p] + w * q) / (t[p] + w) if p < len(t) else q)
         return out
 
@@ -715,7 +714,9 @@ class DraftLengthController:
     PRIOR_WEIGHT_IMPL = 2.0  # the prior counts as this many drafts of an implementation
     PRIOR_WEIGHT_BUCKET = 2.0  # an implementation's rates count as this many drafts of one of its buckets
     PRIOR_WEIGHT_SEQ = 3.0  # an implementation's rates count as this many drafts of a sequence
-    PRIOR_WEIGHT_POS = 2.0  # a sequence's rates count as this many tests of each passage position
+    PRIOR_WEIGHT_POOL = 2.0  # a sequence's rates count as this many tests of each passage position of its
+    # implementation's (all sequences')
+    PRIOR_WEIGHT_POS = 2.0  # those count as this many tests of each passage position of the sequence's own
     MARGIN = 1.02  # a draft must promise 2% more tokens per second than plain decoding
     DRAFT_RIDGE = 16.0  # tokens²: LinearCost.ridge of a model-free type's draft cost
     CHEAP = 0.05  # drafting the whole cap costs less than this share of a one-token decode: always draft
@@ -965,19 +966,24 @@ class DraftLengthController:
         """[P(the first j + 1 tokens of ``seq_id``'s next draft are accepted) for j < n], for a draft that
         starts at passage position ``offset``.
 
-        The sequence's two rates (:meth:`rates`), then each passage position's own counts
-        shrunk towards them as if they were ``PRIOR_WEIGHT_POS`` more tests.
+        The sequence's two rates (:meth:`rates`, moved by the draft class's difference); each
+        passage position's counts over the class's drafts on every sequence, shrunk towards them
+        as if they were ``PRIOR_WEIGHT_POOL`` more tests; then the sequence's own counts of the
+        position, shrunk towards that as if it were ``PRIOR_WEIGHT_POS`` more.
         """
         if n <= 0:
             return []
         impl = self._last_impl.get(seq_id) or self.impl
         s = self._seqs.get(seq_id)
-        rates = self.rates(seq_id)
-        h = s.own.hazards(rates, offset, n, self.PRIOR_WEIGHT_POS) if s is not None else \
-            [rates[0] if offset == 0 else rates[1]] + [rates[1]] * (n - 1)
-        if full is not None:
-            d = self._bucket_difference(impl, full)
-            h = [x + d[0 if offset + j == 0 else 1] for j, x in enumerate(h)]
+        # the sequence's two rates, moved by the draft's class
+        q1, qn = self.rates(seq_id)
+        d = self._bucket_difference(impl, full) if full is not None else (0.0, 0.0)
+        base = [q1 + d[0] if offset + j == 0 else qn + d[1] for j in range(n)]
+        # each position over the class's drafts on every sequence: a new sequence (a server's next request)
+        # knows where in a passage the earlier ones' drafts went wrong
+        h = self._acc(impl, full).hazards(base, offset, self.PRIOR_WEIGHT_POOL)
+        if s is not None:
+            h = s.own.hazards(h, offset, self.PRIOR_WEIGHT_POS)
         # the model's record on this sequence: a sequence whose drafts it over-estimated gets less
         rho = 1.0 if s is None else min(self.CALIBRATION_MAX, s.calibration(self.CALIBRATION_WEIGHT))
         out: list[float] = []
