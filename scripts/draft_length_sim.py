@@ -86,7 +86,8 @@ MS = 1e-3
 #   9 5.24, 17 7.63); gemma-2t-b: docs/performance.md's quiet run (14.4 ms); gemma-2t-slow: its earlier
 #   machine, where a decode cost twice as much and a batch relatively less (26.1 ms: 2 rows 1.37, 3 1.62,
 #   5 2.67, 9 3.47, 17 5.50); gemma-1t: 1 thread on a loaded machine (scripts/verify_cost.py, 41.1 ms; the
-#   step after every 4 rows makes 4 rows cheaper than 3).
+#   step after every 4 rows makes 4 rows cheaper than 3); gemma-2t-flat: a 2-core Xeon with AVX-512 and AMX
+#   (scripts/verify_cost.py, 2026-12-07, 20.9 ms), where a decode costs more and a batch much less.
 #   The loop's own time (0.32 ms a step, 0.067 ms a verified row: sampling a 262k-entry row) and the
 #   draft call (8 us a token) are the controller's fits from generation steps (1 thread, loaded).
 # tiny-1t: the cyclic tiny model, 1 thread, from generation steps on a loaded machine (c(1) 0.34 ms; a
@@ -98,6 +99,8 @@ _PROFILES = {
     "gemma-2t-slow": (26.1, {1: 1.0, 2: 1.37, 3: 1.62, 5: 2.67, 9: 3.47, 17: 5.50}, (0.0, 0.008), (0.32, 0.067)),
     "gemma-1t": (41.1, {1: 1.0, 2: 2.26, 3: 4.06, 4: 3.33, 5: 4.97, 7: 5.88, 9: 6.70, 13: 8.46, 17: 10.41},
                  (0.0, 0.008), (0.32, 0.067)),
+    "gemma-2t-flat": (20.9, {1: 1.0, 2: 1.14, 3: 1.84, 4: 1.59, 5: 2.33, 7: 2.82, 9: 3.32, 13: 4.17, 17: 5.00},
+                      (0.0, 0.008), (0.32, 0.067)),
     "tiny-1t": (0.343, {1: 1.0, 2: 1.02, 3: 1.21, 4: 1.70, 5: 1.95, 6: 4.48, 7: 6.1, 9: 7.67}, (0.0, 0.002),
                 (0.02, 0.055)),
 }
