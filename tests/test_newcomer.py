@@ -155,6 +155,18 @@ def test_demo_prints_progress_while_it_measures(target_path: Any) -> None:
     assert not any(ln.startswith("measuring") for ln in said)  # progress apart from the results
 
 
+def test_the_demo_says_what_the_batch_cost_on_this_machine_not_on_another() -> None:
+    from pyspec.cli.demo import batch_cost_words
+
+    # scripts/verify_cost.py's curves on two 2-core machines (docs/performance.md)
+    steep = {1: 1.0, 2: 1.94, 3: 3.27, 5: 3.93, 9: 5.24, 17: 7.63}
+    flat = {1: 1.0, 2: 1.14, 3: 1.84, 4: 1.59, 9: 3.32, 13: 4.17}
+    assert batch_cost_words(steep) == ("On this CPU each token a verify batch adds costs 75% of a one-token "
+                                       "decode (Gemma 3\ncomputes 262k logits for every verified token)")
+    assert batch_cost_words(flat) == "On this CPU each token a verify batch adds costs only 26% of a one-token decode"
+    assert "not measured" in batch_cost_words({}) and "not measured" in batch_cost_words({1: 1.0})
+
+
 def test_bench_says_what_it_measures_before_each_run(capsys: pytest.CaptureFixture[str]) -> None:
     from pyspec.cli.commands import main
 
