@@ -527,6 +527,33 @@ def test_a_trimmed_drafts_tail_is_learned_from_what_follows_when_the_kept_part_i
     assert (acc.first_accepted, acc.next_tested, acc.next_accepted) == (1.0, 5.0, 4.0)  # a draft (8, 5)
 
 
+def test_the_rest_of_a_cut_tail_is_carried_while_what_follows_matches_it():
+    # 3 of a draft of 8 verified and accepted, the step's own token the tail's first: where the implementation
+    # drafts nothing next, the tail's other 4 tokens are the draft; verified, they count once, through the tail
+    ctl = controller(FLAT_CURVE)  # batches cost next to nothing: all of it is worth verifying
+    ctl.hold_tail(0, [13, 14, 15, 16, 17], full=True)
+    ctl.record_acceptance(0, None, 3, 3, full=True)
+    assert ctl.carried(0, 8) == []  # its kept part's tokens are not seen yet
+    ctl.observe(0, [10, 11, 12, 13])
+    assert ctl.carried(0, 8) == [14, 15, 16, 17]
+    assert ctl.carried(0, 2) == [14, 15]  # no more than the room
+    ctl.observe(0, [14, 15, 16, 17, 18])  # the carried draft verified: all accepted
+    acc = ctl._acc("ngram-test", True)
+    assert acc.n_drafts == 1 and (acc.first_accepted, acc.next_tested, acc.next_accepted) == pytest.approx((1, 7, 7))
+    assert ctl.carried(0, 8) == []  # the tail is used up
+
+
+def test_no_tail_is_carried_once_it_missed_nor_by_a_fixed_controller():
+    ctl = controller(FLAT_CURVE)
+    ctl.hold_tail(0, [13, 14, 15], full=True)
+    ctl.record_acceptance(0, None, 3, 3, full=True)
+    ctl.observe(0, [10, 11, 12, 99])  # the step's own token is not the tail's
+    assert ctl.carried(0, 8) == []
+    fixed = DraftLengthController(fixed=True, curve=curve(FLAT_CURVE))
+    fixed.hold_tail(0, [13, 14, 15])
+    assert fixed.carried(0, 8) == []
+
+
 def test_a_trimmed_draft_rejected_before_the_cut_is_recorded_at_once():
     ctl = controller(CPU_CURVE)
     ctl.hold_tail(0, [13, 14, 15], full=False)
@@ -664,6 +691,52 @@ def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does
 
 
 @pytest.mark.slow  # Gemma 3 270M
+class CutsAtThree(DraftLengthController):
+    """Verifies at most 3 tokens of a draft (the cut ones are held as its tail) and counts the tails carried."""
+
+    n_carried = 0
+
+    def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1, bucket: Bucket = None) -> int:
+        return min(3, super().trim(seq_id, n_draft, cap, n_active, bucket))
+
+    def carried(self, seq_id: int, n_max: int, n_active: int = 1) -> list[int]:
+        out = super().carried(seq_id, n_max, n_active)
+        self.n_carried += bool(out)
+        return out
+
+
+def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(cyclic):
+    # an implementation that drafts every other step (ngram-map-k drafted nothing in the middle of a
+    # passage on Gemma): the step after a cut draft verifies the tail's rest instead of decoding plainly.
+    # The implementation hears of each of its own drafts once, and of no carried one
+    plain, _ = generate_with(cyclic, None, n_predict=40)
+    ctl = CutsAtThree(curve=frozen(FLAT_CURVE), impl="ngram-simple")
+    untimed(ctl)
+    spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
+    with Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+            SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as g:
+        backend = g.engine.backend
+        draft, accept = backend.draft, backend.accept
+        calls = [0]
+        told: list[int] = []
+
+        def every_other(requests: Any) -> dict[int, list[int]]:
+            calls[0] += 1
+            return draft(requests) if calls[0] % 2 else {}
+
+        def tell(seq_id: int, n_accepted: int) -> None:
+            told.append(n_accepted)
+            accept(seq_id, n_accepted)
+
+        backend.draft, backend.accept = every_other, tell  # type: ignore[method-assign]
+        (r,) = g.generate([REPEATING], 40)
+    assert r.tokens == plain
+    assert ctl.n_carried > 0
+    assert len(told) == len(g.stats.drafts) - ctl.n_carried  # the carried drafts were verified, not told
+    assert all(n <= 3 for n, _ in g.stats.drafts) and g.stats.n_steps < len(plain) - 20
+    assert ctl._impl[("ngram-simple", None)].n_drafts == len(told)  # the controller counts each draft once
+
+
 def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
     # draft-simple with Gemma drafting for itself: every draft token costs a target decode, and a verify
     # batch of 1 + n rows costs more than one row on a CPU (a given curve: not this machine's timing),

@@ -1102,6 +1102,31 @@ class DraftLengthController:
         mode = s.guard.mode
         return n if mode == MODEL else (0 if mode == PLAIN else n_draft)
 
+    def carried(self, seq_id: int, n_max: int, n_active: int = 1) -> list[int]:
+        """What to verify (at most ``n_max`` tokens) of the tail :meth:`trim` cut from ``seq_id``'s last
+        verified draft, every token since having matched it; ``[]`` where there is none or none is worth it.
+
+        For a step where the implementation drafted nothing: an n-gram type looks a passage up where it
+        starts, and in the replays ngram-map-k drafted nothing for the rest of a passage whose draft trim
+        had cut, so each of its tokens cost a plain decode (a 9-token draft cut to 3 on a cheap 4-row
+        shape: 4 tokens in one step, then 5 plain steps). The caller verifies these tokens as a draft
+        but reports them neither to the implementation (it made no draft) nor to
+        :meth:`record_acceptance`: the tail, still pending, counts them as :meth:`observe` sees them.
+        """
+        if self.fixed or n_max <= 0 or not self.curve.ready:
+            return []
+        s = self._seqs.get(seq_id)
+        tail = None if s is None else s.latest
+        if s is None or tail is None or not tail.base or tail.skip or tail not in s.pending:
+            return []  # no tail, or its verified part's accepted tokens are not yet seen
+        rest = tail.draft[tail.matched : tail.matched + n_max]
+        if not rest:
+            return []
+        survival = self.survival(seq_id, len(rest), tail.full, tail.reached)
+        n, _ = self.best(len(rest), n_active, survival, draft_cost=False)
+        mode = s.guard.mode
+        return rest[: n if mode == MODEL else (0 if mode == PLAIN else len(rest))]
+
     def _or_probe(self, seq_id: int, n: int, cap: int, n_active: int) -> int:
         s = self._seq(seq_id)
         if n > 0:
@@ -1176,3 +1201,6 @@ class CappedDraftLength(DraftLengthController):
 
     def shadow(self, seq_id: int, draft: Sequence[int], impl: str | None = None, full: Bucket = None) -> None:
         return  # trim keeps every draft of at least one token: nothing goes unverified
+
+    def carried(self, seq_id: int, n_max: int, n_active: int = 1) -> list[int]:
+        return []  # llama.cpp verifies only what the implementation drafts

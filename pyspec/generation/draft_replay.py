@@ -27,7 +27,7 @@ Where the replay differs from the Engine (``pyspec.generation.engine``):
   reading, :meth:`~pyspec.generation.draft_length.CostCurve.calibrate`) instead of probing.
 
 It mirrors :meth:`Engine._update <pyspec.generation.engine.Engine._update>`'s calls into the controller
-in their order (choose, the draft, record_draft_call, trim, shadow / hold_tail, the verify,
+in their order (choose, the draft, record_draft_call, trim, shadow / hold_tail or carried, the verify,
 record_acceptance, observe, record_verify, record_overhead), so what the controller learns is what
 it would learn in the engine.
 """
@@ -230,6 +230,7 @@ def _play(trace: Trace, spec: Any, n_max: int, ctl: DraftLengthController | None
         f = machine.factor(g)
         draft: list[int] = []
         full: Bucket = False
+        carried = False  # the draft is a cut tail's rest: neither the implementation's nor recorded as one
         if spec is not None and ctl is not None:
             room = len(target) - g - 1  # the tokens left after this step's own (Engine._n_draft_room)
             n_ask = min(room, n_max)
@@ -243,7 +244,10 @@ def _play(trace: Trace, spec: Any, n_max: int, ctl: DraftLengthController | None
                 if adaptive:
                     ctl.record_draft_call(1, len(draft), t_draft)
                     full = draft_bucket(spec, 0, len(draft) >= n_ask)
-                    if draft:
+                    if not draft:  # the rest of a tail trim cut, as the Engine verifies it
+                        draft = ctl.carried(0, n_ask, 1)
+                        carried = bool(draft)
+                    else:
                         keep = ctl.trim(0, len(draft), n_ask, 1, full)
                         if keep == 0:
                             ctl.shadow(0, draft, None, full)
@@ -260,10 +264,11 @@ def _play(trace: Trace, spec: Any, n_max: int, ctl: DraftLengthController | None
                 j += 1
             accepted = target[g : g + j + 1]
             assert spec is not None and ctl is not None
-            sp.common_speculative_accept(spec, 0, ctl.accepted_for_impl(0, len(draft), j) if adaptive else j)
             out.drafts.append((len(draft), j))
-            if adaptive:
-                ctl.record_acceptance(0, None, len(draft), j, full)
+            if not carried:
+                sp.common_speculative_accept(spec, 0, ctl.accepted_for_impl(0, len(draft), j) if adaptive else j)
+                if adaptive:
+                    ctl.record_acceptance(0, None, len(draft), j, full)
             ctl.observe(0, accepted)
         else:
             accepted = [target[g]]

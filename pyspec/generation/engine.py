@@ -638,6 +638,7 @@ class Engine(EngineQueue):
             s.spec_i_batch = []
             s.spec_ckpt.clear()
             s.spec_is_replay = False
+            s.spec_carried = False
             if self._synth_probs:  # each request's own draws, seeded as its sampler is
                 s.spec_synth_rng = SynthRng(synth_seed(job.sampling.seed))
             sampler = job.sampler if job.sampler is not None else self.backend.make_sampler(job.sampling)
@@ -740,7 +741,10 @@ class Engine(EngineQueue):
                     for s in drafting:  # how much of each draft is worth verifying, now that it is known
                         n = len(s.spec_draft)
                         s.spec_bucket = eng.draft_bucket(s.id, n >= s.spec_cap)
-                        if n and not self.rejection:  # rejection sampling: no trim that depends on the draft
+                        if not n and not self.rejection:  # the rest of a tail trim cut, where it still matches
+                            s.spec_draft = ctl.carried(s.id, s.spec_cap, len(generating))
+                            s.spec_carried = bool(s.spec_draft)
+                        elif n and not self.rejection:  # rejection sampling: no trim that depends on the draft
                             keep = ctl.trim(s.id, n, s.spec_cap, len(generating), s.spec_bucket)
                             impl = eng.last_impl(s.id) if self._multi_impl else None
                             if keep == 0:  # not verified: its acceptance is learned from what follows
@@ -929,12 +933,14 @@ class Engine(EngineQueue):
             eng.drop_saved(saved)
 
         ctl = self.draft_ctl
+        carried, s.spec_carried = s.spec_carried, False
         n_told = len(accepted) - 1
-        if ctl is not None and not ctl.fixed and s.spec_cap > 0:
+        if ctl is not None and not ctl.fixed and s.spec_cap > 0 and not carried:
             # a tail the controller cut counts as accepted where the kept part was: the implementations
             # adapt to what they are told (draft_length.DraftLengthController.accepted_for_impl)
             n_told = ctl.accepted_for_impl(s.id, n_draft, n_told)
-        eng.accept(s.id, n_told)
+        if not carried:  # a carried tail's tokens were told already, with the draft it was cut from
+            eng.accept(s.id, n_told)
         # a replay's last draft token was the target's own: not an accepted draft token (the server's count)
         n_accepted = len(accepted) - 1
         if s.spec_is_replay and n_accepted > 0:
@@ -942,7 +948,7 @@ class Engine(EngineQueue):
         s.spec_is_replay = False
         job.stats.n_accepted += n_accepted
         job.stats.drafts.append((s.spec_n_drafted, n_accepted))
-        if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0:
+        if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0 and not carried:
             self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
                                              n_draft, len(accepted) - 1, s.spec_bucket)
         if self.draft_ctl is not None:

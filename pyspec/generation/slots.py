@@ -66,6 +66,9 @@ class Slot:
         self.spec_bucket: Bucket = False
         self.spec_n_drafted = 0  # the size of the draft as made (a replay after a checkpoint restore is shorter)
         self.spec_is_replay = False  # the draft is the accepted part of one, re-verified after a checkpoint restore
+        # the draft is the rest of a tail the draft-length controller cut (DraftLengthController.carried): the
+        # implementation made none, and is told nothing of it
+        self.spec_carried = False
         self.spec_synth_rng: SynthRng | None = None  # synthetic acceptance's generator (the server's spec_synth_rng)
         self.checkpoints: list[CommonPromptCheckpoint] = []  # prompt checkpoints (recurrent / hybrid)
         self.t_last_used = 0.0
