@@ -705,7 +705,8 @@ class CutsAtThree(DraftLengthController):
         return out
 
 
-def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(cyclic):
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(cyclic, n_seq):
     # an implementation that drafts every other step (ngram-map-k drafted nothing in the middle of a
     # passage on Gemma): the step after a cut draft verifies the tail's rest instead of decoding plainly.
     # The implementation hears of each of its own drafts once, and of no carried one
@@ -713,7 +714,7 @@ def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(
     ctl = CutsAtThree(curve=frozen(FLAT_CURVE), impl="ngram-simple")
     untimed(ctl)
     spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
-    with Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx, \
+    with Context(cyclic, n_ctx=256 * n_seq, n_batch=64, n_seq_max=n_seq, n_threads=1, n_threads_batch=1) as ctx, \
             SpeculativeGenerator(ctx, spec, greedy_sampling(), draft_controller=ctl) as g:
         backend = g.engine.backend
         draft, accept = backend.draft, backend.accept
@@ -729,9 +730,9 @@ def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(
             accept(seq_id, n_accepted)
 
         backend.draft, backend.accept = every_other, tell  # type: ignore[method-assign]
-        (r,) = g.generate([REPEATING], 40)
-    assert r.tokens == plain
-    assert ctl.n_carried > 0
+        results = g.generate([REPEATING] * n_seq, 40)
+    assert [r.tokens for r in results] == [plain] * n_seq
+    assert ctl.n_carried >= n_seq
     assert len(told) == len(g.stats.drafts) - ctl.n_carried  # the carried drafts were verified, not told
     assert all(n <= 3 for n, _ in g.stats.drafts) and g.stats.n_steps < len(plain) - 20
     assert ctl._impl[("ngram-simple", None)].n_drafts == len(told)  # the controller counts each draft once
