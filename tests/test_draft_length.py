@@ -530,7 +530,7 @@ def test_a_trimmed_drafts_tail_is_learned_from_what_follows_when_the_kept_part_i
 def test_the_rest_of_a_cut_tail_is_carried_while_what_follows_matches_it():
     # 3 of a draft of 8 verified and accepted, the step's own token the tail's first: where the implementation
     # drafts nothing next, the tail's other 4 tokens are the draft; verified, they count once, through the tail
-    ctl = controller(FLAT_CURVE)  # batches cost next to nothing: all of it is worth verifying
+    ctl = controller(FLAT_CURVE, model_free=True)  # batches cost next to nothing: all of it is worth verifying
     ctl.hold_tail(0, [13, 14, 15, 16, 17], full=True)
     ctl.record_acceptance(0, None, 3, 3, full=True)
     assert ctl.carried(0, 8) == []  # its kept part's tokens are not seen yet
@@ -543,12 +543,18 @@ def test_the_rest_of_a_cut_tail_is_carried_while_what_follows_matches_it():
     assert ctl.carried(0, 8) == []  # the tail is used up
 
 
-def test_no_tail_is_carried_once_it_missed_nor_by_a_fixed_controller():
-    ctl = controller(FLAT_CURVE)
+def test_no_tail_is_carried_once_it_missed_nor_for_a_draft_model_nor_by_a_fixed_controller():
+    ctl = controller(FLAT_CURVE, model_free=True)
     ctl.hold_tail(0, [13, 14, 15], full=True)
     ctl.record_acceptance(0, None, 3, 3, full=True)
     ctl.observe(0, [10, 11, 12, 99])  # the step's own token is not the tail's
     assert ctl.carried(0, 8) == []
+    # a draft model's implementation is told of every draft verified: it gets no draft it did not make
+    model = controller(FLAT_CURVE)
+    model.hold_tail(0, [13, 14, 15], full=True)
+    model.record_acceptance(0, None, 3, 3, full=True)
+    model.observe(0, [10, 11, 12, 13])
+    assert model.carried(0, 8) == []
     fixed = DraftLengthController(fixed=True, curve=curve(FLAT_CURVE))
     fixed.hold_tail(0, [13, 14, 15])
     assert fixed.carried(0, 8) == []
@@ -613,8 +619,8 @@ def frozen(points: dict[int, float], unit: float = 0.01) -> CostCurve:
 def untimed(ctl: DraftLengthController) -> DraftLengthController:
     """``ctl`` with its draft and loop costs left at their priors (0), whatever the engine's steps measure:
     its choices depend on its given curve and on the tokens alone, not on this machine's timing."""
-    for cost in (ctl.draft_cost, ctl.step_cost):  # counted, not timed (their fits of nothing: 0)
-        cost.record = lambda n_seqs, n_tokens, seconds, c=cost: setattr(c, "n_calls", c.n_calls + 1)  # type: ignore
+    for cost in (ctl.draft_cost, ctl.step_cost):  # counted, not timed: every call took no time (fits of 0)
+        cost.record = lambda n_seqs, n_tokens, seconds, rec=cost.record: rec(n_seqs, n_tokens, 0.0)  # type: ignore
     return ctl
 
 
@@ -711,7 +717,7 @@ def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(
     # passage on Gemma): the step after a cut draft verifies the tail's rest instead of decoding plainly.
     # The implementation hears of each of its own drafts once, and of no carried one
     plain, _ = generate_with(cyclic, None, n_predict=40)
-    ctl = CutsAtThree(curve=frozen(FLAT_CURVE), impl="ngram-simple")
+    ctl = CutsAtThree(curve=frozen(FLAT_CURVE), impl="ngram-simple", model_free=True)
     untimed(ctl)
     spec = spec_params([T.NGRAM_SIMPLE], ngram_n=2, ngram_m=6)
     with Context(cyclic, n_ctx=256 * n_seq, n_batch=64, n_seq_max=n_seq, n_threads=1, n_threads_batch=1) as ctx, \

@@ -1112,8 +1112,12 @@ class DraftLengthController:
         shape: 4 tokens in one step, then 5 plain steps). The caller verifies these tokens as a draft
         but reports them neither to the implementation (it made no draft) nor to
         :meth:`record_acceptance`: the tail, still pending, counts them as :meth:`observe` sees them.
+
+        Model-free types only: a draft model's implementation follows the target through what it is told
+        (draft-mtp keeps the verified rows' hidden states), and a draft it did not make would leave it out
+        of step.
         """
-        if self.fixed or n_max <= 0 or not self.curve.ready:
+        if self.fixed or not self.model_free or n_max <= 0 or not self.curve.ready:
             return []
         s = self._seqs.get(seq_id)
         tail = None if s is None else s.latest
