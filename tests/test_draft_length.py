@@ -696,7 +696,6 @@ def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does
         (r.tokens, g.stats.n_drafted, g.stats.n_accepted, g.stats.n_steps)
 
 
-@pytest.mark.slow  # Gemma 3 270M
 class CutsAtThree(DraftLengthController):
     """Verifies at most 3 tokens of a draft (the cut ones are held as its tail) and counts the tails carried."""
 
@@ -744,6 +743,7 @@ def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(
     assert ctl._impl[("ngram-simple", None)].n_drafts == len(told)  # the controller counts each draft once
 
 
+@pytest.mark.slow  # Gemma 3 270M
 def test_the_target_as_its_own_draft_model_is_not_used_on_a_cpu():
     # draft-simple with Gemma drafting for itself: every draft token costs a target decode, and a verify
     # batch of 1 + n rows costs more than one row on a CPU (a given curve: not this machine's timing),
