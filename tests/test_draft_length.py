@@ -537,6 +537,7 @@ def test_the_rest_of_a_cut_tail_is_carried_while_what_follows_matches_it():
     ctl.observe(0, [10, 11, 12, 13])
     assert ctl.carried(0, 8) == [14, 15, 16, 17]
     assert ctl.carried(0, 2) == [14, 15]  # no more than the room
+    assert ctl.n_carried_drafts == 2
     ctl.observe(0, [14, 15, 16, 17, 18])  # the carried draft verified: all accepted
     acc = ctl._acc("ngram-test", True)
     assert acc.n_drafts == 1 and (acc.first_accepted, acc.next_tested, acc.next_accepted) == pytest.approx((1, 7, 7))
@@ -697,17 +698,10 @@ def test_a_fixed_controller_in_the_engine_verifies_every_draft_as_llama_cpp_does
 
 
 class CutsAtThree(DraftLengthController):
-    """Verifies at most 3 tokens of a draft (the cut ones are held as its tail) and counts the tails carried."""
-
-    n_carried = 0
+    """Verifies at most 3 tokens of a draft (the cut ones are held as its tail)."""
 
     def trim(self, seq_id: int, n_draft: int, cap: int, n_active: int = 1, bucket: Bucket = None) -> int:
         return min(3, super().trim(seq_id, n_draft, cap, n_active, bucket))
-
-    def carried(self, seq_id: int, n_max: int, n_active: int = 1) -> list[int]:
-        out = super().carried(seq_id, n_max, n_active)
-        self.n_carried += bool(out)
-        return out
 
 
 @pytest.mark.parametrize("n_seq", [1, 2])
@@ -737,8 +731,9 @@ def test_the_engine_verifies_a_cut_tail_where_the_implementation_drafts_nothing(
         backend.draft, backend.accept = every_other, tell  # type: ignore[method-assign]
         results = g.generate([REPEATING] * n_seq, 40)
     assert [r.tokens for r in results] == [plain] * n_seq
-    assert ctl.n_carried >= n_seq
-    assert len(told) == len(g.stats.drafts) - ctl.n_carried  # the carried drafts were verified, not told
+    n_carried = ctl.summary()["carried_drafts"]
+    assert n_carried >= n_seq
+    assert len(told) == len(g.stats.drafts) - n_carried  # the carried drafts were verified, not told
     assert all(n <= 3 for n, _ in g.stats.drafts) and g.stats.n_steps < len(plain) - 20
     assert ctl._impl[("ngram-simple", None)].n_drafts == len(told)  # the controller counts each draft once
 

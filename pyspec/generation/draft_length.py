@@ -752,6 +752,7 @@ class DraftLengthController:
         self._seqs: dict[int, _Seq] = {}
         self._last_impl: dict[int, str] = {}
         self.n_shadow_drafts = 0  # drafts (or tails) not verified whose acceptance was learned from what followed
+        self.n_carried_drafts = 0  # drafts that were the rest of a cut tail (carried)
 
     # --- what the generator reports ------------------------------------------------
 
@@ -1129,7 +1130,9 @@ class DraftLengthController:
         survival = self.survival(seq_id, len(rest), tail.full, tail.reached)
         n, _ = self.best(len(rest), n_active, survival, draft_cost=False)
         mode = s.guard.mode
-        return rest[: n if mode == MODEL else (0 if mode == PLAIN else len(rest))]
+        out = rest[: n if mode == MODEL else (0 if mode == PLAIN else len(rest))]
+        self.n_carried_drafts += bool(out)
+        return out
 
     def _or_probe(self, seq_id: int, n: int, cap: int, n_active: int) -> int:
         s = self._seq(seq_id)
@@ -1156,6 +1159,7 @@ class DraftLengthController:
     def summary(self) -> dict[str, Any]:
         """The measured curve (relative to one token), acceptance and draft cost."""
         out: dict[str, Any] = {"fixed": self.fixed, "shadow_drafts": self.n_shadow_drafts,
+                               "carried_drafts": self.n_carried_drafts,
                                "overhead_ms": [round(x * 1e3, 3) for x in self.step_cost.params()],
                                "draft_cost_ms": [round(x * 1e3, 3) for x in self.draft_cost.params()]}
         if self.curve.ready:
