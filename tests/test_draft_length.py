@@ -561,6 +561,18 @@ def test_no_tail_is_carried_once_it_missed_nor_for_a_draft_model_nor_by_a_fixed_
     assert fixed.carried(0, 8) == []
 
 
+@pytest.mark.parametrize("n_active", [0, -3])
+def test_a_step_without_a_generating_sequence_is_refused_by_name(n_active):
+    ctl = controller(FLAT_CURVE, model_free=True)
+    ctl.hold_tail(0, [13, 14, 15], full=True)
+    ctl.record_acceptance(0, None, 3, 3, full=True)
+    ctl.observe(0, [10, 11, 12, 13])
+    for call in (lambda: ctl.choose(0, 8, n_active), lambda: ctl.trim(0, 8, 8, n_active),
+                 lambda: ctl.carried(0, 8, n_active), lambda: ctl.bound(0, 8, n_active)):
+        with pytest.raises(ValueError, match="n_active"):
+            call()
+
+
 def test_a_trimmed_draft_rejected_before_the_cut_is_recorded_at_once():
     ctl = controller(CPU_CURVE)
     ctl.hold_tail(0, [13, 14, 15], full=False)

@@ -551,6 +551,12 @@ class LinearCost:
         return (max(0.0, cs / cc) if cc > 0 else 0.0), 0.0
 
 
+def _check_active(n_active: int) -> None:
+    """The sequences generating in a step: the choices price a step's share per sequence."""
+    if n_active < 1:
+        raise ValueError(f"n_active must be at least 1 (the sequences generating in the step), got {n_active}")
+
+
 def _clip(q: float) -> float:
     return min(0.99, max(0.01, q))
 
@@ -1044,6 +1050,7 @@ class DraftLengthController:
         (P(the first j + 1 draft tokens are accepted), as :meth:`survival`); ``draft_cost=False``
         once the draft is made.
         """
+        _check_active(n_active)
         cost = self.curve.cost
         o0, o1 = self.step_cost.params()
         o = o0 + o1 * n_active  # the loop's time in a step of n_active rows; each draft row adds o1
@@ -1064,6 +1071,7 @@ class DraftLengthController:
 
     def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:
         """The most draft tokens ``seq_id`` should ask for this step (0: decode plainly); at most ``cap``."""
+        _check_active(n_active)
         if self.fixed or cap <= 0:
             return max(0, cap)
         if not self.curve.ready:
@@ -1091,6 +1099,7 @@ class DraftLengthController:
         ``bucket``: the draft's class where the implementation gives one (:func:`draft_bucket`), else whether it
         is as long as asked; pass the same to :meth:`shadow`, :meth:`hold_tail` and :meth:`record_acceptance`.
         """
+        _check_active(n_active)
         if self.fixed or n_draft <= 0 or not self.curve.ready:
             return max(0, n_draft)
         s = self._seq(seq_id)
@@ -1118,6 +1127,7 @@ class DraftLengthController:
         (draft-mtp keeps the verified rows' hidden states), and a draft it did not make would leave it out
         of step.
         """
+        _check_active(n_active)
         if self.fixed or not self.model_free or n_max <= 0 or not self.curve.ready:
             return []
         s = self._seqs.get(seq_id)
@@ -1152,6 +1162,7 @@ class DraftLengthController:
 
     def bound(self, seq_id: int, cap: int, n_active: int = 1) -> float:
         """rate(best n) / rate(0) for ``seq_id`` now: the speed-up its current estimates promise."""
+        _check_active(n_active)
         return self.best(cap, n_active, self.survival(seq_id, cap))[1] if self.curve.ready else 1.0
 
     # --- reading it back ----------------------------------------------------------------
