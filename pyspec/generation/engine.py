@@ -741,10 +741,12 @@ class Engine(EngineQueue):
                     for s in drafting:  # how much of each draft is worth verifying, now that it is known
                         n = len(s.spec_draft)
                         s.spec_bucket = eng.draft_bucket(s.id, n >= s.spec_cap)
-                        if not n and not self.rejection:  # the rest of a tail trim cut, where it still matches
+                        if self.rejection:
+                            continue  # rejection sampling: no trim (nor a cut tail) that depends on the draft
+                        if not n:  # the rest of a tail trim cut, where it still matches
                             s.spec_draft = ctl.carried(s.id, s.spec_cap, len(generating))
                             s.spec_carried = bool(s.spec_draft)
-                        elif n and not self.rejection:  # rejection sampling: no trim that depends on the draft
+                        else:
                             keep = ctl.trim(s.id, n, s.spec_cap, len(generating), s.spec_bucket)
                             impl = eng.last_impl(s.id) if self._multi_impl else None
                             if keep == 0:  # not verified: its acceptance is learned from what follows
@@ -934,8 +936,10 @@ class Engine(EngineQueue):
 
         ctl = self.draft_ctl
         carried, s.spec_carried = s.spec_carried, False
+        # the controller learns from a new draft (not a re-verify after a restore, not a carried tail's rest)
+        learns = ctl is not None and not ctl.fixed and s.spec_cap > 0 and not carried
         n_told = len(accepted) - 1
-        if ctl is not None and not ctl.fixed and s.spec_cap > 0 and not carried:
+        if learns and ctl is not None:
             # a tail the controller cut counts as accepted where the kept part was: the implementations
             # adapt to what they are told (draft_length.DraftLengthController.accepted_for_impl)
             n_told = ctl.accepted_for_impl(s.id, n_draft, n_told)
@@ -948,11 +952,11 @@ class Engine(EngineQueue):
         s.spec_is_replay = False
         job.stats.n_accepted += n_accepted
         job.stats.drafts.append((s.spec_n_drafted, n_accepted))
-        if self.draft_ctl is not None and not self.draft_ctl.fixed and s.spec_cap > 0 and not carried:
-            self.draft_ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
-                                             n_draft, len(accepted) - 1, s.spec_bucket)
-        if self.draft_ctl is not None:
-            self.draft_ctl.observe(s.id, accepted)  # resolves a shadow draft (a no-op when fixed)
+        if learns and ctl is not None:
+            ctl.record_acceptance(s.id, eng.last_impl(s.id) if self._multi_impl else None,
+                                  n_draft, len(accepted) - 1, s.spec_bucket)
+        if ctl is not None:
+            ctl.observe(s.id, accepted)  # resolves a shadow draft (a no-op when fixed)
         if self.on_event is not None:
             self._event("accept", seq_id=s.id, accepted=list(accepted))
 
