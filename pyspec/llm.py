@@ -115,20 +115,22 @@ class LLM:
     # --- requests ------------------------------------------------------------------
 
     def _request(self, prompt: str | Sequence[int] | None, messages: Sequence[Mapping[str, Any]] | None,
-                 max_tokens: int, stop: Sequence[str], temperature: float | None, top_k: int | None,
+                 max_tokens: int, stop: str | Sequence[str], temperature: float | None, top_k: int | None,
                  top_p: float | None, seed: int | None, chat_template: str | None) -> Request:
-        return Request(prompt=prompt, messages=messages, n_predict=max_tokens, stop=list(stop),
+        # one string is one stop string (as the OpenAI API takes it), not a list of its characters
+        stops = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, (list, tuple)) else stop
+        return Request(prompt=prompt, messages=messages, n_predict=max_tokens, stop=stops,
                        sampling=_sampling(temperature, top_k, top_p, seed),
                        chat_template=chat_template if chat_template is not None else self.chat_template)
 
-    def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
+    def complete(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: str | Sequence[str] = (),
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None) -> Completion:
         """Generate up to ``max_tokens`` after ``prompt`` (text or token ids); greedy unless a temperature is given."""
         req = self._request(prompt, None, max_tokens, stop, temperature, top_k, top_p, seed, None)
         return self.engine.submit(req).result()
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: Sequence[str] = (),
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, stop: str | Sequence[str] = (),
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None) -> Iterator[str]:
         """complete(), as text pieces while they are generated (their concatenation is complete()'s text)."""
@@ -151,16 +153,16 @@ class LLM:
                 handle.cancel()
 
     @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = ..., stop: Sequence[str] = ...,
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = ..., stop: str | Sequence[str] = ...,
              temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ...,
              seed: int | None = ..., chat_template: str | None = ..., stream: Literal[False] = ...) -> Completion: ...
 
     @overload
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = ..., stop: Sequence[str] = ...,
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = ..., stop: str | Sequence[str] = ...,
              temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ...,
              seed: int | None = ..., chat_template: str | None = ..., stream: Literal[True]) -> Iterator[str]: ...
 
-    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 128, stop: Sequence[str] = (),
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 128, stop: str | Sequence[str] = (),
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, chat_template: str | None = None,
              stream: bool = False) -> Completion | Iterator[str]:
@@ -175,7 +177,7 @@ class LLM:
         return self.engine.submit(req).result()
 
     def chat_stream(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int = 128,
-                    stop: Sequence[str] = (), temperature: float | None = None, top_k: int | None = None,
+                    stop: str | Sequence[str] = (), temperature: float | None = None, top_k: int | None = None,
                     top_p: float | None = None, seed: int | None = None,
                     chat_template: str | None = None) -> Iterator[str]:
         """chat(), as text pieces while they are generated."""

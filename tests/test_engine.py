@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ import pytest
 from pyspec import Context, Model
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
-from pyspec.errors import PyspecError
+from pyspec.core.vocab import MAX_TEXT_BYTES
+from pyspec.errors import ConcurrentUseError, PyspecError
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.generation.requests import Request
 from pyspec.testing import models as tm
@@ -283,6 +285,10 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
             (Request(prompt="", add_special=False), "empty prompt"),
             (Request(prompt=[1, 10**6]), "outside the vocabulary"),
             (Request(prompt=[5] * 400), "does not fit"),
+            # llama.cpp's tokenizer would hold some 50 bytes per byte of it (a failed allocation aborts)
+            (Request(prompt="a" * (MAX_TEXT_BYTES + 1)), "too long to tokenize"),
+            (Request(messages=[{"role": "user", "content": "a" * MAX_TEXT_BYTES}], chat_template="chatml"),
+             "too long for a prompt"),
             (Request(prompt="x", n_predict=0), "n_predict"),
             (Request(prompt="x", n_probs=-1), "n_probs"),
             (Request(prompt="x", n_draft_max=-2), "n_draft_max"),
@@ -294,7 +300,102 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
         for req, msg in bad:
             with pytest.raises(ValueError, match=msg):
                 eng.submit(req)
+        wrong_types: list[tuple[Any, str]] = [
+            (dict(prompt=5), "prompt must be a str or a sequence"),
+            (dict(prompt={"a": 1}), "prompt must be a str or a sequence"),
+            (dict(prompt=[1, 2.5]), "token id must be an integer"),
+            (dict(prompt=[1, True]), "token id must be an integer"),
+            (dict(prompt="x", stop=None), "stop must be a list of strings"),
+            (dict(prompt="x", stop="end"), "stop must be a list of strings"),
+            (dict(messages=[{"role": "user", "content": "x"}], chat_template_kwargs=[1]), "mapping"),
+        ]
+        for fields, msg in wrong_types:
+            with pytest.raises(TypeError, match=msg):
+                eng.submit(Request(**fields))
+        with pytest.raises(ValueError, match="may not set messages"):
+            eng.submit(Request(messages=[{"role": "user", "content": "x"}], chat_template_kwargs={"messages": 5}))
+        with pytest.raises(TypeError, match="takes a Request"):
+            eng.submit({"prompt": "x"})  # type: ignore[arg-type]
         assert not eng.busy() and not eng.step()
+
+
+def test_a_request_changed_after_submit_runs_as_submitted_and_harms_no_other(chat_model, expected):
+    with make_engine(chat_model, 1) as eng:
+        first = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        stops: list[str] = []
+        req = Request(prompt=PROMPTS[1], n_predict=24, stop=stops)
+        second = eng.submit(req)
+        req.slot_id, req.n_predict, req.prompt = 5, 1, "changed"  # a slot that does not exist, among others
+        stops.append("e")
+        third = eng.submit(Request(prompt=PROMPTS[2], n_predict=24))
+        eng.run_until_idle()
+        assert [h.result().tokens for h in (first, second, third)] == expected
+        assert second.request is req  # the caller's object, unchanged by the engine
+
+
+def _engine_that_calls_from_its_callback(chat_model, call):
+    """An engine whose on_event callback calls ``call(engine)`` once, at the first event; what it raised."""
+    raised: list[BaseException] = []
+    eng = make_engine(chat_model, 2)
+
+    def on_event(name, data):
+        if not raised:
+            try:
+                call(eng)
+                raised.append(AssertionError("no exception"))
+            except BaseException as e:
+                raised.append(e)
+    eng.on_event = on_event
+    return eng, raised
+
+
+@pytest.mark.parametrize("started", [False, True])
+@pytest.mark.parametrize("call", ["close", "erase_slot", "step", "run_until_idle", "save_slot", "start"])
+def test_a_callback_that_calls_back_into_its_engine_gets_an_error_and_the_engine_goes_on(
+        chat_model, expected, started, call, tmp_path):
+    """Inside a step (an on_event callback) the engine's blocking calls would wait for that step's end
+    (close, slot commands on a started engine: a deadlock) or run a step inside it."""
+    calls = {"close": lambda e: e.close(), "erase_slot": lambda e: e.erase_slot(1), "step": lambda e: e.step(),
+             "run_until_idle": lambda e: e.run_until_idle(), "save_slot": lambda e: e.save_slot(1, tmp_path / "s"),
+             "start": lambda e: e.start()}
+    eng, raised = _engine_that_calls_from_its_callback(chat_model, calls[call])
+    with eng:
+        if started:
+            eng.start()
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        if not started:
+            eng.run_until_idle()
+        assert h.result(timeout=60).tokens == expected[0]
+        assert len(raised) == 1 and isinstance(raised[0], PyspecError), raised
+        assert "inside a step" in str(raised[0])
+        eng.on_event = None
+        h = eng.submit(Request(prompt=PROMPTS[1], n_predict=24))
+        if not started:
+            eng.run_until_idle()
+        assert h.result(timeout=60).tokens == expected[1]
+
+
+def test_only_the_thread_that_steps_an_engine_may_step_or_close_it(chat_model, expected):
+    with make_engine(chat_model, 2) as eng:
+        h = eng.submit(Request(prompt=PROMPTS[0], n_predict=24))
+        steps = eng.steps()
+        next(steps)  # this thread holds the engine, between two steps
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            for f in (eng.run_until_idle, eng.step, eng.close):
+                try:
+                    f()
+                except ConcurrentUseError as e:
+                    errors.append(e)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert len(errors) == 3 and "another thread" in str(errors[2])
+        for _ in steps:
+            pass
+        assert h.result().tokens == expected[0]  # nothing was closed or stepped by the other thread
+    assert eng.ctx_tgt.closed
 
 
 def test_a_slot_saved_to_a_file_is_reused_after_restore(chat_model, tmp_path):

@@ -50,6 +50,16 @@ def test_stream_pieces_join_to_completes_text(llm):
     assert "".join(pieces) == full.text
 
 
+def test_a_stop_given_as_one_string_is_one_stop_string(llm):
+    full = llm.complete(REPETITIVE, max_tokens=24).text
+    # three characters first seen at i, one of which occurs before i: split into characters,
+    # the stop would come sooner
+    i = next(i for i in range(1, len(full) - 3)
+             if full.index(full[i : i + 3]) == i and any(c in full[:i] for c in full[i : i + 3]))
+    out = llm.complete(REPETITIVE, max_tokens=24, stop=full[i : i + 3])
+    assert out.text == full[:i] and out.stop_reason == "stop"
+
+
 def test_bad_input_raises_at_the_stream_call(llm):
     with pytest.raises(ValueError, match="n_predict must be positive"):
         llm.stream("one", max_tokens=0)

@@ -53,6 +53,7 @@ engine's (:attr:`Engine.metrics`, what ``/metrics`` serves) are updated together
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -60,7 +61,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -80,8 +81,9 @@ from pyspec.common.speculative import (
 )
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
-from pyspec.errors import ClosedError, PyspecError
+from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
+from pyspec.generation.chat_sandbox import RenderPool, TemplateBudget
 from pyspec.generation.contexts import draft_kind
 from pyspec.generation.draft_length import CALIBRATION_SIZES, DraftLengthController, shared_cost_curve
 from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
@@ -114,6 +116,10 @@ def server_output_limits(n_batch: int, n_parallel: int, n_draft: int) -> CommonS
     is not here: the Engine generates; embeddings have a context of their own."""
     result = common_speculative_get_output_limits(n_batch, n_parallel, n_draft)
     return CommonSpeculativeOutputLimits(max(1, result.total), max(1, result.per_seq))
+
+
+# a Jinja chat template's time and memory (pyspec.generation.chat_sandbox): 2 s, 256 MiB, in a worker process
+DEFAULT_TEMPLATE_BUDGET = TemplateBudget()
 
 
 def greedy_sampling() -> CommonParamsSampling:
@@ -170,9 +176,20 @@ class Engine(EngineQueue):
         suffix: SuffixParams | None = None,
         acceptance: str = "exact",
         context_shift: bool = False,
+        template_budget: TemplateBudget | RenderPool | None = DEFAULT_TEMPLATE_BUDGET,
     ) -> None:
         if suffix is not None and not isinstance(suffix, SuffixParams):
             raise TypeError(f"suffix must be SuffixParams, got {type(suffix).__name__}")
+        if draft_controller is not None and not isinstance(draft_controller, DraftLengthController):
+            raise TypeError(f"draft_controller must be a DraftLengthController, got {type(draft_controller).__name__}")
+        if on_event is not None and not callable(on_event):
+            raise TypeError(f"on_event must be callable, got {type(on_event).__name__}")
+        if template_budget is not None and not isinstance(template_budget, (TemplateBudget, RenderPool)):
+            raise TypeError(f"template_budget must be a TemplateBudget, a RenderPool or None, "
+                            f"got {type(template_budget).__name__}")
+        # a Jinja chat template (a request's, or the model file's) renders in a worker process within this
+        # budget: a template is code, and one from a model file or a client may loop or allocate without end
+        self.template_budget = template_budget
         self.ctx_tgt = ctx_tgt
         self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
         if not 1 <= self.n_parallel <= ctx_tgt.n_seq_max:
@@ -281,7 +298,8 @@ class Engine(EngineQueue):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._claims: contextlib.ExitStack | None = None
-        self._held = False  # claim() holds the contexts for the caller's steps
+        self._holder: int | None = None  # the thread whose claim() holds the contexts for its steps
+        self._stepping: int | None = None  # the thread inside a step now
         self._driven = False  # start() or a claim() for the caller's steps happened: a waiting handle will move
 
     # --- construction from files ---------------------------------------------------
@@ -315,6 +333,7 @@ class Engine(EngineQueue):
         cpuparams: CommonCpuParams | None = COMMON_CPU_PARAMS_DEFAULT,
         cpuparams_batch: CommonCpuParams | None = None,
         context_shift: bool = False,
+        template_budget: TemplateBudget | RenderPool | None = DEFAULT_TEMPLATE_BUDGET,
         **model_kw: Any,
     ) -> Engine:
         """Load the models a set of speculative types needs and open their contexts (pyspec.generation.contexts);
@@ -327,7 +346,7 @@ class Engine(EngineQueue):
         Engine's ("exact" or "rejection"). ``synth_len`` / ``synth_rates``: synthetic acceptance (benchmarking,
         llama-server's ``--spec-synth-len`` / ``--spec-synth-rates``). ``cpuparams`` / ``cpuparams_batch``: the
         threadpools of the target context (llama-server's ``--poll`` / ``--prio`` / ``--cpu-mask`` ...; None: no
-        pool, llama.cpp's own threads). ``context_shift``: as the constructor's."""
+        pool, llama.cpp's own threads). ``context_shift``, ``template_budget``: as the constructor's."""
         from pyspec.generation.contexts import load_models, open_contexts, parse_types, spec_params
 
         rest, wants_suffix = split_suffix_type(types)
@@ -351,7 +370,7 @@ class Engine(EngineQueue):
             return cls(cs.ctx_tgt, cs.spec if parsed != [CommonSpeculativeType.NONE] else None, sampling,
                        n_parallel=n_parallel, backend=backend, slot_similarity=slot_similarity, owned=[cs],
                        adaptive_draft=adaptive_draft, suffix=suffix, acceptance=acceptance,
-                       context_shift=context_shift)
+                       context_shift=context_shift, template_budget=template_budget)
         except BaseException:
             cs.close()
             raise
@@ -406,15 +425,22 @@ class Engine(EngineQueue):
         if req.messages is not None:
             from pyspec.generation.chat import render_chat
 
+            kwargs = req.chat_template_kwargs or {}
+            if not isinstance(kwargs, Mapping):
+                raise TypeError(f"chat_template_kwargs must be a mapping, got {type(kwargs).__name__}")
+            if clash := sorted({"messages", "add_generation_prompt", "template", "budget"} & set(kwargs)):
+                raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (the request's own fields)")
             text = render_chat(self.model, req.messages, add_generation_prompt=req.add_generation_prompt,
-                               template=req.chat_template, **dict(req.chat_template_kwargs or {}))
+                               template=req.chat_template, budget=self.template_budget, **dict(kwargs))
             toks = self.tokenize_chat(text)
         elif isinstance(req.prompt, str):
             toks = self.vocab.tokenize(req.prompt, add_special=req.add_special, parse_special=req.parse_special)
         elif isinstance(req.prompt, (bytes, bytearray)):
             raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+        elif not isinstance(req.prompt, (Sequence, np.ndarray)):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(req.prompt).__name__}")
         else:
-            toks = [self.vocab.check_token(t) for t in req.prompt or ()]
+            toks = [self.vocab.check_token(t) for t in cast(Sequence[int], req.prompt)]
         if not toks:
             raise ValueError("empty prompt")
         if len(toks) + 1 > self.n_ctx_seq:
@@ -445,16 +471,23 @@ class Engine(EngineQueue):
                              "would be dropped for its own tokens)")
         if not isinstance(req.slot_id, int) or not -1 <= req.slot_id < self.n_parallel:
             raise ValueError(f"slot_id must be -1 or 0..{self.n_parallel - 1}, got {req.slot_id}")
-        if isinstance(req.stop, str) or not all(isinstance(w, str) for w in req.stop):
-            raise TypeError("stop must be a list of strings")
+        if isinstance(req.stop, str) or not isinstance(req.stop, Sequence) or \
+                not all(isinstance(w, str) for w in req.stop):
+            raise TypeError(f"stop must be a list of strings, got {req.stop!r:.80}")
 
     def submit(self, request: Request) -> RequestHandle:
-        """Queue ``request``; it joins the running batch at the next step. Bad input raises here and queues nothing."""
+        """Queue ``request``; it joins the running batch at the next step. Bad input raises here and queues nothing.
+
+        The engine works on a copy taken here: a change to ``request`` afterwards changes nothing."""
         if self._closed:
             raise ClosedError("engine is closed")
-        self._check_request(request)
-        tokens = self.tokenize_request(request)
-        sampling = request.sampling if request.sampling is not None else self.sampling
+        if not isinstance(request, Request):
+            raise TypeError(f"submit takes a Request, got {type(request).__name__}")
+        stop = request.stop
+        req = dataclasses.replace(request, stop=list(stop) if isinstance(stop, (list, tuple)) else stop)
+        self._check_request(req)
+        tokens = self.tokenize_request(req)
+        sampling = req.sampling if req.sampling is not None else self.sampling
         for tok, _ in sampling.logit_bias:
             self.vocab.check_token(tok)
         if self.rejection:
@@ -468,7 +501,7 @@ class Engine(EngineQueue):
             handle = RequestHandle(self._next_id, request)
             handle._check_driven = self._check_driven
             self._next_id += 1
-            self._waiting.append(Job(handle, tokens, sampling, sampler))
+            self._waiting.append(Job(handle, tokens, sampling, sampler, req))
             self._wake.notify_all()
         return handle
 
@@ -500,10 +533,17 @@ class Engine(EngineQueue):
         return bool(self._waiting) or bool(self._commands) or any(s.job is not None for s in self.slots)
 
     def close(self) -> None:
-        """Stop the loop thread, end every request (stop_reason "cancelled"), free the backend and owned handles."""
+        """Stop the loop thread, end every request (stop_reason "cancelled"), free the backend and owned handles.
+
+        Not from inside a step (an ``on_event`` callback), nor while another thread steps the engine (claim,
+        run_until_idle, steps): PyspecError / ConcurrentUseError, and nothing is closed."""
+        self._not_in_step("close()")
         with self._lock:
             if self._closed:
                 return
+            if self._holder is not None and self._holder != threading.get_ident():
+                raise ConcurrentUseError("close() while another thread steps the engine (claim, run_until_idle or "
+                                         "steps): close it from that thread, or once its steps are done")
             self._closed = True
             self._stopping = True
             self._wake.notify_all()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pyspec.core.workers import release_cpu_workers
-from pyspec.errors import ClosedError, PyspecError
+from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError
 
 if TYPE_CHECKING:
     from pyspec.generation.slots import Job
@@ -50,7 +50,8 @@ class EngineQueue:
     _stopping: bool
     _thread: threading.Thread | None
     _claims: contextlib.ExitStack | None
-    _held: bool
+    _holder: int | None  # the thread whose claim() holds the contexts for its steps
+    _stepping: int | None  # the thread inside a step now (the loop thread, or a caller's)
     _driven: bool
 
     def _claim(self) -> contextlib.ExitStack:
@@ -62,8 +63,23 @@ class EngineQueue:
     def _step(self) -> bool:
         raise NotImplementedError
 
+    def _not_in_step(self, what: str) -> None:
+        """Raise for ``what`` called from inside a step (an ``on_event`` callback): it would wait for that step's
+        end (a deadlock) or run a step inside it."""
+        if self._stepping == threading.get_ident():
+            raise PyspecError(f"{what} cannot be called from inside a step (an on_event callback); "
+                              "call it from another thread, or after the step")
+
+    def _run_step(self) -> bool:
+        self._stepping = threading.get_ident()
+        try:
+            return self._step()
+        finally:
+            self._stepping = None
+
     def start(self: _E) -> _E:
         """Run the loop in a thread of its own, which holds the contexts until close()."""
+        self._not_in_step("start()")
         if self._closed:
             raise ClosedError("engine is closed")
         if self._thread is not None:
@@ -111,7 +127,7 @@ class EngineQueue:
                 if self._stopping:
                     return
             try:
-                self._step()
+                self._run_step()
             except Exception:
                 logger.exception("engine step failed; its requests were ended with the error")
 
@@ -119,45 +135,55 @@ class EngineQueue:
     def claim(self) -> Iterator[None]:
         """Hold the contexts for several steps in the caller's thread (not while start()ed).
 
-        Another generator or engine on the same contexts is refused with
+        Another generator or engine on the same contexts, or another thread, is refused with
         ConcurrentUseError meanwhile; step() inside claims nothing more.
         """
         if self._thread is not None:
             raise PyspecError("the engine runs in its own thread (start()); claim() is for engines not started")
         if self._closed:
             raise ClosedError("engine is closed")
-        if self._held:
+        me = threading.get_ident()
+        if self._holder == me:
             yield
             return
+        if self._holder is not None:
+            raise ConcurrentUseError("the engine is being stepped by another thread (claim, step, run_until_idle "
+                                     "or steps); one thread steps it at a time")
         with self._claim():
-            self._driven = True
-            self._held = True
+            with self._lock:
+                self._driven = True
+                self._holder = me
             try:
                 yield
             finally:
-                self._held = False
+                with self._lock:
+                    self._holder = None
 
     def step(self) -> bool:
         """One step in the caller's thread (not while start()ed); False when there was nothing to do."""
-        if self._held and self._thread is None and not self._closed:  # what claim() checks when held
-            return self._step()
+        self._not_in_step("step()")
+        if self._holder == threading.get_ident() and self._thread is None and not self._closed:
+            return self._run_step()  # what claim() checks, when this thread holds it
         with self.claim():
-            return self._step()
+            return self._run_step()
 
     def run_until_idle(self) -> None:
         """Step in the caller's thread until no request is waiting or running."""
+        self._not_in_step("run_until_idle()")
         with self.claim():
-            while self._step():
+            while self._run_step():
                 pass
 
     def steps(self) -> Iterator[None]:
         """Step in the caller's thread while there is work, yielding after each step (contexts held meanwhile)."""
+        self._not_in_step("steps()")
         with self.claim():
-            while self._step():
+            while self._run_step():
                 yield None
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` between steps: at once when not started, else on the loop thread (waiting for it)."""
+        self._not_in_step("a slot command (save_slot, restore_slot, erase_slot)")
         if self._closed:
             raise ClosedError("engine is closed")
         if self._thread is None:

@@ -13,7 +13,7 @@ import numpy as np
 from pyspec.common.common import CommonPromptCheckpoint
 from pyspec.common.params import CommonParamsSampling
 from pyspec.generation.draft_length import Bucket
-from pyspec.generation.requests import RequestHandle, RequestStats, TokenLogprob
+from pyspec.generation.requests import Request, RequestHandle, RequestStats, TokenLogprob
 from pyspec.generation.synth import SynthRng
 
 __all__ = ["Job", "Slot", "common_prefix", "pick_slot"]
@@ -22,8 +22,9 @@ class Job:
     """One admitted or waiting request: its tokens, sampler, limits and what it has produced."""
 
     def __init__(self, handle: RequestHandle, tokens: list[int], sampling: CommonParamsSampling,
-                 sampler: Any) -> None:
-        req = handle.request
+                 sampler: Any, request: Request | None = None) -> None:
+        # the engine's own copy of the request (Engine.submit's): the caller's may change afterwards
+        req = handle.request if request is None else request
         self.handle = handle
         self.request = req
         self.prompt = tokens
