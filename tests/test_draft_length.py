@@ -12,6 +12,7 @@ from pyspec import Context, Model
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import ModelSet, open_contexts, spec_params
 from pyspec.generation.draft_length import (
+    MAX_POSITION,
     Acceptance,
     Bucket,
     CostCurve,
@@ -21,6 +22,7 @@ from pyspec.generation.draft_length import (
 )
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.engine import Engine
+from pyspec.suffix.index import MAX_DRAFT_TOKENS
 from pyspec.testing import models as tm
 
 # verify cost per batch size, in units of a one-token decode, measured on Gemma 3 270M with 2 threads
@@ -571,6 +573,50 @@ def test_a_step_without_a_generating_sequence_is_refused_by_name(n_active):
                  lambda: ctl.carried(0, 8, n_active), lambda: ctl.bound(0, 8, n_active)):
         with pytest.raises(ValueError, match="n_active"):
             call()
+
+
+def test_a_timing_that_is_not_a_duration_is_refused_and_leaves_the_curve_as_it_was():
+    c = curve(CPU_CURVE)
+    before = c.as_dict()
+    for n, sec in ((2, float("inf")), (1, float("nan")), (1, "0.01")):
+        with pytest.raises(ValueError, match="seconds"):
+            c.record(n, sec)  # type: ignore[arg-type]
+    c.record(2, 5e-324)  # a clock's zero: not recorded (it divided by zero and left a size without its median)
+    c.record(4, 0.0)
+    c.record(4, -0.01)
+    assert c.as_dict() == before and c.sizes() == sorted(CPU_CURVE)
+    with pytest.raises(ValueError, match="window"):
+        CostCurve(window=0)
+
+
+def test_a_draft_length_beyond_any_batch_is_clamped_not_computed():
+    ctl = controller(FLAT_CURVE, model_free=True)
+    assert 0 < ctl.choose(0, 10**12) <= MAX_DRAFT_TOKENS
+    assert len(ctl.survival(0, 10**12)) == MAX_DRAFT_TOKENS
+    ctl.record_acceptance(0, None, 10**12, 10**12)  # counted once, past the last position in one step
+    acc = ctl._acc("ngram-test", None)
+    assert acc.tested[-1] == pytest.approx(MAX_DRAFT_TOKENS - MAX_POSITION)
+
+
+def test_a_passage_position_before_the_start_is_refused():
+    acc = Acceptance()
+    acc.record(70, 70)
+    before = acc.tested
+    with pytest.raises(ValueError, match="passage position"):
+        acc.record(3, 3, -2)  # it wrote to the last positions of the list
+    assert acc.tested == before
+    with pytest.raises(ValueError, match="passage position"):
+        controller(CPU_CURVE).survival(0, 5, None, -3)
+
+
+def test_positions_past_the_last_are_counted_as_one_by_one():
+    bulk, single = Acceptance(), Acceptance()
+    bulk.record(100, 90, offset=10)
+    single.first(10, True)
+    for j in range(1, 91):
+        single.next(10 + j, j < 90)
+    assert bulk.tested == pytest.approx(single.tested) and bulk.accepted == pytest.approx(single.accepted)
+    assert bulk.counts() == pytest.approx(single.counts())
 
 
 def test_a_trimmed_draft_rejected_before_the_cut_is_recorded_at_once():

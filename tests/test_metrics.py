@@ -93,6 +93,14 @@ def test_more_accepted_than_drafted_is_refused():
         SpecDecodeCounters().record(2, 3)
 
 
+def test_a_draft_of_the_wrong_type_or_size_is_refused_and_counts_nothing():
+    c = SpecDecodeCounters()
+    for n, a, exc in ((2.5, 1, TypeError), (3, True, TypeError), (10**9, 0, ValueError)):
+        with pytest.raises(exc):
+            c.record(n, a)  # type: ignore[arg-type]
+    assert c == SpecDecodeCounters()
+
+
 def test_nothing_drafted_has_no_acceptance_length():
     assert SpecDecodeCounters().mean_acceptance_length == 0.0
 

@@ -24,7 +24,7 @@ from pyspec.suffix import (
     split_suffix_type,
     suffix_n_max,
 )
-from pyspec.suffix.index import SENTINEL
+from pyspec.suffix.index import MAX_DRAFT_TOKENS, SENTINEL
 
 # --- a brute-force reading of the tree semantics (the module docstring of pyspec.suffix.index) ---
 
@@ -500,3 +500,23 @@ def test_type_name_helpers_for_the_integration() -> None:
     assert split_suffix_type(["ngram-map-k"]) == (["ngram-map-k"], False)
     assert split_suffix_type("suffix+draft-simple") == (["draft-simple"], True)
     assert suffix_n_max(None) == 0 and suffix_n_max(SuffixParams(n_max=7)) == 7
+
+
+def test_an_array_of_tokens_outside_int32_is_refused_and_indexes_nothing():
+    ix = SuffixIndex()
+    ix.append(np.array([1, 2, SENTINEL, 3], np.int64))  # SENTINEL ends a request
+    for bad in (np.array([2**40, 5], np.int64), np.array([[1, 2]], np.int64)):
+        with pytest.raises(ValueError, match="tokens"):
+            ix.append(bad)
+    assert ix.tail(10) == [1, 2, SENTINEL, 3]
+
+
+def test_a_draft_longer_than_any_batch_is_refused_or_clamped():
+    with pytest.raises(ValueError, match="n_max"):
+        SuffixParams(n_max=MAX_DRAFT_TOKENS + 1)
+    ix = SuffixIndex()
+    ix.append([1, 2, 3, 1, 2, 3])
+    # a repeat drafts past the text's end up to n_max (it ran out of memory at 10**9)
+    assert len(ix.draft([1, 2, 3], 10**9, max_spec_factor=1e12, open_end=True).tokens) == MAX_DRAFT_TOKENS
+    with pytest.raises(ValueError, match="draft params of all 2"):
+        SuffixImpl(SuffixParams(), 2).draft([])

@@ -9,6 +9,9 @@ import numpy as np
 
 from pyspec.ffi import ffi, llama
 
+# the longest text tokenize() takes: 8 MiB, some 2 million tokens, more than any context holds
+MAX_TEXT_BYTES = 8 << 20
+
 if TYPE_CHECKING:
     from pyspec.core.model import Model
 
@@ -89,7 +92,9 @@ class Vocab:
                 for name in ("pre", "suf", "mid", "pad", "rep", "sep")}
 
     def check_token(self, token: int) -> int:
-        """Return token as int, or raise ValueError if it is outside the vocabulary."""
+        """Return token as int; TypeError for what is not an integer, ValueError if it is outside the vocabulary."""
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+            raise TypeError(f"a token id must be an integer, got {token!r:.40}")
         t = int(token)
         n = self.n_tokens
         if not 0 <= t < n:
@@ -115,8 +120,13 @@ class Vocab:
         return int(llama.llama_vocab_get_attr(self.ptr, self.check_token(token)))
 
     def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Mirrors llama_tokenize (llama.h), growing the buffer as common_tokenize does."""
+        """Mirrors llama_tokenize (llama.h), growing the buffer as common_tokenize does.
+
+        ValueError for a text over MAX_TEXT_BYTES: llama.cpp's tokenizer holds some 50 bytes per byte of text
+        while it works (840 MiB for 16 MiB on Gemma 3), and a failed allocation there aborts the process."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        if len(data) > MAX_TEXT_BYTES:
+            raise ValueError(f"text of {len(data)} bytes is too long to tokenize (at most {MAX_TEXT_BYTES} bytes)")
         n_max = len(data) + 2 * int(add_special) + 1
         buf = ffi.new("llama_token[]", n_max)
         n = llama.llama_tokenize(self.ptr, data, len(data), buf, n_max, add_special, parse_special)

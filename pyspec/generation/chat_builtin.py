@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pyspec.core.chat import apply_chat_template, builtin_chat_templates
+from pyspec.core.vocab import MAX_TEXT_BYTES
 
 __all__ = ["apply_builtin_template", "builtin_templates"]
 
@@ -27,6 +28,9 @@ def apply_builtin_template(template: str, messages: Sequence[Mapping[str, Any]],
     ChatTemplateError (a ValueError) when llama.cpp does not know the template.
     """
     pairs = [(str(m.get("role", "")), _content_text(m.get("content"))) for m in messages]
+    n = sum(len(r) + len(c) for r, c in pairs)
+    if n > MAX_TEXT_BYTES:  # the prompt could not be tokenized; llama.cpp would build it in memory first
+        raise ValueError(f"messages of {n} characters are too long for a prompt (at most {MAX_TEXT_BYTES})")
     return apply_chat_template(template, pairs, add_generation_prompt)
 
 

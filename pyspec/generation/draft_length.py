@@ -54,6 +54,7 @@ recorded generation through a controller on a modelled clock.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 import weakref
@@ -61,6 +62,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pyspec.suffix.index import MAX_DRAFT_TOKENS
 
 __all__ = [
     "Acceptance",
@@ -106,6 +109,8 @@ class CostCurve:
     LEVEL_RATE = 0.2  # each decode's pull on the level
 
     def __init__(self, window: int = 9) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
         self.window = window
         self._obs: dict[int, deque[float]] = {}  # each size's decodes, relative to the level then
         self._level = 0.0
@@ -120,8 +125,15 @@ class CostCurve:
         self._switch_rel = 0.0
 
     def record(self, n_tokens: int, seconds: float, *, calibration: bool = False) -> None:
-        """One decode of ``n_tokens`` tokens took ``seconds`` (``calibration``: a probe, not a generation step)."""
-        if n_tokens <= 0 or not seconds > 0:
+        """One decode of ``n_tokens`` tokens took ``seconds`` (``calibration``: a probe, not a generation step).
+
+        ValueError for seconds that are not a finite number; a decode timed at under a nanosecond (a coarse
+        clock's zero, or less) or of no tokens is not recorded."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+            raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+            raise ValueError(f"seconds must be a finite number, got {seconds!r}")
+        if n_tokens <= 0 or seconds < 1e-9:
             return
         if not calibration:
             self._n_used[n_tokens] = self._n_used.get(n_tokens, 0) + 1
@@ -274,6 +286,8 @@ def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens
     c = points.get(n_tokens)
     if c is not None:
         return c
+    if not sizes:
+        raise ValueError("no measured sizes to interpolate from")
     if n_tokens < sizes[0]:
         return points[sizes[0]]
     k = bisect.bisect_left(sizes, n_tokens)
@@ -284,6 +298,8 @@ def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens
         slope = max(0.0, (points[b] - points[a]) / (b - a))
         return points[b] + slope * (n_tokens - b)
     lo, hi = sizes[k - 1], sizes[k]
+    if hi <= lo:
+        raise ValueError(f"sizes must be distinct and sorted, got {list(sizes)}")
     w = (n_tokens - lo) / (hi - lo)
     return points[lo] * (1 - w) + points[hi] * w
 
@@ -361,11 +377,17 @@ class Acceptance:
         self._g = 1.0  # a count now is its stored value times _g
 
     def record(self, n_drafted: int, n_accepted: int, offset: int = 0) -> None:
+        if offset < 0:
+            raise ValueError(f"a passage position is >= 0, got {offset}")
         if n_drafted <= 0:
             return
         a = max(0, min(n_accepted, n_drafted))
         self.first(offset, a >= 1)
-        for j in range(1, min(n_drafted, a + 1)):
+        end = min(n_drafted, a + 1)  # tokens 1..end-1 were tested, those before a accepted
+        for j in range(1, end):
+            if offset + j >= MAX_POSITION:  # the rest share the last position's counts: added at once
+                self._add(MAX_POSITION, end - j, max(0, a - j))
+                break
             self.next(offset + j, j < a)
 
     def first(self, pos: int, accepted: bool) -> None:
@@ -383,20 +405,27 @@ class Acceptance:
 
     def next(self, pos: int, accepted: bool) -> None:
         """A draft token at position ``pos`` was tested (of the latest draft, or of one still being compared)."""
+        self._add(pos, 1, int(accepted))
+
+    def _add(self, pos: int, tested: int, accepted: int) -> None:
+        """``tested`` tokens at position ``pos`` (or, past MAX_POSITION, the last), ``accepted`` of them accepted."""
+        if pos < 0:
+            raise ValueError(f"a passage position is >= 0, got {pos}")
         pos = min(pos, MAX_POSITION)
         t = self._t
         if pos >= len(t):
             grow = pos + 1 - len(t)
             t += [0.0] * grow
             self._a += [0.0] * grow
-        w = 1.0 / self._g
+        w = tested / self._g
         t[pos] += w
         if pos:
             self._tn += w
         if accepted:
-            self._a[pos] += w
+            wa = accepted / self._g
+            self._a[pos] += wa
             if pos:
-                self._an += w
+                self._an += wa
 
     @property
     def tested(self) -> list[float]:
@@ -797,6 +826,8 @@ class DraftLengthController:
 
         ``full``: whether the implementation returned as many tokens as asked (before :meth:`trim`).
         """
+        n_drafted = max(0, min(n_drafted, MAX_DRAFT_TOKENS))
+        n_accepted = max(0, min(n_accepted, n_drafted))
         s = self._seq(seq_id)
         tail, s.tail = s.tail, None
         offset, s.draft_offset = s.draft_offset or 0, None
@@ -978,8 +1009,11 @@ class DraftLengthController:
         as if they were ``PRIOR_WEIGHT_POOL`` more tests; then the sequence's own counts of the
         position, shrunk towards that as if it were ``PRIOR_WEIGHT_POS`` more.
         """
+        if offset < 0:
+            raise ValueError(f"a passage position is >= 0, got {offset}")
         if n <= 0:
             return []
+        n = min(n, MAX_DRAFT_TOKENS)
         impl = self._last_impl.get(seq_id) or self.impl
         s = self._seqs.get(seq_id)
         # the sequence's two rates, moved by the draft's class
@@ -1070,8 +1104,10 @@ class DraftLengthController:
         return best_n, (best_r / r0 if best_n else 1.0)
 
     def choose(self, seq_id: int, cap: int, n_active: int = 1) -> int:
-        """The most draft tokens ``seq_id`` should ask for this step (0: decode plainly); at most ``cap``."""
+        """The most draft tokens ``seq_id`` should ask for this step (0: decode plainly); at most ``cap``
+        (and MAX_DRAFT_TOKENS)."""
         _check_active(n_active)
+        cap = min(cap, MAX_DRAFT_TOKENS)
         if self.fixed or cap <= 0:
             return max(0, cap)
         if not self.curve.ready:
@@ -1157,7 +1193,7 @@ class DraftLengthController:
         # drafts that are always accepted could not pay (a draft model as slow as the target)
         s.zero_streak = 0
         s.probe_after = min(self.PROBE_MAX, s.probe_after * 2)
-        n_any, _ = self.best(cap, n_active, [1.0] * cap)
+        n_any, _ = self.best(cap, n_active, [1.0] * min(cap, MAX_DRAFT_TOKENS))
         return min(n_any, max(2, self.n_min)) if n_any else 0
 
     def bound(self, seq_id: int, cap: int, n_active: int = 1) -> float:

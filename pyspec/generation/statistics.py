@@ -22,6 +22,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pyspec.suffix.index import MAX_DRAFT_TOKENS
+
 __all__ = ["COUNTER_NAMES", "EngineMetrics", "GenerationStats", "ImplStats", "MetricsSnapshot", "SequenceResult",
            "SpecDecodeCounters"]
 
@@ -170,8 +172,11 @@ class SpecDecodeCounters:
 
     def record(self, n_draft: int, n_accepted: int) -> None:
         """One verified draft of ``n_draft`` tokens of which the first ``n_accepted`` were accepted."""
-        if not 0 <= n_accepted <= n_draft:
-            raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens")
+        for name, v in (("n_draft", n_draft), ("n_accepted", n_accepted)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if not 0 <= n_accepted <= n_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens (at most {MAX_DRAFT_TOKENS})")
         if n_draft == 0:
             return
         self.n_drafts += 1

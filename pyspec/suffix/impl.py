@@ -48,7 +48,16 @@ from pyspec.common.speculative import (
     common_speculative_type_to_str,
 )
 from pyspec.errors import SpeculativeError
-from pyspec.suffix.index import FEW, GlobalSuffixIndex, SuffixDraft, SuffixIndex, as_tokens, check_int, token_list
+from pyspec.suffix.index import (
+    FEW,
+    MAX_DRAFT_TOKENS,
+    GlobalSuffixIndex,
+    SuffixDraft,
+    SuffixIndex,
+    as_tokens,
+    check_int,
+    token_list,
+)
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
@@ -89,7 +98,7 @@ class SuffixParams:
         check_int("max_global_tokens", self.max_global_tokens, 0)
         check_int("max_occurrences", self.max_occurrences, 1, 1 << 20)
         # a drafter that may draft nothing is a configuration error, not a quiet no-op
-        check_int("n_max", self.n_max, 1)
+        check_int("n_max", self.n_max, 1, MAX_DRAFT_TOKENS)
         for name in ("max_spec_factor", "min_token_prob"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -230,6 +239,8 @@ class SuffixImpl(CommonSpeculativeImpl):
         return best
 
     def draft(self, dparams: list[CommonSpeculativeDraftParams]) -> None:
+        if len(dparams) < self.n_seq:
+            raise ValueError(f"draft needs the draft params of all {self.n_seq} sequences, got {len(dparams)}")
         for seq_id in range(self.n_seq):
             dp = dparams[seq_id]
             if not dp.drafting:

@@ -61,12 +61,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = [
-    "FEW", "SENTINEL", "GlobalSuffixIndex", "SuffixDraft", "SuffixIndex", "as_tokens", "check_int", "index_levels",
-    "token_list",
+    "FEW", "MAX_DRAFT_TOKENS", "SENTINEL", "GlobalSuffixIndex", "SuffixDraft", "SuffixIndex", "as_tokens", "check_int",
+    "index_levels", "token_list",
 ]
 
 # separates requests in the global index: outside int32, so no llama_token equals it
 SENTINEL = -(1 << 40)
+# the longest draft anything here asks for or counts (an index, the draft-length controller, the counters):
+# more than any batch verifies, so a larger number is a caller's mistake, refused or clamped
+MAX_DRAFT_TOKENS = 1 << 16
 
 _MASK = (1 << 64) - 1
 _B = 0x100000001B3  # the polynomial hash's base (odd: invertible mod 2^64)
@@ -348,6 +351,10 @@ class SuffixIndex:
         """Index ``tokens`` after the text (int32 token ids; SENTINEL ends a request)."""
         a: np.ndarray | list[int]
         if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64:
+            if tokens.ndim != 1:
+                raise ValueError(f"tokens must be one-dimensional, got shape {tokens.shape}")
+            if tokens.size and ((tokens != SENTINEL) & ((tokens < _INT32_MIN) | (tokens > _INT32_MAX))).any():
+                raise ValueError("tokens must be int32 token ids (or SENTINEL)")
             a = tokens
         elif not isinstance(tokens, np.ndarray) and len(tokens) <= FEW:
             a = token_list(tokens, "tokens")
@@ -520,7 +527,7 @@ class SuffixIndex:
               limit: int | None = None, open_end: bool = False) -> SuffixDraft:
         """The draft for context ``ctx`` (its last max_depth tokens are read); see the module docstring
         (``open_end``: :meth:`walk`'s, for an index of the sequence itself)."""
-        n_max = check_int("n_max", n_max, 0)
+        n_max = min(check_int("n_max", n_max, 0), MAX_DRAFT_TOKENS)  # an open end repeats a period up to n_max
         if not math.isfinite(max_spec_factor) or max_spec_factor < 0:
             raise ValueError(f"max_spec_factor must be finite and >= 0, got {max_spec_factor}")
         if not 0.0 <= min_token_prob <= 1.0:
