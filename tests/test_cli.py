@@ -187,6 +187,40 @@ def test_unknown_bench_engine_is_an_error(capsys):
     assert "unknown engine rust" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, message", [
+    (("run", "--n-seq", "0"), "argument --n-seq: must be at least 1, got 0"),
+    (("run", "--n-max", "-1"), "argument --n-max: must be at least 0, got -1"),
+    (("run", "--p-min", "nan"), "argument --p-min: must be a probability in [0, 1], got nan"),
+    (("run", "--n-ctx", "0"), "argument --n-ctx: must be at least 1, got 0"),
+    (("bench", "--n-prompts", "0"), "argument --n-prompts: must be at least 1, got 0"),
+])
+def test_a_count_out_of_range_is_a_usage_error_naming_the_option(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--tiny"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe text", "not UTF-8 text"), (b'{"a": 1}', "must hold a list of strings"), (b"[1,", "not valid JSON")])
+def test_a_prompt_file_that_cannot_be_read_is_an_error_naming_it(tmp_path, capsys, content, message):
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(content)
+    assert cli.main(["bench", "--tiny", "-f", str(f), "--n-predict", "4"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and str(f) in err
+    if content.startswith(b"\xff"):
+        assert cli.main(["run", "--tiny", "-f", str(f), "-n", "4"]) == 1
+        err = capsys.readouterr().err
+        assert message in err and str(f) in err
+
+
+def test_bench_refuses_an_output_it_cannot_write_before_it_runs(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir" / "out.json"
+    assert cli.main(["bench", "--tiny", "--json", str(missing), "--n-predict", "4"]) == 1
+    assert f"cannot write {missing}" in capsys.readouterr().err
+    assert not missing.exists()
+
+
 def test_run_says_how_draft_lengths_are_chosen_and_which_numerics_it_used(capsys):
     assert cli.main(["run", "--tiny", *NGRAM, "-n", "8", "-p", "hello world", "--quiet"]) == 0
     out = capsys.readouterr().out

@@ -105,10 +105,16 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
 
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: a JSON list of strings, or texts separated by lines holding only ``---``."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts: list[str]
-    if text.lstrip().startswith("["):
-        prompts = json.loads(text)
+    if text.lstrip().startswith(("[", "{")):
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ValueError(f"{path}: a JSON prompt file must hold a list of strings")
     else:
