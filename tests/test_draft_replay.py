@@ -104,6 +104,23 @@ def test_a_machine_needs_a_one_row_cost_and_positive_seconds():
         replay(Trace([1, 2], []), [], None, CPU)
 
 
+def test_a_machine_part_that_is_not_a_duration_or_factor_is_refused():
+    ok = {1: 0.01, 2: 0.02}
+    for kw, msg in ((dict(verify={1: 0.01, 2: float("inf")}), "positive"),
+                    (dict(overhead=(float("nan"), 0.0)), "finite"), (dict(draft=(-1.0, 0.0)), "finite"),
+                    (dict(load=[(0, -5.0)]), "load"),
+                    (dict(load=[1, 2]), "load"), (dict(jitter=1000.0), "jitter")):
+        with pytest.raises(ValueError, match=msg):
+            Machine(**{"verify": ok, **kw})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n_max"):
+        copy_bound([periodic()], CPU, n_max=-1)
+    with pytest.raises(ValueError, match="cap"):
+        policies((-1, 0))
+    for limit in (float("nan"), "3", 0):
+        with pytest.raises(ValueError, match="limit"):
+            CappedDraftLength(limit)  # type: ignore[arg-type]
+
+
 def test_the_machine_s_curve_may_fall_where_measured():
     m = Machine({1: 1.0, 3: 4.0, 4: 3.0, 8: 5.0})
     assert m.verify_cost(4) < m.verify_cost(3)

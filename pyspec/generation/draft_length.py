@@ -1243,8 +1243,8 @@ class CappedDraftLength(DraftLengthController):
     """
 
     def __init__(self, limit: int, *, curve: CostCurve | None = None) -> None:
-        if limit <= 0:
-            raise ValueError(f"limit must be positive, got {limit}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ValueError(f"limit must be a positive int, got {limit!r}")
         super().__init__(curve=curve)
         self.limit = limit
 

@@ -58,6 +58,7 @@ from pyspec.generation.draft_length import (
     interpolate_cost,
 )
 from pyspec.suffix.impl import SuffixParams, speculative_init, suffix_n_max
+from pyspec.suffix.index import MAX_DRAFT_TOKENS
 
 __all__ = [
     "Machine",
@@ -114,8 +115,15 @@ class Machine:
     def __post_init__(self) -> None:
         if not self.verify or 1 not in self.verify:
             raise ValueError("a machine's verify costs must include a one-row decode (b = 1)")
-        if any(b <= 0 or not s > 0 for b, s in self.verify.items()):
+        if any(b <= 0 or not 0 < s < math.inf for b, s in self.verify.items()):
             raise ValueError(f"verify costs must be positive seconds of positive batch sizes, got {dict(self.verify)}")
+        parts = (*self.draft, *self.overhead, self.switch)
+        if not all(isinstance(x, (int, float)) and 0 <= x < math.inf for x in parts):
+            raise ValueError(f"draft, overhead and switch costs must be finite seconds >= 0, got {parts}")
+        if not all(isinstance(p, tuple) and len(p) == 2 and 0 < p[1] < math.inf for p in self.load):
+            raise ValueError(f"load must be (token, factor > 0) pairs, got {list(self.load)}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter must be in [0, 1] (a log-normal spread per part), got {self.jitter}")
         self._sizes = sorted(self.verify)
 
     def verify_cost(self, b: int) -> float:
@@ -313,6 +321,8 @@ def copy_bound(traces: Sequence[Trace], machine: Machine, n_max: int = 64) -> fl
     ``machine``'s verify and loop costs (no graph switches, no jitter); types that chain n-grams
     (ngram-mod, ngram-cache) may draft text that never occurred as one passage, and pass it.
     """
+    if isinstance(n_max, bool) or not isinstance(n_max, int) or not 1 <= n_max <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"n_max must be an int in [1, {MAX_DRAFT_TOKENS}], got {n_max!r}")
     o0, o1 = machine.overhead
     seen: list[int] = []
     t_plain = t_copy = 0.0
@@ -354,6 +364,8 @@ def policies(caps: Sequence[int] = (1, 2, 3, 4, 6, 8)) -> dict[str, Policy]:
         "cost-aware": lambda m: DraftLengthController(curve=m.seed_curve(CostCurve()), model_free=True),
     }
     for k in caps:
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"a cap is a positive int, got {k!r}")
         out[f"cap{k}"] = functools.partial(_capped, k)
     return out
 

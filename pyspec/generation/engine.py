@@ -191,7 +191,9 @@ class Engine(EngineQueue):
         # budget: a template is code, and one from a model file or a client may loop or allocate without end
         self.template_budget = template_budget
         self.ctx_tgt = ctx_tgt
-        self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else int(n_parallel)
+        if n_parallel is not None and (isinstance(n_parallel, bool) or not isinstance(n_parallel, int)):
+            raise TypeError(f"n_parallel must be an int, got {n_parallel!r}")
+        self.n_parallel = ctx_tgt.n_seq_max if n_parallel is None else n_parallel
         if not 1 <= self.n_parallel <= ctx_tgt.n_seq_max:
             raise ValueError(f"n_parallel must be 1..{ctx_tgt.n_seq_max} (the target context's n_seq_max); "
                              f"got {self.n_parallel}: create the contexts with n_seq_max >= n_parallel")
