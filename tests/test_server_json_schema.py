@@ -127,6 +127,13 @@ def test_a_grammar_given_wins_over_a_schema_in_completion(client: TestClient):
     assert r.json()["content"] == "aaaaa"
 
 
+def _nested_type_lists(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": ["array", "array"], "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("body,message", [
     ({"response_format": {"type": "sound"}}, "'response_format': type must be one of"),
     ({"response_format": {"type": "json_object", "schema": 123}}, "a schema must be an object"),
@@ -147,6 +154,15 @@ def test_a_grammar_given_wins_over_a_schema_in_completion(client: TestClient):
     ({"json_schema": {"enum": ["x" * 200] * 400}}, "more than the"),
     ({"json_schema": {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}},
      "left-recursive"),
+    # each level doubles the item twice: 690 bytes asked for gigabytes before the size was checked
+    ({"json_schema": _nested_type_lists(16)}, "more than the 32768 characters allowed"),
+    ({"json_schema": {"allOf": [{"$ref": "#/definitions/a"}], "definitions": [1]}}, "names no definition"),
+    ({"json_schema": {"allOf": [{"$ref": 5}]}}, "only local references"),
+    ({"json_schema": {"allOf": [{"type": "object"}], "properties": [1, 2]}}, "'properties' must be an object"),
+    ({"json_schema": {"allOf": [{"type": "object"}], "required": 5}}, "'required' a list of names"),
+    ({"json_schema": {"type": "object", "properties": {"a": {}}, "required": [[1]]}}, "'required' a list of names"),
+    ({"json_schema": {"const": float("nan")}}, "no NaN or infinity"),
+    ({"json_schema": {"type": "array", "minItems": 2001}}, "'minItems' must be an integer in [0, 2000]"),
 ])
 def test_schemas_that_cannot_be_enforced_are_refused(client: TestClient, body: dict[str, Any], message: str):
     r = client.post("/v1/chat/completions", content=json.dumps({"messages": MESSAGES, "max_tokens": 2, **body}),

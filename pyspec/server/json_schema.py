@@ -58,7 +58,9 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
 _HANDLED = {"type", "const", "enum", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
             "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
             "minimum"}
-_MAX_REPEAT = 10_000  # minItems / maxItems / string lengths beyond this are refused (grammar size)
+# minItems / maxItems / string lengths beyond this are refused: llama.cpp's grammar parser refuses a repetition
+# of more (MAX_REPETITION_THRESHOLD in src/llama-grammar.cpp)
+_MAX_REPEAT = 2000
 
 
 def _literal(text: str) -> str:
@@ -80,16 +82,32 @@ def _literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _value_literal(v: Any) -> str:
+def _value_literal(v: Any, where: str) -> str:
     # the value as compact JSON text, then any whitespace
-    return _literal(json.dumps(v, ensure_ascii=False, separators=(",", ":"))) + " space"
+    try:
+        text = json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # NaN and infinities are not JSON: the model would write them
+        raise ValueError(f"{where}: a 'const' or 'enum' value must be JSON (no NaN or infinity)") from None
+    return _literal(text) + " space"
 
 
 class _Converter:
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, max_chars: int | None) -> None:
         self.root = root
         self.rules: dict[str, str] = {}
         self.refs: dict[str, str] = {}  # $ref -> its rule name
+        # the grammar's size so far: a schema whose grammar grows with each level ("type": [...] repeats the
+        # schema per type, an array's item is written twice) is refused as it grows, not once it is built
+        self.max_chars = max_chars
+        self.n_chars = 0
+
+    def _grow(self, text: str) -> str:
+        """``text`` is part of the grammar (a rule's body, or an expression inside one); ValueError past the limit."""
+        if self.max_chars is not None:
+            self.n_chars += len(text)
+            if len(text) > self.max_chars or self.n_chars > 4 * self.max_chars:
+                raise ValueError(f"its grammar would be more than the {self.max_chars} characters allowed")
+        return text
 
     def use(self, name: str) -> str:
         """A primitive rule (and those it uses) added to the grammar; its name."""
@@ -106,11 +124,14 @@ class _Converter:
         while name in self.rules or name in _PRIMITIVES:
             i += 1
             name = f"{base}-{i}"
-        self.rules[name] = body
+        self.rules[name] = self._grow(body)
         return name
 
     def visit(self, schema: Any, hint: str, where: str) -> str:
         """A GBNF expression for ``schema`` (rules it needs are added)."""
+        return self._grow(self._visit(schema, hint, where))
+
+    def _visit(self, schema: Any, hint: str, where: str) -> str:
         if schema is True or schema == {}:
             return self.use("value")
         if not isinstance(schema, Mapping):
@@ -123,12 +144,12 @@ class _Converter:
         if "const" in schema or "enum" in schema:
             self.use("space")
         if "const" in schema:
-            return _value_literal(schema["const"])
+            return _value_literal(schema["const"], where)
         if "enum" in schema:
             values = schema["enum"]
             if not isinstance(values, list) or not values:
                 raise ValueError(f"{where}: 'enum' must be a non-empty list")
-            return "(" + " | ".join(_value_literal(v) for v in values) + ")"
+            return "(" + " | ".join(_value_literal(v, where) for v in values) + ")"
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 alts = schema[key]
@@ -156,40 +177,51 @@ class _Converter:
         return getattr(self, "type_" + types)(schema, hint, where)
 
     def ref(self, ref: Any, where: str) -> str:
-        if not isinstance(ref, str) or not ref.startswith(("#/definitions/", "#/$defs/")):
-            raise ValueError(f"{where}: only local references (#/definitions/..., #/$defs/...) are supported")
         if ref not in self.refs:
-            section, _, name = ref[2:].partition("/")
-            defs = self.root.get(section) if isinstance(self.root, Mapping) else None
-            if not isinstance(defs, Mapping) or name not in defs:
-                raise ValueError(f"{where}: {ref!r} names no definition")
+            definition = self.definition(ref, where)
+            name = ref.rpartition("/")[2]
             rule = self.add("ref-" + name, "")  # named first: the definition may refer to itself
             self.refs[ref] = rule
-            self.rules[rule] = self.visit(defs[name], "ref-" + name, ref)
+            self.rules[rule] = self._grow(self.visit(definition, "ref-" + name, ref))
         return self.refs[ref]
+
+    def definition(self, ref: Any, where: str) -> Any:
+        """The schema a local ``$ref`` names; ValueError for another reference or a missing definition."""
+        if not isinstance(ref, str) or not ref.startswith(("#/definitions/", "#/$defs/")):
+            raise ValueError(f"{where}: only local references (#/definitions/..., #/$defs/...) are supported")
+        section, _, name = ref[2:].partition("/")
+        defs = self.root.get(section) if isinstance(self.root, Mapping) else None
+        if not isinstance(defs, Mapping) or name not in defs:
+            raise ValueError(f"{where}: {ref!r} names no definition")
+        return defs[name]
 
     def merge(self, schema: Mapping[str, Any], where: str) -> dict[str, Any]:
         """allOf of object schemas as one object schema (properties and required joined)."""
         parts = schema["allOf"]
         if not isinstance(parts, list) or not parts:
             raise ValueError(f"{where}: 'allOf' must be a non-empty list of schemas")
-        props: dict[str, Any] = dict(schema.get("properties") or {})
-        required: list[str] = list(schema.get("required") or [])
-        for i, part in enumerate(parts):
-            if isinstance(part, Mapping) and "$ref" in part:
-                part = self.root.get(part["$ref"][2:].partition("/")[0], {}).get(part["$ref"].rpartition("/")[2])
-            if not isinstance(part, Mapping) or set(part) - {"type", "properties", "required"} - _ANNOTATIONS \
-                    or part.get("type", "object") != "object":
-                raise ValueError(f"{where}.allOf[{i}]: only object schemas with properties can be combined")
-            props.update(part.get("properties") or {})
-            required += [r for r in part.get("required") or [] if r not in required]
+        props: dict[str, Any] = {}
+        required: list[str] = []
+        for i, part in enumerate([schema, *parts]):
+            at = where if i == 0 else f"{where}.allOf[{i - 1}]"
+            if i and isinstance(part, Mapping) and "$ref" in part:
+                part = self.definition(part["$ref"], at)
+            if i and (not isinstance(part, Mapping) or set(part) - {"type", "properties", "required"} - _ANNOTATIONS
+                      or part.get("type", "object") != "object"):
+                raise ValueError(f"{at}: only object schemas with properties can be combined")
+            p, r = part.get("properties") or {}, part.get("required") or []
+            if not isinstance(p, Mapping) or not isinstance(r, list) or not all(isinstance(x, str) for x in r):
+                raise ValueError(f"{at}: 'properties' must be an object and 'required' a list of names")
+            props.update(p)
+            required += [x for x in r if x not in required]
         return {"type": "object", "properties": props, "required": required}
 
     def type_object(self, schema: Mapping[str, Any], hint: str, where: str) -> str:
         props = schema.get("properties") or {}
         required = schema.get("required") or []
-        if not isinstance(props, Mapping) or not isinstance(required, list):
-            raise ValueError(f"{where}: 'properties' must be an object and 'required' a list")
+        if not isinstance(props, Mapping) or not isinstance(required, list) or \
+                not all(isinstance(r, str) for r in required):
+            raise ValueError(f"{where}: 'properties' must be an object and 'required' a list of names")
         missing = [r for r in required if r not in props]
         if missing:
             raise ValueError(f"{where}: required property {missing[0]!r} is not among the properties")
@@ -217,7 +249,7 @@ class _Converter:
                     body = this
                 else:  # written, or skipped (then what follows is still first or not)
                     body = f"({this}) | {skip}" if skip else f"({this})?"
-                self.rules[names[(i, first)]] = body
+                self.rules[names[(i, first)]] = self._grow(body)
         return f'"{{" space {names[(0, True)]} "}}" space'
 
     def type_array(self, schema: Mapping[str, Any], hint: str, where: str) -> str:
@@ -277,10 +309,12 @@ class _Converter:
         return lo, hi
 
 
-def json_schema_to_grammar(schema: Any) -> str:
+def json_schema_to_grammar(schema: Any, max_chars: int | None = None) -> str:
     """A GBNF grammar (root rule ``root``) accepting exactly JSON documents valid under ``schema`` (within
-    the supported keywords, see the module); ValueError naming what cannot be converted."""
-    c = _Converter(schema)
+    the supported keywords, see the module); ValueError naming what cannot be converted, or, with
+    ``max_chars``, a grammar that would grow past it (refused while it is built: a few hundred bytes of
+    schema can ask for an exponentially large grammar)."""
+    c = _Converter(schema, max_chars)
     root = c.visit(schema, "root", "schema")
     lines = [f"root ::= {root}"] + [f"{name} ::= {body}" for name, body in c.rules.items()]
     return "\n".join(lines) + "\n"

@@ -391,7 +391,7 @@ def _schema_grammar(name: str, schema: Any) -> str:
         schema = {"type": "object"}
     _texts(name, schema)
     try:
-        g = json_schema_to_grammar(schema)
+        g = json_schema_to_grammar(schema, MAX_GRAMMAR_BYTES)
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"'{name}': {e}") from None
     if (n := len(g.encode("utf-8"))) > MAX_GRAMMAR_BYTES:
