@@ -29,6 +29,7 @@ __all__ = [
     "RpcError",
     "RpcUnavailableError",
     "SamplerCallbackError",
+    "SlotBusyError",
     "SnapshotSplitError",
     "SpeculativeError",
     "StateFileError",
@@ -90,6 +91,10 @@ class SnapshotSplitError(ContextError, ValueError):
 
 class ClosedError(PyspecError):
     """An object was used after close()."""
+
+
+class SlotBusyError(PyspecError):
+    """A slot command (save, restore, erase) on a slot that is processing a request."""
 
 
 class ConcurrentUseError(PyspecError):

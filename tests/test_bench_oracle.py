@@ -19,7 +19,7 @@ def test_the_capped_controller_keeps_llama_cpps_choice_below_the_cap():
     ctl.shadow(0, [1, 2])  # nothing goes unverified: no shadow draft is kept
     ctl.observe(0, [1, 2])
     assert ctl.n_shadow_drafts == 0
-    with pytest.raises(ValueError, match="limit must be positive"):
+    with pytest.raises(ValueError, match="limit must be a positive int"):
         CappedDraftLength(0)
 
 

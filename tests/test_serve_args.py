@@ -124,6 +124,7 @@ CASES: list[tuple[list[str], str, Any]] = [
     ([], "context_kw", {}),
     (["--spec-type", "ngram-mod"], "types", "ngram-mod"),
     (["--spec-type", "ngram-simple", "--spec-type", "ngram-map-k"], "types", "ngram-simple,ngram-map-k"),
+    (["--spec-type", "suffix", "--spec-type", "ngram-mod"], "types", "suffix,ngram-mod"),  # pyspec's own type too
     (["--types", "ngram-map-k"], "types", "ngram-map-k"),
     (["-md", "d.gguf"], "types", "draft-simple"),  # a draft model asks for draft-simple
     (["--model-draft", "d.gguf", "--spec-type", "draft-eagle3"], "types", "draft-eagle3"),

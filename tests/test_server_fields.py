@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 from pyspec import Context, Model
 from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
+from pyspec.errors import SlotBusyError
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.server.app import create_app
 from pyspec.server.params import (
@@ -307,3 +308,42 @@ def test_a_slot_file_name_of_the_longest_allowed_length_is_saved_and_restored(cl
     assert r.status_code == 200 and r.json()["filename"] == name
     assert client.post("/slots/0?action=restore", json={"filename": name}).status_code == 200
     (slot_dir / name).unlink()
+
+
+def test_a_slot_file_name_that_is_a_folder_is_refused_and_leaves_nothing(client, slot_dir):
+    (slot_dir / "adir").mkdir()
+    r = client.post("/slots/0?action=save", json={"filename": "adir"})
+    assert r.status_code == 400 and "is a folder" in r.json()["error"]["message"], r.text
+    assert sorted(p.name for p in slot_dir.iterdir() if p.name.startswith("adir")) == ["adir"]
+
+
+def test_a_command_on_a_busy_slot_is_a_conflict_the_client_may_retry(client, engine, monkeypatch):
+    def busy(slot_id: int) -> int:
+        raise SlotBusyError(f"slot {slot_id} is busy: it is processing a request")
+    monkeypatch.setattr(engine, "erase_slot", busy)
+    r = client.post("/slots/1?action=erase", json={})
+    assert r.status_code == 409 and "is busy" in r.json()["error"]["message"], r.text
+
+
+def test_log_probabilities_past_the_budget_are_refused_before_anything_runs(client, engine):
+    body = {"prompt": [f"p{i}" for i in range(64)], "n": N_PARALLEL, "n_predict": -1, "n_probs": 100}
+    r = client.post("/completion", json=body)
+    assert r.status_code == 400 and "log-probabilities" in r.json()["error"]["message"], r.text
+    assert not engine.busy()
+    body.update(prompt="p0", n=1, n_predict=4)
+    assert client.post("/completion", json=body).status_code == 200
+
+
+def test_a_text_of_many_special_tokens_longer_than_a_context_is_refused_before_it_is_tokenized(client, engine):
+    """llama.cpp's tokenizer takes time quadratic in the special tokens it parses (100,000 "<s>": 40 s, the
+    server's event loop blocked); a text that cannot fit a slot's context is refused by its length first."""
+    text = "<s>" * 100_000
+    for path, body in (("/tokenize", {"content": text}), ("/completion", {"prompt": text, "n_predict": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and "tokens can be" in r.json()["error"]["message"], (path, r.text)
+    # special tokens not parsed, the same text is tokenized (in time linear in its length)
+    r = client.post("/tokenize", json={"content": text, "parse_special": False})
+    assert r.status_code == 200 and len(r.json()["tokens"]) > 100_000
+    few = client.post("/tokenize", json={"content": "<s>" * 4})
+    assert few.status_code == 200 and few.json()["tokens"] == [engine.vocab.bos] * 4

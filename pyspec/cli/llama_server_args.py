@@ -954,10 +954,11 @@ def resolve(args: argparse.Namespace, dropped: Sequence[str] = ()) -> ServeOptio
     types = str(g["types"])
     if g.get("spec_type"):
         from pyspec.generation.contexts import parse_types
+        from pyspec.suffix.names import split_suffix_type
 
         types = ",".join(g["spec_type"])
         try:
-            parse_types(types)
+            parse_types(split_suffix_type(types)[0])  # "suffix", pyspec's own type, as --types takes it
         except ValueError as e:
             raise CliError(f"--spec-type: {e}") from None
     if g.get("draft") and not g.get("spec_type") and types in ("none", ""):

@@ -23,12 +23,19 @@ SLOT_FILE_MAGIC = b"PYSPEC-SLOT\x00"
 
 
 def write_slot_file(path: Path, head: dict[str, Any], tgt: bytes, dft: bytes) -> None:
-    """Write the header and the two states; through a temporary file, so a failed write leaves ``path`` as it was."""
+    """Write the header and the two states; through a temporary file, so a failed write leaves ``path`` as it was
+    (and no temporary file). ValueError where ``path`` is a folder."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a slot file")
     data = json.dumps(head).encode()
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(SLOT_FILE_MAGIC + len(data).to_bytes(8, "little") + data + tgt + dft)
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(SLOT_FILE_MAGIC + len(data).to_bytes(8, "little") + data + tgt + dft)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_slot_file(path: Path) -> tuple[Any, bytes]:

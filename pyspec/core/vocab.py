@@ -27,6 +27,7 @@ class Vocab:
         # token -> piece (lstrip 0), per value of `special`: a vocabulary does not change, and
         # the generation loop asks for every token it emits
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
+        self._max_piece: int | None = None
 
     @property
     def ptr(self):
@@ -119,14 +120,30 @@ class Vocab:
     def get_attr(self, token: int) -> int:
         return int(llama.llama_vocab_get_attr(self.ptr, self.check_token(token)))
 
-    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def max_piece_bytes(self) -> int:
+        """The longest token's text, in bytes (special tokens' included; read once)."""
+        if self._max_piece is None:
+            ptr, buf = self.ptr, ffi.new("char[]", 256)
+            self._max_piece = max((abs(llama.llama_token_to_piece(ptr, t, buf, 256, 0, True))
+                                   for t in range(self.n_tokens)), default=1)
+        return max(1, self._max_piece)
+
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = False,
+                 max_tokens: int | None = None) -> list[int]:
         """Mirrors llama_tokenize (llama.h), growing the buffer as common_tokenize does.
 
         ValueError for a text over MAX_TEXT_BYTES: llama.cpp's tokenizer holds some 50 bytes per byte of text
-        while it works (840 MiB for 16 MiB on Gemma 3), and a failed allocation there aborts the process."""
+        while it works (840 MiB for 16 MiB on Gemma 3), and a failed allocation there aborts the process.
+        ``max_tokens``: ValueError, before any work, for a text too long to give so few tokens (more bytes than
+        twice as many of the vocabulary's longest tokens): with ``parse_special`` llama.cpp's tokenizer takes
+        time quadratic in the special tokens it finds (100,000 "<s>" take 40 s)."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         if len(data) > MAX_TEXT_BYTES:
             raise ValueError(f"text of {len(data)} bytes is too long to tokenize (at most {MAX_TEXT_BYTES} bytes)")
+        if max_tokens is not None and len(data) > 2 * (max_tokens + 2) and \
+                len(data) > 2 * (max_tokens + 2) * self.max_piece_bytes():
+            raise ValueError(f"text of {len(data)} bytes is longer than {max_tokens} tokens can be "
+                             f"(the longest token has {self.max_piece_bytes()} bytes)")
         n_max = len(data) + 2 * int(add_special) + 1
         buf = ffi.new("llama_token[]", n_max)
         n = llama.llama_tokenize(self.ptr, data, len(data), buf, n_max, add_special, parse_special)

@@ -168,9 +168,9 @@ def render_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, add_gene
             raise e from None
 
 
-def tokenize_chat(vocab: Vocab, text: str) -> list[int]:
+def tokenize_chat(vocab: Vocab, text: str, max_tokens: int | None = None) -> list[int]:
     """Tokens of a rendered chat: special-token text parsed (a template writes "<s>", "<start_of_turn>"...);
-    BOS added only when the template did not write it."""
+    BOS added only when the template did not write it. ``max_tokens``: as :meth:`Vocab.tokenize`'s."""
     bos = vocab.bos
     starts_with_bos = bos >= 0 and text.startswith(vocab.token_to_piece(bos, special=True))
-    return vocab.tokenize(text, add_special=not starts_with_bos, parse_special=True)
+    return vocab.tokenize(text, add_special=not starts_with_bos, parse_special=True, max_tokens=max_tokens)

@@ -81,7 +81,7 @@ from pyspec.common.speculative import (
 )
 from pyspec.core.batch import Batch
 from pyspec.core.context import Context
-from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError
+from pyspec.errors import ClosedError, ConcurrentUseError, PyspecError, SlotBusyError
 from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.chat_sandbox import RenderPool, TemplateBudget
 from pyspec.generation.contexts import draft_kind
@@ -436,7 +436,8 @@ class Engine(EngineQueue):
                                template=req.chat_template, budget=self.template_budget, **dict(kwargs))
             toks = self.tokenize_chat(text)
         elif isinstance(req.prompt, str):
-            toks = self.vocab.tokenize(req.prompt, add_special=req.add_special, parse_special=req.parse_special)
+            toks = self.vocab.tokenize(req.prompt, add_special=req.add_special, parse_special=req.parse_special,
+                                       max_tokens=self.n_ctx_seq)
         elif isinstance(req.prompt, (bytes, bytearray)):
             raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
         elif not isinstance(req.prompt, (Sequence, np.ndarray)):
@@ -450,10 +451,11 @@ class Engine(EngineQueue):
         return toks
 
     def tokenize_chat(self, text: str) -> list[int]:
-        """Tokens of a rendered chat (see pyspec.generation.chat.tokenize_chat)."""
+        """Tokens of a rendered chat (see pyspec.generation.chat.tokenize_chat); ValueError, before the work,
+        for a text too long to fit a slot's context."""
         from pyspec.generation.chat import tokenize_chat
 
-        return tokenize_chat(self.vocab, text)
+        return tokenize_chat(self.vocab, text, self.n_ctx_seq)
 
     def _check_request(self, req: Request) -> None:
         if not isinstance(req.n_predict, int) or req.n_predict == 0 or req.n_predict < -1:
@@ -612,7 +614,7 @@ class Engine(EngineQueue):
             raise ValueError(f"slot_id must be 0..{self.n_parallel - 1}, got {slot_id}")
         s = self.slots[slot_id]
         if s.job is not None:
-            raise PyspecError(f"slot {slot_id} is busy")
+            raise SlotBusyError(f"slot {slot_id} is busy: it is processing a request")
         return s
 
     # --- the event trace (parity harness) -------------------------------------------

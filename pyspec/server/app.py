@@ -48,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pyspec.errors import BadRequest, DecodeError, PyspecError
+from pyspec.errors import BadRequest, DecodeError, PyspecError, SlotBusyError
 from pyspec.generation.chat import RenderPool, TemplateBudget
 from pyspec.generation.embeddings import Embedder, Embedding
 from pyspec.generation.engine import Engine
@@ -137,6 +137,9 @@ def _sse(obj: Any) -> bytes:
 
 
 _MAX_BODY = 16 << 20  # bytes: a request body larger than this is refused, not read into memory
+# log-probabilities one request may ask for (choices x tokens x (n_probs + 1)): each is kept until the request
+# ends and written to its answer (some 100 bytes of JSON each; 128 choices of 1000 tokens x 100 took 7 GB)
+_MAX_PROB_ENTRIES = 1 << 20
 
 
 class _TooLarge(Exception):
@@ -287,7 +290,7 @@ class _Api:
         for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
             if isinstance(part, str):
                 toks += self.engine.vocab.tokenize(part, add_special=add_special and k == 0,
-                                                   parse_special=parse_special)
+                                                   parse_special=parse_special, max_tokens=self.engine.n_ctx_seq)
             else:
                 toks.append(part)
         return toks
@@ -296,6 +299,13 @@ class _Api:
         """One Request per choice: choice i * n + j is the j-th of prompt i (a chat's messages: one prompt)."""
         r = parsed.request
         prompts: list[Prompt | None] = list(parsed.prompts) if r.messages is None else [None]
+        if r.n_probs:
+            n_ctx = self.engine.n_ctx_seq
+            n = len(prompts) * parsed.n * (n_ctx if r.n_predict < 0 else min(r.n_predict, n_ctx)) * (r.n_probs + 1)
+            if n > _MAX_PROB_ENTRIES:
+                raise BadRequest(f"{len(prompts) * parsed.n} choice(s) of up to {n // (len(prompts) * parsed.n)} "
+                                 f"log-probabilities each: {n} in all, more than the {_MAX_PROB_ENTRIES} a request may "
+                                 "ask for (fewer choices, tokens or n_probs)")
         out: list[Request] = []
         for p in prompts:
             toks = self._prompt_tokens(r, p, chat)
@@ -510,18 +520,24 @@ class _Api:
     async def tokenize(self, req: HttpRequest) -> Response:
         content, add_special, parse_special, with_pieces = tokenize_request(await _body(req))
         vocab = self.engine.vocab
-        toks = vocab.tokenize(content, add_special=add_special, parse_special=parse_special)
-        if not with_pieces:
-            return JSONResponse({"tokens": toks})
-        out = []
-        for t in toks:
-            b = vocab.token_to_piece_bytes(t, special=True)
-            try:
-                piece: Any = b.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(b)
-            out.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": out})
+
+        def run() -> list[Any]:
+            # special tokens parsed: at most what a slot's context holds (llama.cpp's tokenizer takes time
+            # quadratic in the special tokens it finds); in a worker thread, as a prompt is tokenized
+            toks = vocab.tokenize(content, add_special=add_special, parse_special=parse_special,
+                                  max_tokens=self.engine.n_ctx_seq if parse_special else None)
+            if not with_pieces:
+                return toks
+            out: list[Any] = []
+            for t in toks:
+                b = vocab.token_to_piece_bytes(t, special=True)
+                try:
+                    piece: Any = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)
+                out.append({"id": t, "piece": piece})
+            return out
+        return JSONResponse({"tokens": await asyncio.to_thread(run)})
 
     async def detokenize(self, req: HttpRequest) -> Response:
         toks = detokenize_request(await _body(req), self.engine.n_vocab)
@@ -563,7 +579,8 @@ class _Api:
 
         def build(body: Any, d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
             parsed, inp = infill_request(body, d, n_vocab, n_parallel)
-            tokens_prompt = vocab.tokenize(inp.prompt, add_special=False, parse_special=True)
+            tokens_prompt = vocab.tokenize(inp.prompt, add_special=False, parse_special=True,
+                                           max_tokens=self.engine.n_ctx_seq)
             n_batch = self.engine.ctx_tgt.n_batch
             parsed.prompts = [format_prompt_infill(vocab, inp, n_batch, d.n_predict, self.engine.n_ctx_seq,
                                                    d.spm_infill, tokens_prompt)]
@@ -789,6 +806,8 @@ def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[H
             if e.code == 1:  # no room in the KV cache for the step: llama-server's words (server-context.cpp)
                 return _error(500, f"Context size has been exceeded. ({e})", "server_error")
             return _error(500, str(e), "server_error")
+        except SlotBusyError as e:  # llama-server queues the command until the slot is free; the client retries
+            return _error(409, str(e), "unavailable_error")
         except PyspecError as e:
             return _error(400 if isinstance(e, ValueError) else 500, str(e),
                           "invalid_request_error" if isinstance(e, ValueError) else "server_error")
