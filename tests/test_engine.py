@@ -287,6 +287,9 @@ def test_bad_requests_raise_and_queue_nothing(chat_model):
             (Request(prompt=[5] * 400), "does not fit"),
             # llama.cpp's tokenizer would hold some 50 bytes per byte of it (a failed allocation aborts)
             (Request(prompt="a" * (MAX_TEXT_BYTES + 1)), "too long to tokenize"),
+            # longer than the context could hold: refused by its length (the tokenizer is quadratic in the
+            # special tokens it parses)
+            (Request(prompt="<s>" * 100_000, parse_special=True), "tokens can be"),
             (Request(messages=[{"role": "user", "content": "a" * MAX_TEXT_BYTES}], chat_template="chatml"),
              "too long for a prompt"),
             (Request(prompt="x", n_predict=0), "n_predict"),
