@@ -105,7 +105,10 @@ class _Converter:
         """``text`` is part of the grammar (a rule's body, or an expression inside one); ValueError past the limit."""
         if self.max_chars is not None:
             self.n_chars += len(text)
-            if len(text) > self.max_chars or self.n_chars > 4 * self.max_chars:
+            # one expression past the limit (the exponential case stops within a level or two), or all the
+            # text built so far past a generous multiple (many siblings; an inline expression counts once
+            # per level it is part of, so a legitimate deep schema counts some times its grammar)
+            if len(text) > self.max_chars or self.n_chars > 64 * self.max_chars:
                 raise ValueError(f"its grammar would be more than the {self.max_chars} characters allowed")
         return text
 
