@@ -194,6 +194,7 @@ def test_unknown_bench_engine_is_an_error(capsys):
     (("run", "--n-ctx", "0"), "argument --n-ctx: must be at least 1, got 0"),
     (("bench", "--n-prompts", "0"), "argument --n-prompts: must be at least 1, got 0"),
     (("parity", "--threads", "0"), "argument --threads: must be at least 1, got 0"),  # was a DIVERGE line
+    (("parity", "--n-seq", "1000"), "argument --n-seq: at most"),
 ])
 def test_a_count_out_of_range_is_a_usage_error_naming_the_option(capsys, args, message):
     with pytest.raises(SystemExit) as e:

@@ -102,9 +102,12 @@ def scenarios(args: argparse.Namespace) -> list[ParityScenario]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the scenarios; print one verdict line each; 0 when all agree, 1 otherwise."""
-    args = _parser().parse_args(argv)
-    if args.n_seq < 1:
-        raise SystemExit("--n-seq must be >= 1")
+    p = _parser()
+    args = p.parse_args(argv)
+    from pyspec.ffi import llama
+
+    if args.n_seq > (n_seq_max := int(llama.llama_max_parallel_sequences())):
+        p.error(f"argument --n-seq: at most {n_seq_max} (LLAMA_MAX_SEQ), got {args.n_seq}")  # both sides refuse it
     from pyspec.parity.harness import run_parity
 
     failed = 0
