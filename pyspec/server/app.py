@@ -599,7 +599,7 @@ class _Api:
             comps = await self._wait(req, hs)
             outs = [_nested_values(parsed.response_fields, self._native_final(c, r, False, i, parsed.return_tokens))
                     for i, (c, r) in enumerate(zip(comps, reqs, strict=True))]
-            return JSONResponse(outs[0] if len(outs) == 1 else outs)  # several prompts or n: a list
+            return await _json_answer(outs[0] if len(outs) == 1 else outs)  # several prompts or n: a list
 
         def piece(i: int, d: Delta) -> dict[str, Any]:
             out: dict[str, Any] = {"index": i, "content": d.text, "tokens": d.tokens if parsed.return_tokens else [],
@@ -718,7 +718,8 @@ class _Api:
             comps = await self._wait(req, hs)
             choices = [choice(i, c.text, _FINISH.get(c.stop_reason, "stop"), c.logprobs, 0)
                        for i, c in enumerate(comps)]
-            return JSONResponse(self._verbose(self._totals(envelope(choices), comps, parsed.n), parsed, comps, reqs))
+            return await _json_answer(self._verbose(self._totals(envelope(choices), comps, parsed.n), parsed, comps,
+                                                    reqs))
 
         sent = [0] * len(hs)
 
@@ -763,7 +764,7 @@ class _Api:
 
         if not parsed.stream:
             comps = await self._wait(req, hs)
-            return JSONResponse(self._verbose(self._totals({
+            return await _json_answer(self._verbose(self._totals({
                 "id": cid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                              "logprobs": logprobs(c.logprobs), "finish_reason": _FINISH.get(c.stop_reason, "stop")}
@@ -790,6 +791,12 @@ class _Api:
         # the role first, with no content yet (null, as llama-server and OpenAI send it)
         first = [_sse(chunk(i, {"role": "assistant", "content": None}, None, [])) for i in range(len(hs))]
         return self._stream(hs, first, piece, final, True)
+
+
+async def _json_answer(content: Any) -> Response:
+    """A completion's answer as JSONResponse writes it, encoded in a worker thread: with log-probabilities it
+    may be tens of megabytes, and the event loop serves every other client meanwhile."""
+    return await asyncio.to_thread(JSONResponse, content)  # it renders its body as it is made
 
 
 def _guard(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[HttpRequest], Awaitable[Response]]:
