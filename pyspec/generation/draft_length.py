@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import statistics
 import time
 import weakref
@@ -129,10 +130,11 @@ class CostCurve:
 
         ValueError for seconds that are not a finite number; a decode timed at under a nanosecond (a coarse
         clock's zero, or less) or of no tokens is not recorded."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int):
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, numbers.Integral):
             raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds):
             raise ValueError(f"seconds must be a finite number, got {seconds!r}")
+        n_tokens, seconds = int(n_tokens), float(seconds)
         if n_tokens <= 0 or seconds < 1e-9:
             return
         if not calibration:
