@@ -15,6 +15,7 @@ over requests is the engine's total.
 
 from __future__ import annotations
 
+import numbers
 import sys
 import threading
 import time
@@ -173,8 +174,9 @@ class SpecDecodeCounters:
     def record(self, n_draft: int, n_accepted: int) -> None:
         """One verified draft of ``n_draft`` tokens of which the first ``n_accepted`` were accepted."""
         for name, v in (("n_draft", n_draft), ("n_accepted", n_accepted)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {v!r}")
+        n_draft, n_accepted = int(n_draft), int(n_accepted)
         if not 0 <= n_accepted <= n_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens (at most {MAX_DRAFT_TOKENS})")
         if n_draft == 0:
