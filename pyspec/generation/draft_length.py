@@ -64,7 +64,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyspec.suffix.index import MAX_DRAFT_TOKENS
+from pyspec.suffix.index import MAX_DRAFT_TOKENS, check_int
 
 __all__ = [
     "Acceptance",
@@ -110,9 +110,7 @@ class CostCurve:
     LEVEL_RATE = 0.2  # each decode's pull on the level
 
     def __init__(self, window: int = 9) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        self.window = window
+        self.window = check_int("window", window, 1)
         self._obs: dict[int, deque[float]] = {}  # each size's decodes, relative to the level then
         self._level = 0.0
         self._rel: dict[int, float] = {}  # the median of each size's relative costs
@@ -379,8 +377,6 @@ class Acceptance:
         self._g = 1.0  # a count now is its stored value times _g
 
     def record(self, n_drafted: int, n_accepted: int, offset: int = 0) -> None:
-        if offset < 0:
-            raise ValueError(f"a passage position is >= 0, got {offset}")
         if n_drafted <= 0:
             return
         a = max(0, min(n_accepted, n_drafted))
@@ -394,6 +390,7 @@ class Acceptance:
 
     def first(self, pos: int, accepted: bool) -> None:
         """A new draft's first token was tested, at position ``pos`` (the older counts decay)."""
+        _check_position(pos)  # before the counts decay: a refused draft changes nothing
         self.n_drafts += 1
         self._g *= self.decay
         if self._g < 1e-150:  # fold the scale into the stored counts before it underflows
@@ -411,8 +408,7 @@ class Acceptance:
 
     def _add(self, pos: int, tested: int, accepted: int) -> None:
         """``tested`` tokens at position ``pos`` (or, past MAX_POSITION, the last), ``accepted`` of them accepted."""
-        if pos < 0:
-            raise ValueError(f"a passage position is >= 0, got {pos}")
+        _check_position(pos)
         pos = min(pos, MAX_POSITION)
         t = self._t
         if pos >= len(t):
@@ -482,6 +478,11 @@ class Acceptance:
 
 # positions further into a passage share the last one's counts
 MAX_POSITION = 64
+
+
+def _check_position(pos: int) -> None:
+    if pos < 0:
+        raise ValueError(f"a passage position is >= 0, got {pos}")
 
 
 def rates_of(counts: Sequence[float], prior: tuple[float, float], weight: float) -> tuple[float, float]:
@@ -1011,8 +1012,7 @@ class DraftLengthController:
         as if they were ``PRIOR_WEIGHT_POOL`` more tests; then the sequence's own counts of the
         position, shrunk towards that as if it were ``PRIOR_WEIGHT_POS`` more.
         """
-        if offset < 0:
-            raise ValueError(f"a passage position is >= 0, got {offset}")
+        _check_position(offset)
         if n <= 0:
             return []
         n = min(n, MAX_DRAFT_TOKENS)

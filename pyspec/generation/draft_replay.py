@@ -58,7 +58,7 @@ from pyspec.generation.draft_length import (
     interpolate_cost,
 )
 from pyspec.suffix.impl import SuffixParams, speculative_init, suffix_n_max
-from pyspec.suffix.index import MAX_DRAFT_TOKENS
+from pyspec.suffix.index import MAX_DRAFT_TOKENS, check_int
 
 __all__ = [
     "Machine",
@@ -321,8 +321,7 @@ def copy_bound(traces: Sequence[Trace], machine: Machine, n_max: int = 64) -> fl
     ``machine``'s verify and loop costs (no graph switches, no jitter); types that chain n-grams
     (ngram-mod, ngram-cache) may draft text that never occurred as one passage, and pass it.
     """
-    if isinstance(n_max, bool) or not isinstance(n_max, int) or not 1 <= n_max <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"n_max must be an int in [1, {MAX_DRAFT_TOKENS}], got {n_max!r}")
+    check_int("n_max", n_max, 1, MAX_DRAFT_TOKENS)
     o0, o1 = machine.overhead
     seen: list[int] = []
     t_plain = t_copy = 0.0
@@ -364,9 +363,7 @@ def policies(caps: Sequence[int] = (1, 2, 3, 4, 6, 8)) -> dict[str, Policy]:
         "cost-aware": lambda m: DraftLengthController(curve=m.seed_curve(CostCurve()), model_free=True),
     }
     for k in caps:
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"a cap is a positive int, got {k!r}")
-        out[f"cap{k}"] = functools.partial(_capped, k)
+        out[f"cap{check_int('cap', k, 1)}"] = functools.partial(_capped, k)
     return out
 
 

@@ -436,8 +436,7 @@ class Engine(EngineQueue):
                                template=req.chat_template, budget=self.template_budget, **dict(kwargs))
             toks = self.tokenize_chat(text)
         elif isinstance(req.prompt, str):
-            toks = self.vocab.tokenize(req.prompt, add_special=req.add_special, parse_special=req.parse_special,
-                                       max_tokens=self.n_ctx_seq)
+            toks = self.tokenize_text(req.prompt, req.add_special, req.parse_special)
         elif isinstance(req.prompt, (bytes, bytearray)):
             raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
         elif not isinstance(req.prompt, (Sequence, np.ndarray)):
@@ -449,6 +448,12 @@ class Engine(EngineQueue):
         if len(toks) + 1 > self.n_ctx_seq:
             raise ValueError(f"prompt of {len(toks)} tokens does not fit the context ({self.n_ctx_seq} per sequence)")
         return toks
+
+    def tokenize_text(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        """Tokens of a prompt's text; ValueError, before the work, for a text too long to fit a slot's context
+        (llama.cpp's tokenizer is quadratic in the special tokens it parses)."""
+        return self.vocab.tokenize(text, add_special=add_special, parse_special=parse_special,
+                                   max_tokens=self.n_ctx_seq)
 
     def tokenize_chat(self, text: str) -> list[int]:
         """Tokens of a rendered chat (see pyspec.generation.chat.tokenize_chat); ValueError, before the work,

@@ -15,7 +15,6 @@ over requests is the engine's total.
 
 from __future__ import annotations
 
-import numbers
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from pyspec.suffix.index import MAX_DRAFT_TOKENS
+from pyspec.suffix.index import MAX_DRAFT_TOKENS, check_int
 
 __all__ = ["COUNTER_NAMES", "EngineMetrics", "GenerationStats", "ImplStats", "MetricsSnapshot", "SequenceResult",
            "SpecDecodeCounters"]
@@ -173,12 +172,10 @@ class SpecDecodeCounters:
 
     def record(self, n_draft: int, n_accepted: int) -> None:
         """One verified draft of ``n_draft`` tokens of which the first ``n_accepted`` were accepted."""
-        for name, v in (("n_draft", n_draft), ("n_accepted", n_accepted)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {v!r}")
-        n_draft, n_accepted = int(n_draft), int(n_accepted)
-        if not 0 <= n_accepted <= n_draft <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens (at most {MAX_DRAFT_TOKENS})")
+        n_draft = check_int("n_draft", n_draft, 0, MAX_DRAFT_TOKENS)
+        n_accepted = check_int("n_accepted", n_accepted, 0)
+        if n_accepted > n_draft:
+            raise ValueError(f"accepted {n_accepted} of a draft of {n_draft} tokens")
         if n_draft == 0:
             return
         self.n_drafts += 1

@@ -289,8 +289,7 @@ class _Api:
         toks: list[int] = []
         for k, part in enumerate([prompt] if isinstance(prompt, str) else prompt):
             if isinstance(part, str):
-                toks += self.engine.vocab.tokenize(part, add_special=add_special and k == 0,
-                                                   parse_special=parse_special, max_tokens=self.engine.n_ctx_seq)
+                toks += self.engine.tokenize_text(part, add_special and k == 0, parse_special)
             else:
                 toks.append(part)
         return toks
@@ -301,11 +300,12 @@ class _Api:
         prompts: list[Prompt | None] = list(parsed.prompts) if r.messages is None else [None]
         if r.n_probs:
             n_ctx = self.engine.n_ctx_seq
-            n = len(prompts) * parsed.n * (n_ctx if r.n_predict < 0 else min(r.n_predict, n_ctx)) * (r.n_probs + 1)
-            if n > _MAX_PROB_ENTRIES:
-                raise BadRequest(f"{len(prompts) * parsed.n} choice(s) of up to {n // (len(prompts) * parsed.n)} "
-                                 f"log-probabilities each: {n} in all, more than the {_MAX_PROB_ENTRIES} a request may "
-                                 "ask for (fewer choices, tokens or n_probs)")
+            each = (n_ctx if r.n_predict < 0 else min(r.n_predict, n_ctx)) * (r.n_probs + 1)
+            n_choices = len(prompts) * parsed.n
+            if n_choices * each > _MAX_PROB_ENTRIES:
+                raise BadRequest(f"{n_choices} choice(s) of up to {each} log-probabilities each: {n_choices * each} "
+                                 f"in all, more than the {_MAX_PROB_ENTRIES} a request may ask for (fewer choices, "
+                                 "tokens or n_probs)")
         out: list[Request] = []
         for p in prompts:
             toks = self._prompt_tokens(r, p, chat)
@@ -579,8 +579,7 @@ class _Api:
 
         def build(body: Any, d: ServerDefaults, n_vocab: int, n_parallel: int) -> Parsed:
             parsed, inp = infill_request(body, d, n_vocab, n_parallel)
-            tokens_prompt = vocab.tokenize(inp.prompt, add_special=False, parse_special=True,
-                                           max_tokens=self.engine.n_ctx_seq)
+            tokens_prompt = self.engine.tokenize_text(inp.prompt, False, True)
             n_batch = self.engine.ctx_tgt.n_batch
             parsed.prompts = [format_prompt_infill(vocab, inp, n_batch, d.n_predict, self.engine.n_ctx_seq,
                                                    d.spm_infill, tokens_prompt)]
