@@ -135,6 +135,27 @@ def test_bench_runs_the_suffix_type_on_the_port_and_says_it_skipped_the_loop(tmp
     assert "not run: suffix on loop" in out and "mean acc" in out
 
 
+def test_bench_takes_the_suffix_types_parameters_and_records_them(tmp_path):
+    js = tmp_path / "bench.json"
+    argv = ["bench", "--tiny", "--types", "suffix", "--engines", "fixed", "--n-predict", "32", "--repeat", "1",
+            "--n-prompts", "1", "--quiet", "--json", str(js)]
+    assert cli.main([*argv, "--suffix-max-spec-factor", "0.25", "--suffix-min-token-prob", "0.5"]) == 0
+    data = json.loads(js.read_text())
+    assert data["params"]["suffix"]["max_spec_factor"] == 0.25
+    assert data["params"]["suffix"]["min_token_prob"] == 0.5
+    (row,) = [r for r in data["rows"] if r["type"] == "suffix"]
+    assert row["n_drafted"] > 0
+    # a quarter of the match: the cyclic tiny target's drafts are shorter than with the default factor
+    assert cli.main(argv) == 0
+    (default,) = [r for r in json.loads(js.read_text())["rows"] if r["type"] == "suffix"]
+    assert row["n_drafted"] / row["n_drafts"] < default["n_drafted"] / default["n_drafts"]
+
+
+def test_bench_refuses_a_suffix_option_without_the_suffix_type(capsys):
+    assert cli.main(["bench", "--tiny", "--types", "ngram-simple", "--suffix-max-depth", "8"]) == 1
+    assert "--suffix-max-depth: the suffix type is not selected" in capsys.readouterr().err
+
+
 def test_parity_hands_its_arguments_to_parity_cli(monkeypatch):
     seen = []
     fake = types.ModuleType("pyspec.cli.parity")

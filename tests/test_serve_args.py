@@ -384,6 +384,60 @@ def test_the_suffix_type_is_a_type_name_for_serve_and_refused_by_run():
     commands._no_suffix("ngram-mod", "run")  # llama.cpp's types pass
 
 
+def _serve_load_kw(monkeypatch: pytest.MonkeyPatch, *argv: str) -> dict[str, Any]:
+    """What cmd_serve hands Engine.load for ``argv`` (the load itself replaced)."""
+    from pyspec.generation.engine import Engine
+
+    seen: dict[str, Any] = {}
+
+    def load(model: Any = None, **kw: Any) -> Any:
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(Engine, "load", staticmethod(load))
+    rest, dropped = commands._serve_argv(["--port", "0", "-m", "t.gguf", *argv])
+    args = commands.build_parser().parse_args(["serve", *rest])
+    args.llama_dropped = dropped
+    with pytest.raises(_Loaded):
+        commands.cmd_serve(args)
+    return seen
+
+
+def test_the_suffix_options_reach_the_engine_with_the_runs_n_max(monkeypatch: pytest.MonkeyPatch):
+    from pyspec.suffix import SuffixParams
+
+    seen = _serve_load_kw(monkeypatch, "--spec-type", "suffix", "--spec-draft-n-max", "24",
+                          "--suffix-max-spec-factor", "2", "--suffix-min-token-prob", "0.5",
+                          "--suffix-max-depth", "32", "--suffix-max-global-tokens", "0")
+    assert seen["types"] == "suffix"
+    assert seen["suffix"] == SuffixParams(max_depth=32, max_spec_factor=2.0, min_token_prob=0.5,
+                                          max_global_tokens=0, n_max=24)
+    # none given: the defaults, as Engine.load would choose them
+    assert _serve_load_kw(monkeypatch, "--types", "suffix,ngram-mod")["suffix"] == SuffixParams()
+    assert _serve_load_kw(monkeypatch, "--types", "ngram-mod")["suffix"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--types", "ngram-mod", "--suffix-max-spec-factor", "2"], "--suffix-max-spec-factor: the suffix type is not"),
+    (["--types", "suffix", "--suffix-max-depth", "100000"], "max_depth"),  # SuffixParams' own bound
+    (["--types", "suffix", "--n-max", "0"], "n_max"),  # a drafter that may draft nothing
+])
+def test_a_suffix_option_that_changes_nothing_or_is_out_of_range_is_a_usage_error(monkeypatch: pytest.MonkeyPatch,
+                                                                                 argv: list[str], message: str):
+    with pytest.raises(CliError, match=message):
+        _serve_load_kw(monkeypatch, *argv)
+
+
+@pytest.mark.parametrize("option, value", [("--suffix-max-spec-factor", "0"), ("--suffix-max-spec-factor", "nan"),
+                                           ("--suffix-min-token-prob", "1.5"), ("--suffix-max-depth", "0"),
+                                           ("--suffix-max-global-tokens", "-1")])
+def test_a_suffix_option_out_of_its_range_is_refused_by_the_parser(option: str, value: str,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        commands.build_parser().parse_args(["serve", "--types", "suffix", option, value])
+    assert option in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, named", [(["--template-timeout", "0"], "template timeout"),
                                          (["--template-memory", "8"], "at least 16 MiB")])
 def test_a_bad_template_budget_is_a_one_line_error_before_any_model_loads(argv, named, capsys):

@@ -234,6 +234,19 @@ def test_bad_arguments_raise_clear_errors() -> None:
             SuffixParams(**kw)
 
 
+def test_suffix_params_takes_the_runs_n_max_and_named_fields() -> None:
+    from pyspec.suffix import suffix_params
+
+    assert suffix_params() == SuffixParams()
+    assert suffix_params(None, max_spec_factor=None) == SuffixParams()  # None: the default
+    assert suffix_params(12, max_spec_factor=2, max_global_tokens=0) == \
+        SuffixParams(n_max=12, max_spec_factor=2, max_global_tokens=0)
+    with pytest.raises(TypeError, match="no field max_spec_factr"):
+        suffix_params(max_spec_factr=2)
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        suffix_params(max_spec_factor=0)
+
+
 def test_negative_and_extreme_int32_tokens_are_indexed_like_others() -> None:
     lo, hi = -(2**31), 2**31 - 1
     text = [lo, hi, -1, 0, lo, hi, -1]

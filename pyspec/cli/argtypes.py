@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-__all__ = ["int_from", "probability"]
+__all__ = ["int_from", "positive_float", "probability"]
 
 
 def int_from(low: int) -> Callable[[str], int]:
@@ -24,4 +24,12 @@ def probability(text: str) -> float:
     v = float(text)
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    v = float(text)
+    if not 0.0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return v

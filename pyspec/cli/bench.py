@@ -54,7 +54,7 @@ from pyspec.generation.contexts import ModelSet, open_contexts, parse_types, spe
 from pyspec.generation.draft_length import CappedDraftLength, CostCurve, oracle_speedup
 from pyspec.generation.driver import SpeculativeGenerator, greedy_sampling
 from pyspec.generation.statistics import GenerationStats, SequenceResult, SpecDecodeCounters
-from pyspec.suffix.impl import suffix_params
+from pyspec.suffix.impl import SuffixParams, suffix_params
 from pyspec.suffix.names import SUFFIX_TYPE_NAME, split_suffix_type
 
 __all__ = [
@@ -282,16 +282,17 @@ def run_once(
     ctx_kw: dict[str, Any],
     curve: CostCurve | None = None,
     limit: int | None = None,
+    suffix: SuffixParams | None = None,
 ) -> tuple[SequenceResult, GenerationStats]:
     """One greedy generation on fresh contexts; returns the result and the statistics.
 
     ``curve``, when given, receives the verify cost curve the run measured (or shared);
     ``limit`` caps llama.cpp's fixed draft lengths (an oracle candidate; python engine only).
-    ``types`` may hold ``"suffix"`` (the Engine's suffix type, its n_max from ``spec_kw``'s as in
-    Engine.load); ValueError on the cpp and loop engines, which have no suffix type.
+    ``types`` may hold ``"suffix"`` (the Engine's suffix type with ``suffix``, by default its n_max from
+    ``spec_kw``'s as in Engine.load); ValueError on the cpp and loop engines, which have no suffix type.
     """
-    llama, suffix = split_types(types)
-    if suffix and not runs_on(types, engine):
+    llama, wants_suffix = split_types(types)
+    if wants_suffix and not runs_on(types, engine):
         raise ValueError(f"engine {engine}: {NO_CPP_TWIN}")
     spec = spec_params(llama, **spec_kw)
     with open_contexts(models, spec, **ctx_kw) as cs:
@@ -301,11 +302,12 @@ def run_once(
             (res,), st = cpp_generate(cs.ctx_tgt, [prompt], n_predict, spec, greedy_sampling())
             return res, st
         # the suffix type alone: no llama.cpp spec, as Engine.load passes it
-        with SpeculativeGenerator(cs.ctx_tgt, None if suffix and llama == [T.NONE] else spec, greedy_sampling(),
+        with SpeculativeGenerator(cs.ctx_tgt, None if wants_suffix and llama == [T.NONE] else spec, greedy_sampling(),
                                   n_seq=1, backend="cpp" if engine == "cpp" else "python",
                                   adaptive_draft=engine == "python",
                                   draft_controller=None if limit is None else CappedDraftLength(limit),
-                                  suffix=suffix_params(spec_kw.get("n_max")) if suffix else None) as gen:
+                                  suffix=(suffix or suffix_params(spec_kw.get("n_max"))) if wants_suffix else None
+                                  ) as gen:
             (res,) = gen.generate([prompt], n_predict)
             if curve is not None and gen.draft_ctl is not None:
                 for n, c in gen.draft_ctl.curve.as_dict().items():
@@ -344,13 +346,14 @@ def run_bench(
     model_name: str = "",
     progress: Callable[[str], Any] | None = None,
     oracle: Sequence[int] = (),
+    suffix: SuffixParams | None = None,
 ) -> Report:
     """Run every type set (plain decoding first) on every engine, ``repeat`` times over all prompts.
 
     ``oracle``: draft-length caps; each speculative type also runs with llama.cpp's fixed
     lengths capped at each (engine name ``fixed@N``), for the oracle columns. A type set may hold
     ``"suffix"`` (:func:`parse_bench_types`); it runs on the python and fixed engines only, and the
-    others are listed in :attr:`Report.skipped`.
+    others are listed in :attr:`Report.skipped`. ``suffix``: its parameters (default: as Engine.load's).
     """
     if any(n <= 0 for n in oracle):
         raise ValueError(f"oracle caps must be positive, got {list(oracle)}")
@@ -358,8 +361,10 @@ def run_bench(
     ctx_kw = ctx_kw or {}
     t_start = time.perf_counter()
     sets: list[list[Any]] = [[T.NONE]] + [list(ts) for ts in type_sets if list(ts) != [T.NONE]]
-    report = Report(model_name, n_predict, repeat, list(prompts), {**spec_kw, **ctx_kw, "engines": list(engines)},
-                    oracle=sorted(set(oracle)))
+    params = {**spec_kw, **ctx_kw, "engines": list(engines)}
+    if suffix is not None:
+        params["suffix"] = asdict(suffix)
+    report = Report(model_name, n_predict, repeat, list(prompts), params, oracle=sorted(set(oracle)))
     curve = CostCurve(window=999)
 
     # warm-up: page the weights in, so the first timed run is not the slowest
@@ -387,7 +392,7 @@ def run_bench(
                         progress(f"measuring {_type_key(types)} on {engine} ({done + 1}/{total})...")
                     base, _, cap = engine.partition("@")
                     res, st = run_once(models, types, "python" if cap else base, prompt, n_predict, spec_kw, ctx_kw,
-                                       curve, int(cap) if cap else None)
+                                       curve, int(cap) if cap else None, suffix)
                     runs.append(Run(_type_key(types), engine, ip, rep, list(res.tokens), st.n_gen_tokens,
                                     st.t_gen_s, st.t_decode_gen_s, st.n_steps, st.n_drafted, st.n_accepted,
                                     st.t_draft_s, list(st.drafts)))

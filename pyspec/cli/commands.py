@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyspec.cli.argtypes import int_from, probability
+from pyspec.cli.argtypes import int_from, positive_float, probability
 from pyspec.errors import CliError
 
 __all__ = ["build_parser", "main"]
@@ -102,6 +102,42 @@ def _add_spec_args(p: argparse.ArgumentParser, types_default: str) -> None:
                         "(default 3; llama.cpp's is 12, ngram-mod 24)")
     g.add_argument("--ngram-m", type=int, default=8,
                    help="n-gram draft size: size_m, ngram-mod n_max (n_min = half) (default 8; llama.cpp's is 48)")
+
+
+# the suffix type's parameters (pyspec.suffix.SuffixParams) that its options set: vLLM's suffix decoding has the
+# same knobs (suffix_decoding_max_tree_depth, _max_spec_factor, _min_token_prob; its cache counts requests)
+_SUFFIX_FIELDS = ("max_depth", "max_spec_factor", "min_token_prob", "max_global_tokens")
+
+
+def _add_suffix_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the suffix type (pyspec's own; with suffix in --types)")
+    g.add_argument("--suffix-max-depth", type=int_from(1), default=None,
+                   help="longest context suffix matched, tokens (default 64)")
+    g.add_argument("--suffix-max-spec-factor", type=positive_float, default=None,
+                   help="a match of m tokens drafts at most factor x m tokens (default 1; 1.5-2 paid on a machine "
+                        "where a verify batch costs little, and lost where it costs much: docs/performance.md)")
+    g.add_argument("--suffix-min-token-prob", type=probability, default=None,
+                   help="stop a draft where its path's probability falls below this (default 0.1)")
+    g.add_argument("--suffix-max-global-tokens", type=int_from(0), default=None,
+                   help="the cross-request index's bound, tokens (default 1000000; 0: no cross-request index)")
+
+
+def _suffix(args: argparse.Namespace, types: Sequence[str], n_max: int | None) -> Any:
+    """The suffix type's SuffixParams from its options (None when no type set of ``types`` holds it); an option
+    given without the suffix type is a usage error, as it would change nothing."""
+    from pyspec.suffix.impl import suffix_params
+    from pyspec.suffix.names import split_suffix_type
+
+    given = {f: getattr(args, "suffix_" + f) for f in _SUFFIX_FIELDS if getattr(args, "suffix_" + f) is not None}
+    if not any(split_suffix_type(t)[1] for t in types):
+        if given:
+            names = ", ".join("--suffix-" + f.replace("_", "-") for f in given)
+            raise CliError(f"{names}: the suffix type is not selected (add suffix to --types)")
+        return None
+    try:
+        return suffix_params(n_max, **given)
+    except ValueError as e:
+        raise CliError(f"--suffix-*: {e}") from None
 
 
 def _device_list(text: str | None) -> list[str] | None:
@@ -314,6 +350,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pyspec.server.params import ServerDefaults
 
     opts = resolve(args, getattr(args, "llama_dropped", ()))
+    suffix = _suffix(args, [opts.types], opts.spec_kw.get("n_max"))
     verbose = args.verbose or getattr(args, "serve_verbose", False)
     if args.slot_save_path is not None and not Path(args.slot_save_path).is_dir():
         raise CliError(f"--slot-save-path {args.slot_save_path} is not a folder")
@@ -354,7 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              # the cost-aware length would learn from what never decides; llama.cpp's fixed lengths
                              adaptive_draft=not args.fixed_draft and "synth_len" not in opts.spec_kw
                              and "synth_rates" not in opts.spec_kw,
-                             acceptance=args.acceptance, cpuparams=opts.cpuparams,
+                             acceptance=args.acceptance, suffix=suffix, cpuparams=opts.cpuparams,
                              cpuparams_batch=opts.cpuparams_batch, context_shift=opts.context_shift,
                              **opts.spec_kw, **load_kw)
         if opts.n_ctx > 0:  # once the files are found: a missing model is the one line to see
@@ -408,6 +445,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
     if args.n_prompts is not None:
         prompts = prompts[: args.n_prompts]
+    _suffix(args, args.types.split(","), args.n_max)  # a bad --suffix-* option is refused before the models load
     for path in (args.json, args.plot):  # refused now, not after the benchmark has run
         if path and not os.access(Path(path).resolve().parent, os.W_OK):
             raise CliError(f"cannot write {path}: its folder does not exist or is not writable")
@@ -435,7 +473,7 @@ def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_type
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
-            oracle=_oracle_caps(args.oracle),
+            oracle=_oracle_caps(args.oracle), suffix=_suffix(args, args.types.split(","), args.n_max),
         )
 
 
@@ -554,6 +592,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="MiB one chat template render may allocate (default 256)")
     _add_model_args(p)
     _add_spec_args(p, "none")
+    _add_suffix_args(p)
     add_llama_server_args(p)
 
 
@@ -609,6 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, 1, "CPU threads per context (default 1: steadier timings on a shared machine; "
                           "0 = all cores)")
     _add_spec_args(p, "ngram-simple,ngram-map-k,ngram-mod,ngram-cache")
+    _add_suffix_args(p)
     p.epilog = ("--types: each comma item is benchmarked on its own; join types with + to run them together. "
                 "suffix (pyspec's own type) runs on the python and fixed engines only (no C++ twin).")
     p.set_defaults(func=cmd_bench)

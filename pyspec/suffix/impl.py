@@ -287,10 +287,18 @@ def suffix_n_max(suffix: SuffixParams | None) -> int:
     return 0 if suffix is None else suffix.n_max
 
 
-def suffix_params(n_max: int | None = None) -> SuffixParams:
+def suffix_params(n_max: int | None = None, **fields: Any) -> SuffixParams:
     """The suffix type's parameters when a list of type names selects it: the defaults, with the run's
-    ``n_max`` (the llama.cpp types' option) when one is given (Engine.load, pyspec bench)."""
-    return SuffixParams() if n_max is None else SuffixParams(n_max=n_max)
+    ``n_max`` (the llama.cpp types' option) and any other :class:`SuffixParams` field given (Engine.load,
+    pyspec bench and serve's ``--suffix-*`` options); None leaves a field at its default. A field that
+    SuffixParams does not have is a TypeError naming it."""
+    unknown = sorted(set(fields) - set(SuffixParams.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"SuffixParams has no field {', '.join(unknown)}")
+    kw = {k: v for k, v in fields.items() if v is not None}
+    if n_max is not None:
+        kw["n_max"] = n_max
+    return SuffixParams(**kw)
 
 
 def speculative_init(
