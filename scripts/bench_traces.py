@@ -37,11 +37,13 @@ Speed figures need a quiet machine; the acceptance figures do not.
     python scripts/bench_traces.py --types none,ngram-mod,suffix --record traces.json --json out.json
     python scripts/bench_traces.py --trace-file traces.json --repeat 3
     python scripts/bench_traces.py --trace-file traces.json --replay gemma-2t-b --set PRIOR_WEIGHT_POS=1.0
+    python scripts/bench_traces.py --trace-file traces.json --replay gemma-2t --types suffix --suffix max_spec_factor=2
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import logging
 import statistics
@@ -67,7 +69,7 @@ from pyspec.generation.draft_replay import (  # noqa: E402
 from pyspec.generation.driver import greedy_sampling  # noqa: E402
 from pyspec.generation.engine import Engine  # noqa: E402
 from pyspec.generation.requests import Request  # noqa: E402
-from pyspec.suffix.impl import speculative_init, split_suffix_type, suffix_params  # noqa: E402
+from pyspec.suffix.impl import SuffixParams, speculative_init, split_suffix_type, suffix_params  # noqa: E402
 
 TYPES = "none,ngram-simple,ngram-map-k,ngram-mod,ngram-cache,suffix,suffix+ngram-mod"
 
@@ -252,25 +254,39 @@ def record_traces(eng: Engine, turns: int, n_predict: int) -> dict[str, list[Ste
 
 # --- offline: acceptance without the model ----------------------------------------------------
 
-def _offline_spec(types: str, n_max: int) -> Any:
-    """One sequence's speculative state for ``types`` (suffix with its defaults)."""
+DEFAULT_SUFFIX = SuffixParams()
+
+
+def suffix_field(item: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` for a SuffixParams field (a Python literal; SuffixParams checks the rest)."""
+    name, eq, text = item.partition("=")
+    try:
+        if not eq:
+            raise ValueError
+        return name.strip(), ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise ValueError(f"{item!r}: not NAME=VALUE with a Python literal") from None
+
+
+def _offline_spec(types: str, n_max: int, suffix: SuffixParams) -> Any:
+    """One sequence's speculative state for ``types`` (the suffix type with ``suffix``)."""
     rest, wants_suffix = split_suffix_type(types.replace("+", ","))
-    return speculative_init(spec_params(parse_types(rest), n_max=n_max), 1,
-                            suffix=suffix_params() if wants_suffix else None)
+    return speculative_init(spec_params(parse_types(rest), n_max=n_max), 1, suffix=suffix if wants_suffix else None)
 
 
-def tokens_per_step(n_gen: int, n_accepted: int, n_restores: int = 0) -> float:
-    """Generated tokens per target decode (plain steps, verified drafts and re-verifications after a checkpoint
-    restore): what speed follows, unlike the mean accepted length, which counts only the steps with a draft
-    (a type that drafts rarely but long wins it)."""
-    return n_gen / max(1, n_gen - n_accepted + n_restores)
+def tokens_per_step(n_gen: int, n_accepted: int) -> float:
+    """Generated tokens per target decode (plain steps and verified drafts) where every accepted token is
+    kept (offline: a draft is matched up to the recorded output's end): what speed follows, unlike the mean
+    accepted length, which counts only the steps with a draft (a type that drafts rarely but long wins it).
+    The timed runs count their decodes (RequestStats.n_steps)."""
+    return n_gen / max(1, n_gen - n_accepted)
 
 
-def offline_trace(types: str, steps: list[Step], n_max: int) -> dict[str, Any]:
+def offline_trace(types: str, steps: list[Step], n_max: int, suffix: SuffixParams = DEFAULT_SUFFIX) -> dict[str, Any]:
     """Acceptance of ``types`` on the recorded plain outputs: each request's draft calls as the Engine makes
     them (one state across the requests, the whole draft verified, no draft-length control), a draft's
     accepted tokens the longest prefix the recorded output continues with (greedy: what verification keeps)."""
-    spec = _offline_spec(types, n_max)
+    spec = _offline_spec(types, n_max, suffix)
     n_drafts = n_drafted = n_accepted = 0
     per_request: list[float | None] = []
     try:
@@ -311,7 +327,8 @@ def offline_trace(types: str, steps: list[Step], n_max: int) -> dict[str, Any]:
             "accepted_per_draft_token": n_accepted / n_drafted if n_drafted else None}
 
 
-def offline(traces: dict[str, list[Step]], types: list[str], n_max: int) -> dict[str, dict[str, Any]]:
+def offline(traces: dict[str, list[Step]], types: list[str], n_max: int,
+            suffix: SuffixParams = DEFAULT_SUFFIX) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     for name, steps in traces.items():
         if any("plain_tokens" not in s for s in steps):
@@ -321,7 +338,7 @@ def offline(traces: dict[str, list[Step]], types: list[str], n_max: int) -> dict
         for t in types:
             if t == "none":
                 continue
-            r = results.setdefault(name, {})[t] = offline_trace(t, steps, n_max)
+            r = results.setdefault(name, {})[t] = offline_trace(t, steps, n_max, suffix)
             mal, apd = r["mean_acceptance_length"], r["accepted_per_draft_token"]
             print(f"{t:20s}  {'-' if mal is None else f'{mal:8.2f}':>16s}   "
                   f"{'-' if apd is None else f'{apd:8.2f}':>16s}   {r['n_drafts']:6d}   {r['tokens_per_step']:11.2f}")
@@ -330,7 +347,8 @@ def offline(traces: dict[str, list[Step]], types: list[str], n_max: int) -> dict
 
 # --- replay: speed on a modelled clock ----------------------------------------------------------
 
-def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name: str, n_max: int) -> None:
+def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name: str, n_max: int,
+                  suffix: SuffixParams = DEFAULT_SUFFIX) -> None:
     """Each trace's requests in order through one speculative state and one controller per policy (plain,
     llama.cpp's fixed lengths, cost-aware) on a machine profile of scripts/draft_length_sim.py: tokens per
     second on the modelled clock (exact and repeatable; no checkpoint restores, no prompt time)."""
@@ -352,7 +370,7 @@ def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name:
             for pol in ("fixed", "cost-aware"):
                 ctl = policies()[pol](m)
                 runs = replay_session(session, parse_types(rest), ctl, m, spec_kw={"n_max": n_max},
-                                      suffix=suffix_params() if wants_suffix else None)
+                                      suffix=suffix if wants_suffix else None)
                 drafts = [d for r in runs for d in r.drafts]
                 n_gen = sum(r.n_tokens for r in runs)
                 rel = n_gen / sum(r.seconds for r in runs) / (sum(r.n_tokens for r in plain) /
@@ -366,7 +384,7 @@ def replay_traces(traces: dict[str, list[Step]], types: list[str], machine_name:
 def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
     tokens: list[list[int]] = []
     per_request: list[float] = []  # generation tokens/s of each request
-    n_drafts = n_drafted = n_accepted = n_gen = 0
+    n_drafts = n_drafted = n_accepted = n_gen = n_decodes = 0
     restores0 = engine.n_checkpoint_restores
     seconds = 0.0  # generation only (first token to the end): the prompts cost every type alike
     for step in steps:
@@ -376,24 +394,26 @@ def run_trace(engine: Engine, steps: list[Step]) -> dict[str, Any]:
         tokens.append(list(out.tokens))
         per_request.append(len(out.tokens) / max(1e-9, st.t_gen_ms / 1e3))
         n_gen += len(out.tokens)
+        n_decodes += st.n_steps + 1  # the prompt's last decode gave the first token
         # vLLM's counters: a draft counted once, when first verified (llama-server's draft_n_accepted counts
         # the accepted tokens of a draft re-verified after a checkpoint restore a second time)
         n_drafts += st.spec.n_drafts
         n_drafted += st.spec.n_draft_tokens
         n_accepted += st.spec.n_accepted_tokens
     # a partial acceptance the target's memory cannot roll back (Gemma 3's sliding window) restores a
-    # checkpoint and verifies the accepted tokens again: one more target decode each
+    # checkpoint and verifies the accepted tokens again: one more target decode each (in n_steps)
     n_restores = engine.n_checkpoint_restores - restores0
     return {"tokens": tokens, "n_gen": n_gen, "n_drafts": n_drafts, "n_drafted": n_drafted,
             "n_accepted": n_accepted, "n_restores": n_restores, "seconds": seconds, "per_request": per_request,
-            "tokens_per_step": tokens_per_step(n_gen, n_accepted, n_restores),
+            # counted, not n_gen - n_accepted: a draft accepted past a stop string counts tokens not returned
+            "tokens_per_step": n_gen / max(1, n_decodes),
             "mean_acceptance_length": 1 + n_accepted / n_drafts if n_drafts else None,
             "accepted_per_draft_token": n_accepted / n_drafted if n_drafted else None}
 
 
 def _load(args: argparse.Namespace, types: str) -> Engine:
     # n_max is the draft models' option (the n-gram types draft up to their own sizes); suffix keeps its own too
-    suffix = suffix_params() if split_suffix_type(types.replace("+", ","))[1] else None
+    suffix = args.suffix if split_suffix_type(types.replace("+", ","))[1] else None
     eng = Engine.load(args.model, types=types.replace("+", ","), n_parallel=1, n_ctx=4096, n_threads=args.threads,
                       n_max=16, suffix=suffix, adaptive_draft=not args.fixed_draft,
                       batch_invariant=args.batch_invariant, sampling=greedy_sampling())
@@ -474,12 +494,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="an experiment: a DraftLengthController constant changed for the timed runs and the "
                          "replay (e.g. MARGIN=1.05, PRIOR='(0.6, 0.85)'); repeatable")
+    ap.add_argument("--suffix", action="append", default=[], metavar="NAME=VALUE",
+                    help="a SuffixParams field of the suffix type for every mode (e.g. max_spec_factor=2, "
+                         "min_token_prob=0.8); repeatable")
     args = ap.parse_args(argv)
     try:
         for item in args.set:
             parse_setting(item)
     except ValueError as e:
         raise SystemExit(f"bench_traces: --set: {e}") from None
+    try:
+        args.suffix = suffix_params(**dict(suffix_field(item) for item in args.suffix))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"bench_traces: --suffix: {e}") from None
     with controller_settings(args.set):
         return _main(args)
 
@@ -496,10 +523,10 @@ def _main(args: argparse.Namespace) -> int:
             Path(args.record).write_text(json.dumps(traces, indent=1))
     traces = {name: traces[name] for name in args.traces.split(",")}
     if args.replay:
-        replay_traces(traces, args.types.split(","), args.replay, 16)
+        replay_traces(traces, args.types.split(","), args.replay, 16, args.suffix)
         return 0
     if args.offline:
-        res = offline(traces, args.types.split(","), 16)
+        res = offline(traces, args.types.split(","), 16, args.suffix)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         return 0

@@ -72,7 +72,19 @@ def test_offline_acceptance_of_a_repeated_passage(types: str) -> None:
     assert all(x is not None and x > 5.0 for x in r["per_request"])
 
 
-def test_tokens_per_step_counts_restores_as_decodes() -> None:
+def test_tokens_per_step_offline() -> None:
     assert B.tokens_per_step(100, 50) == pytest.approx(2.0)
-    assert B.tokens_per_step(100, 50, 25) == pytest.approx(100 / 75)
     assert B.tokens_per_step(0, 0) == 0.0
+
+
+def test_the_suffix_types_parameters_reach_the_offline_run() -> None:
+    from pyspec.suffix import suffix_params
+
+    assert B.suffix_field("max_spec_factor=0.25") == ("max_spec_factor", 0.25)
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        B.suffix_field("max_spec_factor")
+    steps = _repeating_trace()
+    default = B.offline_trace("suffix", steps, 8)
+    short = B.offline_trace("suffix", steps, 8, suffix_params(max_spec_factor=0.25))
+    # a quarter of the match: shorter drafts, so more of them for the same passage
+    assert short["n_drafted"] / short["n_drafts"] < default["n_drafted"] / default["n_drafts"]

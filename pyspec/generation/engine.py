@@ -852,6 +852,9 @@ class Engine(EngineQueue):
             self._report_progress(s)
         t_verify = (ctx_tgt.t_decode_ns - t_dec) / 1e9
         self.n_steps += 1
+        for s in generating:
+            if s.job is not None:
+                s.job.stats.n_steps += 1
         self.metrics.record_decode(batch.n_tokens, sum(s.job is not None for s in self.slots))
         if not self._draft_catch_up:
             if not eng.process(batch):

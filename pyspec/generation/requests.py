@@ -120,6 +120,10 @@ class RequestStats:
     n_gen: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    # target decodes of its generation, one a step (a verify batch or a plain decode, a re-verification after a
+    # checkpoint restore too): n_gen / (n_steps + 1) tokens per decode, the prompt's last decode giving the first
+    # (not n_gen - n_accepted: a draft accepted past a stop string or the end counts its discarded tokens)
+    n_steps: int = 0
     t_queue_ms: float = 0.0  # submit -> a slot takes it
     t_prompt_ms: float = 0.0  # slot taken -> first token sampled
     t_gen_ms: float = 0.0  # first token -> end
