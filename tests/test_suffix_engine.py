@@ -78,33 +78,19 @@ def test_a_repeated_text_prompt_gets_suffix_drafts_accepted(chat_model):
     assert r.stats.spec.n_accepted_tokens > 0 and st.n_acc_tokens == r.stats.spec.n_accepted_tokens
 
 
-def _one(eng: Engine, stop: list[str]):
-    n0 = eng.n_steps
-    h = eng.submit(Request(prompt=REPEAT, n_predict=40, stop=stop))
-    eng.run_until_idle()
-    r = h.result()
-    # the engine's decodes: the prompt's (n_batch 64 a decode), then the request's generation
-    assert eng.n_steps - n0 == -(-r.stats.n_prompt // 64) + r.stats.n_steps
-    assert eng.n_checkpoint_restores == 0
-    return r
-
-
-def test_a_requests_decodes_are_counted_and_a_stop_inside_an_accepted_draft_is_told_apart(chat_model):
+def test_a_requests_decodes_are_counted(chat_model):
     with suffix_engine(chat_model, 1) as eng:
-        free = _one(eng, [])
-    st = free.stats
-    assert free.stop_reason == "n_predict" and st.spec.n_drafts > 0
+        n0 = eng.n_steps
+        h = eng.submit(Request(prompt=REPEAT, n_predict=40))
+        eng.run_until_idle()
+        r = h.result()
+        # the engine's decodes: the prompt's (n_batch 64 a decode), then the request's generation
+        assert eng.n_steps - n0 == -(-r.stats.n_prompt // 64) + r.stats.n_steps
+        assert eng.n_checkpoint_restores == 0
+    st = r.stats
+    assert r.stop_reason == "n_predict" and st.spec.n_drafts > 0
     # each decode gave its accepted tokens and one of its own; the prompt's last decode the first token
     assert st.n_steps + 1 == st.n_gen - st.spec.n_accepted_tokens
-    # a stop string one and a half periods into the (periodic) output: met inside an accepted draft
-    period = free.text.find(free.text[:10], 1)
-    with suffix_engine(chat_model, 1) as eng:
-        cut = _one(eng, [free.text[: period + period // 2]])
-    st = cut.stats
-    assert cut.stop_reason == "stop" and st.spec.n_drafts > 0
-    # the accepted tokens past the stop are counted (vLLM's and llama-server's counters do) but not returned:
-    # n_gen - n_accepted would undercount the decodes
-    assert st.spec.n_accepted_tokens > st.n_gen - 1 - st.n_steps >= 0
 
 
 def test_a_second_request_drafts_from_the_global_index_of_the_first_ones_output(chat_model):

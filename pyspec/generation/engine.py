@@ -86,7 +86,15 @@ from pyspec.generation.backends import SpeculativeBackend, make_backend
 from pyspec.generation.chat_sandbox import RenderPool, TemplateBudget
 from pyspec.generation.contexts import draft_kind
 from pyspec.generation.draft_length import CALIBRATION_SIZES, DraftLengthController, shared_cost_curve
-from pyspec.generation.output import TokenPieces, append_text, completion, decode_piece, release_text, token_logprob
+from pyspec.generation.output import (
+    TokenPieces,
+    append_text,
+    completion,
+    decode_piece,
+    draft_stop_cut,
+    release_text,
+    token_logprob,
+)
 from pyspec.generation.queue import Command, EngineQueue
 from pyspec.generation.rejection import check_acceptance, check_rejection_sampling
 from pyspec.generation.requests import Delta, PromptProgress, Request, RequestHandle, TokenLogprob
@@ -284,6 +292,9 @@ class Engine(EngineQueue):
                                 and self.ctx_dft is not None
                                 and self.ctx_dft_seq_rm_type == CommonContextSeqRmType.PART)
         self._dft_batch = Batch(self.ctx_dft.n_batch, 0, 1) if self._draft_catch_up and self.ctx_dft else None
+        # cost-aware lengths verify no draft token past one that ends the generation (output.draft_stop_cut):
+        # llama.cpp's fixed lengths verify it all, and rejection sampling cuts nothing by the draft's content
+        self._cut_at_stops = self.draft_ctl is not None and not self.draft_ctl.fixed and not self.rejection
         self.slots = [Slot(i) for i in range(self.n_parallel)]
 
         # counters of the whole engine
@@ -805,6 +816,8 @@ class Engine(EngineQueue):
                             del s.spec_draft[keep:]
                 for s in drafting:
                     assert s.job is not None
+                    if self._cut_at_stops and s.spec_draft:  # nothing past the end of the generation
+                        del s.spec_draft[draft_stop_cut(s.job, self._pieces, s.spec_draft):]
                     if len(s.spec_draft) < s.job.request.n_draft_min:
                         s.spec_draft.clear()  # too short to be worth a verify (the request's n_min)
                 if self.on_event is not None:  # the drafts' copies only for a listener

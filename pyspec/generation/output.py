@@ -14,7 +14,8 @@ from pyspec.core.vocab import Vocab
 from pyspec.generation.requests import Completion, TokenLogprob
 from pyspec.generation.slots import Job
 
-__all__ = ["TokenPieces", "append_text", "completion", "decode_piece", "find_stop", "partial_stop", "release_text",
+__all__ = ["TokenPieces", "append_text", "completion", "decode_piece", "draft_stop_cut", "find_stop", "partial_stop",
+           "release_text",
            "token_logprob"]
 
 
@@ -89,6 +90,39 @@ def find_stop(text: str, stop: Sequence[str], start: int) -> tuple[int, str]:
         if i >= 0 and (best < 0 or i < best):
             best, word = i, w
     return best, word
+
+
+def draft_stop_cut(job: Job, pieces: TokenPieces, draft: Sequence[int]) -> int:
+    """How many of ``draft``'s tokens are worth verifying for ``job``: up to the first that ends its generation,
+    an end-of-generation token or the one whose text completes a stop string. Verifying past it cannot change
+    the output (if it is accepted the request ends there, and what follows it is dropped), only cost rows: a
+    copying drafter runs on through the stop string of the text it copies (a file's closing fence, an agent's
+    ``Result:``).
+
+    Matched on bytes (the text so far that a stop string may begin in, the bytes of an incomplete character,
+    then the pieces), so no piece is decoded. A cut that comes early (a stop string inside bytes that never
+    decode) changes only what is verified, never the output."""
+    n = len(draft)
+    infos = [pieces.get(t) for t in draft]
+    for i, (_, is_eog) in enumerate(infos):
+        if is_eog:
+            n = i + 1
+            break
+    if not job.stop or n == 0:
+        return n
+    head = job.text[-(job.stop_longest - 1):].encode() if job.stop_longest > 1 else b""
+    head += job.pending
+    hay = head + b"".join(piece for piece, _ in infos[:n])
+    ends = [i + len(w) for w in (w.encode() for w in job.stop) if (i := hay.find(w)) >= 0]
+    if not ends:
+        return n
+    end = min(ends) - len(head)  # draft bytes up to the end of the first stop string
+    at = 0
+    for k, (piece, _) in enumerate(infos[:n]):
+        at += len(piece)
+        if at >= end:
+            return k + 1
+    return n
 
 
 def partial_stop(text: str, stop: Sequence[str]) -> int:
