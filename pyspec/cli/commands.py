@@ -137,7 +137,7 @@ def _suffix(args: argparse.Namespace, types: Sequence[str], n_max: int | None) -
     try:
         return suffix_params(n_max, **given)
     except ValueError as e:
-        raise CliError(f"--suffix-*: {e}") from None
+        raise CliError(f"the suffix type's parameters (--n-max, --suffix-*): {e}") from None
 
 
 def _device_list(text: str | None) -> list[str] | None:
