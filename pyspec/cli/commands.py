@@ -445,7 +445,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
     if args.n_prompts is not None:
         prompts = prompts[: args.n_prompts]
-    _suffix(args, args.types.split(","), args.n_max)  # a bad --suffix-* option is refused before the models load
+    suffix = _suffix(args, args.types.split(","), args.n_max)  # a bad --suffix-* option: before the models load
     for path in (args.json, args.plot):  # refused now, not after the benchmark has run
         if path and not os.access(Path(path).resolve().parent, os.W_OK):
             raise CliError(f"cannot write {path}: its folder does not exist or is not writable")
@@ -456,14 +456,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.verbose:  # the port's warnings (e.g. a short ngram-mod n_match) would repeat on every run
         log.setLevel(logging.ERROR)
     try:
-        report = _bench_report(args, type_sets, all_types, engines, prompts)
+        report = _bench_report(args, type_sets, all_types, engines, prompts, suffix)
     finally:
         log.setLevel(level)
     return _print_bench(args, report, prompts)
 
 
 def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_types: list[Any], engines: list[str],
-                  prompts: list[str]) -> Any:
+                  prompts: list[str], suffix: Any) -> Any:
     from pyspec.cli import bench
     from pyspec.generation.contexts import load_models
 
@@ -473,7 +473,7 @@ def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_type
             models, type_sets, engines=engines, prompts=prompts, n_predict=args.n_predict, repeat=args.repeat,
             spec_kw=_spec_kw(args), ctx_kw=_ctx_kw(args), model_name=str(models.target.path),
             progress=None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True)),
-            oracle=_oracle_caps(args.oracle), suffix=_suffix(args, args.types.split(","), args.n_max),
+            oracle=_oracle_caps(args.oracle), suffix=suffix,
         )
 
 
