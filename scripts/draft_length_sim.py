@@ -87,7 +87,9 @@ MS = 1e-3
 #   machine, where a decode cost twice as much and a batch relatively less (26.1 ms: 2 rows 1.37, 3 1.62,
 #   5 2.67, 9 3.47, 17 5.50); gemma-1t: 1 thread on a loaded machine (scripts/verify_cost.py, 41.1 ms; the
 #   step after every 4 rows makes 4 rows cheaper than 3); gemma-2t-flat: a 2-core Xeon with AVX-512 and AMX
-#   (scripts/verify_cost.py, 2026-12-07, 20.9 ms), where a decode costs more and a batch much less.
+#   (scripts/verify_cost.py, 2026-12-07, 20.9 ms), where a decode costs more and a batch much less;
+#   gemma-2t-saw: the same machine measured at every size up to 34 (2026-12-07, 23.4 ms): a batch of an even
+#   number of rows costs 0.3-0.9 decodes less than the odd one below it (8 rows 2.80, 9 rows 3.65).
 #   The loop's own time (0.32 ms a step, 0.067 ms a verified row: sampling a 262k-entry row) and the
 #   draft call (8 us a token) are the controller's fits from generation steps (1 thread, loaded).
 # tiny-1t: the cyclic tiny model, 1 thread, from generation steps on a loaded machine (c(1) 0.34 ms; a
@@ -101,6 +103,12 @@ _PROFILES = {
                  (0.0, 0.008), (0.32, 0.067)),
     "gemma-2t-flat": (20.9, {1: 1.0, 2: 1.14, 3: 1.84, 4: 1.59, 5: 2.33, 7: 2.82, 9: 3.32, 13: 4.17, 17: 5.00},
                       (0.0, 0.008), (0.32, 0.067)),
+    "gemma-2t-saw": (23.4, {1: 1.0, 2: 1.24, 3: 2.06, 4: 1.81, 5: 2.61, 6: 2.32, 7: 3.07, 8: 2.80, 9: 3.65, 10: 3.21,
+                            11: 3.99, 12: 3.70, 13: 4.54, 14: 4.14, 15: 4.94, 16: 4.48, 17: 5.45, 18: 4.97, 19: 5.92,
+                            20: 5.45, 21: 6.32, 22: 5.91, 23: 6.69, 24: 6.41, 25: 7.22, 26: 6.74, 27: 7.67, 28: 7.22,
+                            29: 7.93, 30: 7.67, 31: 8.43, 32: 8.08, 33: 9.07, 34: 8.56, 40: 9.76, 41: 10.65,
+                            48: 11.36, 49: 12.43, 64: 15.73, 65: 17.01},
+                    (0.0, 0.008), (0.32, 0.067)),
     "tiny-1t": (0.343, {1: 1.0, 2: 1.02, 3: 1.21, 4: 1.70, 5: 1.95, 6: 4.48, 7: 6.1, 9: 7.67}, (0.0, 0.002),
                 (0.02, 0.055)),
 }

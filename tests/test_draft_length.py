@@ -64,8 +64,26 @@ def test_cost_curve_interpolates_between_measured_sizes_and_extrapolates_beyond(
     c = curve({1: 1.0, 3: 2.0, 5: 4.0})
     assert c.cost(2) == pytest.approx(1.5 * c.cost(1))
     assert c.cost(4) == pytest.approx(3.0 * c.cost(1))
-    assert c.cost(7) == pytest.approx(6.0 * c.cost(1))  # the slope of the last two: a unit per token
+    assert c.cost(7) == pytest.approx(5.5 * c.cost(1))  # the slope over a block of 4 rows, 1 to 5: 0.75 a token
     assert c.relative() == pytest.approx({1: 1.0, 3: 2.0, 5: 4.0})
+
+
+def test_cost_curve_extrapolates_a_saw_along_its_teeth():
+    # every even size cheaper than the odd one below it (the 2-core Xeon of docs/performance.md, rounded)
+    saw = {1: 1.0, 2: 1.25, 3: 2.05, 4: 1.8, 5: 2.6, 6: 2.3, 7: 3.05, 8: 2.8, 9: 3.65, 10: 3.2, 11: 4.0, 12: 3.7}
+    c = curve(saw)
+    # 12 - 8 rows: 0.9 decodes, so 16 rows read 4.6 (the last two sizes' slope, 12 - 11, would give 2.5)
+    assert c.cost(16) == pytest.approx(4.6 * c.cost(1))
+    assert c.cost(15) == pytest.approx((4.0 + (4.0 - 3.05) / 4 * 4) * c.cost(1))  # 11 and 7: three rows past a block
+    assert c.cost(14) == pytest.approx((3.2 + (3.2 - 2.3) / 4 * 4) * c.cost(1))  # 10 and 6
+    assert c.cost(14) < c.cost(13) < c.cost(15)  # the saw goes on
+    # a place in the block with no size in the last block measured: the last two sizes, as on a smooth curve
+    sparse = curve({1: 1.0, 2: 1.25, 3: 2.05, 5: 2.6, 9: 3.65, 13: 4.55, 17: 5.45})
+    assert sparse.cost(33) == pytest.approx((5.45 + (5.45 - 4.55) / 4 * 16) * sparse.cost(1))
+    assert sparse.cost(32) == pytest.approx((5.45 + (5.45 - 4.55) / 4 * 15) * sparse.cost(1))
+    # the loop's steps measure 16 rows: a tooth at the end (16 -> 17 rows: 0.97 a row), extrapolated over a block
+    sparse.record(16, 0.0448)
+    assert sparse.cost(18) == pytest.approx((5.45 + (5.45 - 4.55) / 4) * sparse.cost(1), rel=0.01)
 
 
 def test_cost_curve_keeps_a_size_measured_cheaper_than_a_smaller_one():

@@ -125,7 +125,7 @@ def test_the_machine_s_curve_may_fall_where_measured():
     m = Machine({1: 1.0, 3: 4.0, 4: 3.0, 8: 5.0})
     assert m.verify_cost(4) < m.verify_cost(3)
     assert m.verify_cost(6) == pytest.approx(4.0)
-    assert m.verify_cost(10) == pytest.approx(6.0)  # the slope of the last two beyond the largest
+    assert m.verify_cost(10) == pytest.approx(6.0)  # beyond the largest: the slope over a block of 4 rows, 4 to 8
 
 
 def test_a_session_carries_the_suffix_type_s_cross_request_index():

@@ -79,8 +79,14 @@ __all__ = [
     "shared_cost_curve",
 ]
 
-# batch sizes probed at start-up: enough to interpolate the rest
+# batch sizes probed at start-up: enough to interpolate the rest (what the loop decodes refines it). Every size
+# from 1 to 17 was tried, for curves that are a saw (the 2-core Xeon of docs/performance.md: 8 rows cost 2.80
+# one-token decodes, 7 rows 3.07, 9 rows 3.65): side by side the controller did no better, and the probe took twice
+# as long
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
+# the block of rows such kernels work on, at most: beyond the largest measured size, a size's cost is extrapolated
+# over a block, from the measured sizes at the same place in it where there are such
+ROW_BLOCK = 4
 
 
 class CostCurve:
@@ -96,9 +102,10 @@ class CostCurve:
     follow it instead of keeping the costs of a quieter or busier moment.
 
     Sizes never measured are interpolated linearly between the nearest measured
-    ones, and extrapolated beyond the largest with the slope of the last two (never
-    falling). A measured size may cost less than a smaller one: kernels that work on
-    rows in blocks of four make a batch of 4 cheaper than one of 3 on some machines.
+    ones, and extrapolated beyond the largest (:func:`interpolate_cost`). A measured
+    size may cost less than a smaller one: kernels that work on rows in blocks make a
+    batch of 4 cheaper than one of 3, or every even size cheaper than the odd one
+    below it, on some machines.
 
     llama.cpp reuses a decode's graph only for the shape it built last, so a decode
     of another shape than the one before builds it again: a one-token decode after a
@@ -281,8 +288,12 @@ class CostCurve:
 
 def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens: int) -> float:
     """The cost of ``n_tokens`` from measured ``points`` ({size: cost}; ``sizes`` their keys, sorted):
-    linear between the nearest measured sizes, the slope of the last two beyond the largest (never
-    falling), the smallest's cost below it."""
+    linear between the nearest measured sizes, the smallest's cost below it. Beyond the largest, a
+    line (never falling) through the last two measured sizes at the same place in a block of
+    :data:`ROW_BLOCK` rows as ``n_tokens``, where the later of them is in the last block measured;
+    else through the largest and the largest at least a block below it. Not the last two sizes:
+    on a saw-shaped curve their slope is a tooth's (16 rows 4.48, 17 rows 5.45 one-token decodes,
+    so 22 rows would read 10.3 against the 5.91 measured)."""
     c = points.get(n_tokens)
     if c is not None:
         return c
@@ -291,10 +302,16 @@ def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens
     if n_tokens < sizes[0]:
         return points[sizes[0]]
     k = bisect.bisect_left(sizes, n_tokens)
-    if k == len(sizes):  # beyond the largest: the slope of the last two (never falling)
+    if k == len(sizes):  # beyond the largest
         if len(sizes) < 2:
             return points[sizes[0]] * n_tokens / sizes[0]
-        a, b = sizes[-2], sizes[-1]
+        same = [s for s in sizes[-2 * ROW_BLOCK:] if (n_tokens - s) % ROW_BLOCK == 0]
+        if len(same) >= 2 and same[-1] > sizes[-1] - ROW_BLOCK:
+            a, b = same[-2:]
+        else:
+            b = sizes[-1]
+            below = bisect.bisect_right(sizes, b - ROW_BLOCK)
+            a = sizes[below - 1] if below else sizes[-2]
         slope = max(0.0, (points[b] - points[a]) / (b - a))
         return points[b] + slope * (n_tokens - b)
     lo, hi = sizes[k - 1], sizes[k]

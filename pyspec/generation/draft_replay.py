@@ -50,6 +50,7 @@ from pyspec.common import speculative as sp
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.generation.contexts import spec_params
 from pyspec.generation.draft_length import (
+    CALIBRATION_SIZES,
     Bucket,
     CappedDraftLength,
     CostCurve,
@@ -140,8 +141,11 @@ class Machine:
         return f
 
     def seed_curve(self, curve: CostCurve, repeat: int = 5) -> CostCurve:
-        """``curve`` as the start-up calibration leaves it: ``repeat`` readings of each calibrated size."""
+        """``curve`` as the start-up calibration leaves it: ``repeat`` readings of each calibrated size (those of
+        :data:`CALIBRATION_SIZES` that the profile has)."""
         for b, s in (self.calibration if self.calibration is not None else self.verify).items():
+            if b not in CALIBRATION_SIZES:
+                continue  # a size the probe does not measure: the controller learns it from the steps
             for _ in range(repeat):
                 curve.record(b, s, calibration=True)
         return curve
