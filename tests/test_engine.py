@@ -14,6 +14,7 @@ from pyspec.common.params import CommonParamsSpeculative
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.core.vocab import MAX_TEXT_BYTES
 from pyspec.errors import ConcurrentUseError, PyspecError
+from pyspec.generation.draft_length import CALIBRATION_SIZES
 from pyspec.generation.engine import Engine, greedy_sampling
 from pyspec.generation.requests import Request
 from pyspec.testing import models as tm
@@ -595,6 +596,28 @@ def test_the_start_up_probe_holds_the_contexts_against_other_threads(type_contex
     eng = Engine(cs.ctx_tgt, cs.spec, greedy_sampling())
     eng.close()
     assert seen == ["refused"]
+
+
+def test_an_engine_that_verifies_larger_batches_calibrates_the_sizes_the_shared_curve_lacks():
+    # the verify-cost curve is shared by the process's engines on one model and settings; the first is
+    # calibrated up to its own output rows (1 + 6), the second may verify up to 17 rows
+    def engine(model: Model, size_m: int) -> Engine:
+        ctx = Context(model, n_ctx=N_CTX, n_batch=64, n_ubatch=64, n_seq_max=1, n_threads=1, n_threads_batch=1,
+                      n_outputs_max=1 + size_m)
+        spec = CommonParamsSpeculative(types=[T.NGRAM_SIMPLE])
+        spec.ngram_simple.size_n, spec.ngram_simple.size_m = 2, size_m
+        return Engine(ctx, spec, greedy_sampling(), n_parallel=1, owned=[ctx])
+
+    with Model(tm.make_chat_target()) as model:
+        with engine(model, 6) as small:
+            assert small.draft_ctl is not None
+            assert small.draft_ctl.curve.sizes() == [n for n in CALIBRATION_SIZES if n <= 7]
+        with engine(model, 16) as large:
+            assert large.draft_ctl is not None and large.draft_ctl.curve is small.draft_ctl.curve
+            assert large.draft_ctl.curve.sizes() == list(CALIBRATION_SIZES)
+            h = large.submit(Request(prompt=PROMPT_REPEAT, n_predict=8))
+            large.run_until_idle()
+            assert len(h.result().tokens) == 8
 
 
 def test_engine_load_gives_the_target_llama_servers_output_rows(chat_model, expected):

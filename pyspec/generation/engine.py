@@ -418,9 +418,14 @@ class Engine(EngineQueue):
         ctl = self.draft_ctl
         if ctl is None or ctl.fixed:
             return
+        # every row of a calibration batch is an output: no more than the context's output rows
+        sizes = [n for n in CALIBRATION_SIZES if n <= self.ctx_tgt.n_outputs_max]
         if not ctl.curve.ready:
-            # every row of a calibration batch is an output: no more than the context's output rows
-            ctl.curve.calibrate(self.ctx_tgt, sizes=[n for n in CALIBRATION_SIZES if n <= self.ctx_tgt.n_outputs_max])
+            ctl.curve.calibrate(self.ctx_tgt, sizes=sizes)
+        elif missing := [n for n in sizes if n not in ctl.curve.sizes()]:
+            # the process's curve was calibrated by an engine that verifies fewer rows than this one: the sizes
+            # it lacks (with a one-token decode, the unit), not an extrapolation from its last few
+            ctl.curve.calibrate(self.ctx_tgt, sizes=[1, *missing])
         if self.ctx_dft is not None and self.spec_params is not None \
                 and CommonSpeculativeType.DRAFT_SIMPLE in self.spec_params.types:
             # a draft model decodes one token per drafted token: its one-token cost is the first guess
