@@ -77,7 +77,8 @@ def test_cost_curve_extrapolates_a_saw_along_its_teeth():
     assert c.cost(15) == pytest.approx((4.0 + (4.0 - 3.05) / 4 * 4) * c.cost(1))  # 11 and 7: three rows past a block
     assert c.cost(14) == pytest.approx((3.2 + (3.2 - 2.3) / 4 * 4) * c.cost(1))  # 10 and 6
     assert c.cost(14) < c.cost(13) < c.cost(15)  # the saw goes on
-    # a place in the block with no size in the last block measured: the last two sizes, as on a smooth curve
+    # sparse sizes: 13 and 17 are at 33's place in the block; 32's has no size in the last block measured, so the
+    # line goes through the largest and the largest a block below it (13 and 17 again)
     sparse = curve({1: 1.0, 2: 1.25, 3: 2.05, 5: 2.6, 9: 3.65, 13: 4.55, 17: 5.45})
     assert sparse.cost(33) == pytest.approx((5.45 + (5.45 - 4.55) / 4 * 16) * sparse.cost(1))
     assert sparse.cost(32) == pytest.approx((5.45 + (5.45 - 4.55) / 4 * 15) * sparse.cost(1))
