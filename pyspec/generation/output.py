@@ -15,8 +15,7 @@ from pyspec.generation.requests import Completion, TokenLogprob
 from pyspec.generation.slots import Job
 
 __all__ = ["TokenPieces", "append_text", "completion", "decode_piece", "draft_stop_cut", "find_stop", "partial_stop",
-           "release_text",
-           "token_logprob"]
+           "release_text", "token_logprob"]
 
 
 class TokenPieces:
