@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -868,3 +870,34 @@ def test_a_cheap_draft_model_catches_up_before_it_drafts(cyclic, type_contexts):
     assert stats.n_drafted > 8
     assert stats.n_accepted == stats.n_drafted
     assert r.tokens == plain
+
+
+def test_cost_curve_shared_by_engines_in_threads_records_and_reads_without_error():
+    # shared_cost_curve gives the engines of a process on one model one curve, each engine stepping in its own
+    # thread: records of new sizes and reads that refresh the medians interleave
+    c = curve({1: 1.0, 2: 1.2})
+    errors: list[BaseException] = []
+
+    def steps(offset: int) -> None:
+        try:
+            for i in range(5000):
+                n = 1 + (i * 7 + offset) % 40
+                c.record(n, 0.01 * (1 + n / 3))
+                c.cost(1 + i % 60)
+                c.switch_cost()
+        except BaseException as e:  # any error of a thread is the test's failure
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=steps, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert c.sizes() == list(range(1, 41))
+    assert all(c.cost(n) > 0 for n in range(1, 41))

@@ -57,6 +57,7 @@ import bisect
 import math
 import numbers
 import statistics
+import threading
 import time
 import weakref
 from collections import deque
@@ -129,6 +130,9 @@ class CostCurve:
         self._switch: deque[float] = deque(maxlen=window)  # one-token decodes after another shape, relative - 1
         self._switch_stale = False
         self._switch_rel = 0.0
+        # the curve is shared by the engines of a process on one model (shared_cost_curve), each stepping in its
+        # own thread: a record and a refresh of the medians must not interleave (a set changed while iterated)
+        self._lock = threading.RLock()
 
     def record(self, n_tokens: int, seconds: float, *, calibration: bool = False) -> None:
         """One decode of ``n_tokens`` tokens took ``seconds`` (``calibration``: a probe, not a generation step).
@@ -142,36 +146,37 @@ class CostCurve:
         n_tokens, seconds = int(n_tokens), float(seconds)
         if n_tokens <= 0 or seconds < 1e-9:
             return
-        if not calibration:
-            self._n_used[n_tokens] = self._n_used.get(n_tokens, 0) + 1
-            prev, self._prev = self._prev, n_tokens
-            if n_tokens == 1 and prev not in (0, 1) and self._level:
-                # a one-token decode after a batch of another shape: the graph is built again; what that
-                # adds is the switch cost, kept apart from the level (which follows steady decodes)
-                self._switch.append(seconds / self._level - 1.0)
-                self._switch_stale = True
-                return
-        if not self._level:
-            self._level = seconds / n_tokens  # a first guess of a one-token decode: this one's share of a row
-        obs = self._obs.get(n_tokens)
-        if obs is None and n_tokens != 1:  # a new size: its first decode sets its relative cost at the level now
-            obs = self._obs[n_tokens] = deque(maxlen=self.window)
-            self._sizes = sorted(self._obs)
-            self._cache.clear()
-        else:  # the level this decode implies, from the size's relative cost as known before it
-            if obs is None:
-                obs = self._obs[1] = deque(maxlen=self.window)
+        with self._lock:
+            if not calibration:
+                self._n_used[n_tokens] = self._n_used.get(n_tokens, 0) + 1
+                prev, self._prev = self._prev, n_tokens
+                if n_tokens == 1 and prev not in (0, 1) and self._level:
+                    # a one-token decode after a batch of another shape: the graph is built again; what that
+                    # adds is the switch cost, kept apart from the level (which follows steady decodes)
+                    self._switch.append(seconds / self._level - 1.0)
+                    self._switch_stale = True
+                    return
+            if not self._level:
+                self._level = seconds / n_tokens  # a first guess of a one-token decode: this one's share of a row
+            obs = self._obs.get(n_tokens)
+            if obs is None and n_tokens != 1:  # a new size: its first decode sets its relative cost at the level now
+                obs = self._obs[n_tokens] = deque(maxlen=self.window)
                 self._sizes = sorted(self._obs)
                 self._cache.clear()
-            level = self._level
-            rel = 1.0 if n_tokens == 1 else self._relative(n_tokens)
-            implied = min(2.0 * level, max(0.5 * level, seconds / rel))
-            self._level = level + self.LEVEL_RATE * (implied - level)
-        obs.append(seconds / self._level)
-        self._stale.add(n_tokens)
+            else:  # the level this decode implies, from the size's relative cost as known before it
+                if obs is None:
+                    obs = self._obs[1] = deque(maxlen=self.window)
+                    self._sizes = sorted(self._obs)
+                    self._cache.clear()
+                level = self._level
+                rel = 1.0 if n_tokens == 1 else self._relative(n_tokens)
+                implied = min(2.0 * level, max(0.5 * level, seconds / rel))
+                self._level = level + self.LEVEL_RATE * (implied - level)
+            obs.append(seconds / self._level)
+            self._stale.add(n_tokens)
 
     def _refresh(self) -> None:
-        """Bring the medians up to date (a one-token decode is the unit: its relative cost is 1)."""
+        """Bring the medians up to date (a one-token decode is the unit: its relative cost is 1); under the lock."""
         if self._stale:
             for n in self._stale:
                 self._rel[n] = 1.0 if n == 1 else statistics.median(self._obs[n])
@@ -190,10 +195,11 @@ class CostCurve:
     def switch_cost(self) -> float:
         """Seconds a decode of another shape than the step before costs more (llama.cpp reuses a graph only for
         the shape it last built): the median excess of one-token decodes that follow a larger batch."""
-        if self._switch_stale:
-            self._switch_rel = max(0.0, statistics.median(self._switch))
-            self._switch_stale = False
-        return self._switch_rel * self._level
+        with self._lock:
+            if self._switch_stale:
+                self._switch_rel = max(0.0, statistics.median(self._switch))
+                self._switch_stale = False
+            return self._switch_rel * self._level
 
     def n_used(self, n_tokens: int) -> int:
         """How many generation steps decoded ``n_tokens`` tokens (calibration probes not counted)."""
@@ -209,12 +215,13 @@ class CostCurve:
         return self._relative(n_tokens) * self._level
 
     def _relative(self, n_tokens: int) -> float:
-        if self._stale:
-            self._refresh()
-        c = self._cache.get(n_tokens)
-        if c is None:
-            c = self._cache[n_tokens] = self._interpolate(n_tokens)
-        return c
+        with self._lock:
+            if self._stale:
+                self._refresh()
+            c = self._cache.get(n_tokens)
+            if c is None:
+                c = self._cache[n_tokens] = self._interpolate(n_tokens)
+            return c
 
     def _interpolate(self, n_tokens: int) -> float:
         if not self._sizes:
@@ -223,8 +230,9 @@ class CostCurve:
 
     def relative(self) -> dict[int, float]:
         """The measured points as multiples of a one-token decode."""
-        c1 = self._relative(1)
-        return {n: self._rel[n] / c1 for n in self._sizes}
+        with self._lock:
+            c1 = self._relative(1)
+            return {n: self._rel[n] / c1 for n in self._sizes}
 
     def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 5,
                   seq_id: int = 0, history: int = 64) -> CostCurve:
@@ -282,8 +290,9 @@ class CostCurve:
 
     def as_dict(self) -> dict[int, float]:
         """{batch size: seconds now} of the measured sizes."""
-        self._refresh()
-        return {n: self._rel[n] * self._level for n in self._sizes}
+        with self._lock:
+            self._refresh()
+            return {n: self._rel[n] * self._level for n in self._sizes}
 
 
 def interpolate_cost(points: Mapping[int, float], sizes: Sequence[int], n_tokens: int) -> float:
