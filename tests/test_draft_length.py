@@ -109,6 +109,21 @@ def test_cost_curve_follows_a_load_on_every_size_from_the_sizes_decoded():
     assert c.relative() == pytest.approx({1: 1.0, 5: 3.0, 9: 5.0}, rel=0.02)  # the shape stays
 
 
+def test_cost_curve_takes_its_unit_from_a_one_token_decode_not_a_batch_recorded_first():
+    # a fixed-length engine's first step verifies 9 rows before any plain step: costs of 3.6 and 1 (x 25 ms),
+    # then the loop's steps, mostly plain. With a row's share of that batch as the first level, 9 rows read 5.5
+    # after a 64-token generation (measured on Gemma 3 270M), which a cost-aware engine on the same model
+    # then priced its drafts with
+    c = CostCurve()
+    c.record(9, 0.090)
+    assert not c.ready and c.sizes() == []
+    for _ in range(5):
+        for n in (1, 1, 1, 1, 9):
+            c.record(n, 0.090 if n == 9 else 0.025)
+    assert c.relative() == pytest.approx({1: 1.0, 9: 3.6})
+    assert c.cost(1) == pytest.approx(0.025)
+
+
 def test_cost_curve_level_moves_little_for_one_preempted_decode():
     c = curve({1: 1.0, 9: 5.0})
     before = c.cost(9)

@@ -157,7 +157,11 @@ class CostCurve:
                     self._switch_stale = True
                     return
             if not self._level:
-                self._level = seconds / n_tokens  # a first guess of a one-token decode: this one's share of a row
+                if n_tokens != 1:
+                    # no unit yet: a guess from a batch's share of a row put a fixed-length engine's 9-row verifies
+                    # at 5.5 one-token decodes (3.6 measured), and the level, pulled down by them, kept it there
+                    return
+                self._level = seconds
             obs = self._obs.get(n_tokens)
             if obs is None and n_tokens != 1:  # a new size: its first decode sets its relative cost at the level now
                 obs = self._obs[n_tokens] = deque(maxlen=self.window)
