@@ -80,11 +80,11 @@ __all__ = [
     "shared_cost_curve",
 ]
 
-# batch sizes probed at start-up: enough to interpolate the rest (what the loop decodes refines it). Every size
-# from 1 to 17 was tried, for curves that are a saw (the 2-core Xeon of docs/performance.md: 8 rows cost 2.80
-# one-token decodes, 7 rows 3.07, 9 rows 3.65): side by side the controller did no better, and the probe took twice
-# as long
-CALIBRATION_SIZES = (1, 2, 3, 4, 5, 7, 9, 13, 17)
+# batch sizes probed at start-up: every batch of one sequence's draft of up to 8 tokens, and two beyond (the
+# interpolation between, and the loop's decodes, do the rest). Odd sizes alone left the cheap even batches of a
+# saw-shaped curve unseen (the 2-core Xeon of docs/performance.md: 7 rows 3.07 one-token decodes, 8 rows 2.80,
+# 9 rows 3.65): 8 rows read 3.36 and were never chosen, so never measured
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17)
 # the block of rows such kernels work on, at most: beyond the largest measured size, a size's cost is extrapolated
 # over a block, from the measured sizes at the same place in it where there are such
 ROW_BLOCK = 4
