@@ -746,6 +746,14 @@ class Unteachable(DraftLengthController):
         return
 
 
+def test_a_probe_of_some_sizes_measures_the_unit_too_and_leaves_the_context_empty(cyclic):
+    with Context(cyclic, n_ctx=256, n_batch=64, n_threads=1, n_threads_batch=1) as ctx:
+        c = CostCurve().calibrate(ctx, sizes=(4, 9, 500), repeat=2)  # 500 rows: past n_batch, not probed
+        assert c.ready and c.sizes() == [1, 4, 9]
+        assert c.relative()[1] == 1.0 and all(v > 0 for v in c.relative().values())
+        assert ctx.memory.seq_pos_max(0) == -1
+
+
 def test_the_engine_verifies_no_draft_that_the_controller_finds_not_worth_it(cyclic):
     plain, plain_stats = generate_with(cyclic, None)
     ctl = untimed(Unteachable(curve=frozen(CPU_CURVE), impl="ngram-simple"))

@@ -240,7 +240,8 @@ class CostCurve:
 
     def calibrate(self, ctx: Any, sizes: Iterable[int] = CALIBRATION_SIZES, repeat: int = 5,
                   seq_id: int = 0, history: int = 64) -> CostCurve:
-        """Measure ``sizes`` on ``ctx`` (a pyspec Context): a warm-up round, then ``repeat`` rounds.
+        """Measure ``sizes`` and a one-token decode on ``ctx`` (a pyspec Context): a warm-up round, then ``repeat``
+        rounds.
 
         As a verify step finds the context: after ``history`` tokens of ``seq_id`` (a
         prompt's worth; the cost of a batch grows with what it attends to), it decodes
@@ -254,9 +255,8 @@ class CostCurve:
         """
         from pyspec.core.batch import Batch
 
-        sizes = sorted({int(s) for s in sizes if 0 < s <= ctx.n_batch})
-        if not sizes:
-            return self
+        # a one-token decode always: the unit the other sizes are taken relative to (record)
+        sizes = sorted({1, *(int(s) for s in sizes if 0 < s <= ctx.n_batch)})
         history = max(0, min(history, ctx.n_ctx_seq - max(sizes) - 1))
         batch = Batch(max(ctx.n_batch, max(sizes)), 0, 1)
         tok = max(0, ctx.model.vocab.bos)

@@ -143,7 +143,7 @@ class Machine:
     def seed_curve(self, curve: CostCurve, repeat: int = 5) -> CostCurve:
         """``curve`` as the start-up calibration leaves it: ``repeat`` readings of each calibrated size (those of
         :data:`CALIBRATION_SIZES` that the profile has)."""
-        for b, s in (self.calibration if self.calibration is not None else self.verify).items():
+        for b, s in sorted((self.calibration if self.calibration is not None else self.verify).items()):
             if b not in CALIBRATION_SIZES:
                 continue  # a size the probe does not measure: the controller learns it from the steps
             for _ in range(repeat):

@@ -424,8 +424,8 @@ class Engine(EngineQueue):
             ctl.curve.calibrate(self.ctx_tgt, sizes=sizes)
         elif missing := sorted(set(sizes) - set(ctl.curve.sizes())):
             # the process's curve was calibrated by an engine that verifies fewer rows than this one: the sizes
-            # it lacks (with a one-token decode, the unit), not an extrapolation from its last few
-            ctl.curve.calibrate(self.ctx_tgt, sizes=[1, *missing])
+            # it lacks (calibrate adds a one-token decode, the unit), not an extrapolation from its last few
+            ctl.curve.calibrate(self.ctx_tgt, sizes=missing)
         if self.ctx_dft is not None and self.spec_params is not None \
                 and CommonSpeculativeType.DRAFT_SIMPLE in self.spec_params.types:
             # a draft model decodes one token per drafted token: its one-token cost is the first guess
