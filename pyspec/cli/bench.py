@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyspec.cli.bench_prompts import BUILTIN_PROMPTS, Prompt, prompt_inputs
 from pyspec.common.params import CommonSpeculativeType as T
 from pyspec.common.speculative import common_speculative_type_to_str
 from pyspec.generation.contexts import ModelSet, open_contexts, parse_types, spec_params
@@ -71,37 +72,6 @@ _CPP = ("cpp", "loop")
 NO_CPP_TWIN = "the suffix type is pyspec's own, with no C++ twin; it runs on the port only (engines python, fixed)"
 # the draft positions the table shows (the JSON and the plot have them all)
 _TABLE_POSITIONS = 8
-
-# continuations with repeated structure, where n-gram drafts have something to find
-BUILTIN_PROMPTS: tuple[str, ...] = (
-    "class Vector3:\n"
-    "    def __init__(self, x, y, z):\n"
-    "        self.x = x\n"
-    "        self.y = y\n"
-    "        self.z = z\n"
-    "\n"
-    "    def __add__(self, other):\n"
-    "        return Vector3(self.x + other.x, self.y + other.y, self.z + other.z)\n"
-    "\n"
-    "    def __sub__(self, other):\n"
-    "        return Vector3(self.x - other.x, self.y - other.y, self.z - other.z)\n"
-    "\n"
-    "    def __mul__(self, other):\n",
-    "The days of the week are Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday.\n"
-    "The months of the year are January, February, March,",
-    "import unittest\n"
-    "\n"
-    "\n"
-    "class TestStringMethods(unittest.TestCase):\n"
-    "    def test_upper(self):\n"
-    "        self.assertEqual('foo'.upper(), 'FOO')\n"
-    "\n"
-    "    def test_lower(self):\n"
-    "        self.assertEqual('FOO'.lower(), 'foo')\n"
-    "\n"
-    "    def test_isupper(self):\n",
-)
-
 
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: a JSON list of strings, or texts separated by lines holding only ``---``."""
@@ -276,7 +246,7 @@ def run_once(
     models: ModelSet,
     types: Sequence[Any],
     engine: str,
-    prompt: str,
+    prompt: str | Sequence[int],
     n_predict: int,
     spec_kw: dict[str, Any],
     ctx_kw: dict[str, Any],
@@ -338,7 +308,7 @@ def run_bench(
     type_sets: Sequence[Sequence[Any]],
     *,
     engines: Sequence[str] = ("python", "fixed", "loop"),
-    prompts: Sequence[str] = BUILTIN_PROMPTS,
+    prompts: Sequence[Prompt] = BUILTIN_PROMPTS,
     n_predict: int = 96,
     repeat: int = 3,
     spec_kw: dict[str, Any] | None = None,
@@ -364,13 +334,14 @@ def run_bench(
     params = {**spec_kw, **ctx_kw, "engines": list(engines)}
     if suffix is not None:
         params["suffix"] = asdict(suffix)
-    report = Report(model_name, n_predict, repeat, list(prompts), params, oracle=sorted(set(oracle)))
+    texts, inputs = prompt_inputs(models.target, prompts)  # a chat prompt rendered with the target's template
+    report = Report(model_name, n_predict, repeat, texts, params, oracle=sorted(set(oracle)))
     curve = CostCurve(window=999)
 
     # warm-up: page the weights in, so the first timed run is not the slowest
     if progress is not None:
         progress("warming up (one short plain run)...")
-    run_once(models, [T.NONE], "python", prompts[0], min(8, n_predict), spec_kw, ctx_kw)
+    run_once(models, [T.NONE], "python", inputs[0], min(8, n_predict), spec_kw, ctx_kw)
 
     def plan(types: list[Any]) -> list[str]:
         # plain decoding is the same for python and fixed: run it once
@@ -381,11 +352,11 @@ def run_bench(
     report.skipped = [(_type_key(ts), e, NO_CPP_TWIN) for ts in sets for e in engines if not runs_on(ts, e)]
 
     runs: list[Run] = []
-    total = repeat * len(prompts) * sum(len(plan(ts)) for ts in sets)
+    total = repeat * len(inputs) * sum(len(plan(ts)) for ts in sets)
     done = 0
     # repeats outermost, so drift in the machine's speed touches every configuration alike
     for rep in range(repeat):
-        for ip, prompt in enumerate(prompts):
+        for ip, prompt in enumerate(inputs):
             for types in sets:
                 for engine in plan(types):
                     if progress is not None:  # a run can take many seconds: say what is being measured

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from pyspec.cli.argtypes import int_from, positive_float, probability
+from pyspec.cli.bench_prompts import ALL as ALL_PROMPT_SETS
+from pyspec.cli.bench_prompts import PROMPT_SETS, Prompt, prompt_set
 from pyspec.errors import CliError
 
 __all__ = ["build_parser", "main"]
@@ -442,7 +444,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CliError(f"unknown engine {', '.join(bad) or repr(args.engines)} (known: {', '.join(bench.ENGINES)})")
     if args.repeat <= 0 or args.n_predict <= 0:
         raise CliError("--repeat and --n-predict must be positive")
-    prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else list(bench.BUILTIN_PROMPTS)
+    prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else prompt_set(args.prompt_set)
     if args.n_prompts is not None:
         prompts = prompts[: args.n_prompts]
     suffix = _suffix(args, args.types.split(","), args.n_max)  # a bad --suffix-* option: before the models load
@@ -463,7 +465,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_report(args: argparse.Namespace, type_sets: list[list[Any]], all_types: list[Any], engines: list[str],
-                  prompts: list[str], suffix: Any) -> Any:
+                  prompts: Sequence[Prompt], suffix: Any) -> Any:
     from pyspec.cli import bench
     from pyspec.generation.contexts import load_models
 
@@ -487,7 +489,7 @@ def _oracle_caps(text: str) -> list[int]:
     return caps
 
 
-def _print_bench(args: argparse.Namespace, report: Any, prompts: list[str]) -> int:
+def _print_bench(args: argparse.Namespace, report: Any, prompts: Sequence[Prompt]) -> int:
     """The table (and the files asked for); the exit status."""
     from pyspec.cli import bench
 
@@ -628,9 +630,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
-    p.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
+    prompts.add_argument("--prompt-set", default="builtin", choices=[*PROMPT_SETS, ALL_PROMPT_SETS],
+                         help="built-in prompts of one kind: code, prose, repetitive, chat (rendered with the "
+                              "model's chat template), all of those, or builtin (default: 2 code, 1 list)")
     p.add_argument("--n-prompts", type=int_from(1), default=None,
-                   help="use only the first N prompts (default: all, the 3 built-in ones or a --prompt-file's)")
+                   help="use only the first N prompts (default: all, the set's or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
     p.add_argument("--repeat", "-r", type=int, default=3,
                    help="runs per configuration; the median is shown (default 3)")
