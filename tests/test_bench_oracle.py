@@ -94,3 +94,24 @@ def test_each_row_is_paired_with_the_better_of_plain_and_fixed_per_prompt():
     assert fixed is not None and fixed.vs_best_prompts == []  # the fixed engine is one of the two
     assert "vs max(plain, fixed)" in bench.format_table(report)
     assert report.as_dict()["rows"][2]["vs_best_min"] == pytest.approx(120 / 130)
+
+
+def test_a_prompt_whose_texts_differ_between_the_compared_runs_is_marked():
+    speeds = {("none", "python"): (100.0, 100.0), ("ngram-mod", "python"): (120.0, 90.0),
+              ("ngram-mod", "fixed"): (130.0, 110.0)}
+    runs = [_run(t, e, ip, rep, v[ip]) for (t, e), v in speeds.items() for ip in range(2) for rep in range(3)]
+    # prompt 1, repeat 2: the cost-aware run's text went another way (default numerics)
+    (odd,) = [r for r in runs if (r.type, r.engine, r.prompt, r.repeat) == ("ngram-mod", "python", 1, 2)]
+    odd.tokens = [2] * 100
+    runs += [bench.Run(**{**r.__dict__, "engine": "fixed"}) for r in runs if r.type == "none"]
+    report = bench.Report("m", 100, 3, ["p0", "p1"], {})
+    bench._summarise(report, runs, [[T.NONE], [T.NGRAM_MOD]], ["python", "fixed"], 3, 2, CostCurve())
+    row = report.row("ngram-mod", "python")
+    assert row is not None and row.same_text_prompts == [True, False]
+    table = bench.format_table(report)
+    assert "p1 0.92 [" in table and "p2 0.82* [" in table
+    assert "*: the three generated different texts" in table
+    odd.tokens = [1] * 100  # the same texts everywhere: no mark, no legend
+    report = bench.Report("m", 100, 3, ["p0", "p1"], {})
+    bench._summarise(report, runs, [[T.NONE], [T.NGRAM_MOD]], ["python", "fixed"], 3, 2, CostCurve())
+    assert "*" not in bench.format_table(report)

@@ -195,6 +195,10 @@ class Row:
     # tok/s to the better of plain decoding's and the fixed engine's in the same repeat, median and range
     vs_best_prompts: list[float] = field(default_factory=list)
     vs_best_range: list[tuple[float, float]] = field(default_factory=list)
+    # per prompt, with vs_best_prompts: whether this row, plain decoding and the fixed engine generated the
+    # same tokens in every repeat (in the default numerics a verify batch's shape can change a token's logits,
+    # and from there the text: the ratio then compares different generations)
+    same_text_prompts: list[bool] = field(default_factory=list)
 
     @property
     def speedup_min(self) -> float | None:
@@ -447,6 +451,9 @@ def _summarise(report: Report, runs: list[Run], sets: Sequence[Sequence[Any]], e
                     ratios = [tps(select(key, engine, ip, k)) / b for k, b in enumerate(bests) if b > 0]
                     row.vs_best_prompts.append(statistics.median(ratios) if ratios else 0.0)
                     row.vs_best_range.append((min(ratios), max(ratios)) if ratios else (0.0, 0.0))
+                    row.same_text_prompts.append(all(
+                        _tokens(select(key, engine, ip, k)) == _tokens(select("none", engine, ip, k))
+                        == _tokens(select(key, "fixed", ip, k)) for k in range(repeat)))
 
     # ratios to the C++ loop (same draft lengths for fixed and cpp), token identity with it
     baseline = "loop" if "loop" in engines else ("cpp" if "cpp" in engines else None)
@@ -466,6 +473,11 @@ def _summarise(report: Report, runs: list[Run], sets: Sequence[Sequence[Any]], e
             mine_t = {(r.prompt, r.repeat): r.tokens for r in select(row.type, row.engine)}
             theirs = {(r.prompt, r.repeat): r.tokens for r in select(row.type, other)}
             row.identical = all(mine_t[k] == theirs.get(k) for k in mine_t)
+
+
+def _tokens(runs: list[Run]) -> list[int] | None:
+    """The tokens of a configuration's one run for a prompt and repeat (None: it did not run)."""
+    return runs[0].tokens if runs else None
 
 
 def _oracle(report: Report, runs: list[Run], repeat: int, n_prompts: int, plain_engine: str) -> None:
@@ -574,9 +586,14 @@ def format_table(report: Report) -> str:
         out.append(f"vs max(plain, fixed): each prompt's tok/s over the better of plain decoding's and the fixed "
                    f"engine's in the same repeat, median [min-max] of {report.repeat}")
         for r in best_rows:
-            text = "  ".join(f"p{i + 1} {v:.2f} [{lo:.2f}-{hi:.2f}]"
-                             for i, (v, (lo, hi)) in enumerate(zip(r.vs_best_prompts, r.vs_best_range, strict=True)))
+            same = r.same_text_prompts or [True] * len(r.vs_best_prompts)
+            text = "  ".join(f"p{i + 1} {v:.2f}{'' if eq else '*'} [{lo:.2f}-{hi:.2f}]"
+                             for i, (v, (lo, hi), eq) in enumerate(zip(r.vs_best_prompts, r.vs_best_range, same,
+                                                                       strict=True)))
             out.append(f"  {r.type:<14} {r.engine:<7} {text}")
+        if not all(eq for r in best_rows for eq in r.same_text_prompts):
+            out.append("  *: the three generated different texts in some repeat (a verify batch's shape moved a "
+                       "token's logits; --batch-invariant compares the same text)")
     skipped: dict[tuple[str, str], list[str]] = {}
     for t, e, why in report.skipped:
         skipped.setdefault((t, why), []).append(e)
