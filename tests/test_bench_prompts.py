@@ -19,6 +19,7 @@ def test_all_is_every_set_but_builtin_in_order_and_an_unknown_name_lists_the_set
     assert all(PROMPT_SETS[name] for name in PROMPT_SETS)
     with pytest.raises(ValueError, match=r"unknown prompt set 'poetry' \(known: builtin, code, .*chat, all\)"):
         prompt_set("poetry")
+    assert prompt_set("chat, prose") == [*PROMPT_SETS["chat"], *PROMPT_SETS["prose"]]  # in the order given
 
 
 def test_a_chat_prompt_is_rendered_with_the_models_template_and_its_special_tokens_parsed():
@@ -62,6 +63,5 @@ def test_bench_takes_a_prompt_set_or_a_prompt_file_not_both(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--tiny", "--prompt-set", "code", "--prompt-file", str(f)])
     assert "not allowed with argument" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--tiny", "--prompt-set", "poetry"])
-    assert "invalid choice: 'poetry'" in capsys.readouterr().err
+    assert cli.main(["bench", "--tiny", "--prompt-set", "code,poetry"]) == 1
+    assert "--prompt-set: unknown prompt set 'poetry' (known: builtin" in capsys.readouterr().err

@@ -144,13 +144,18 @@ PROMPT_SETS: dict[str, tuple[Prompt, ...]] = {
 ALL = "all"
 
 
-def prompt_set(name: str) -> list[Prompt]:
-    """The prompts of the set ``name`` (a key of :data:`PROMPT_SETS`, or ``all``); ValueError naming the sets."""
-    if name == ALL:
-        return [p for key, ps in PROMPT_SETS.items() if key != "builtin" for p in ps]
-    if name not in PROMPT_SETS:
-        raise ValueError(f"unknown prompt set {name!r} (known: {', '.join([*PROMPT_SETS, ALL])})")
-    return list(PROMPT_SETS[name])
+def prompt_set(names: str) -> list[Prompt]:
+    """The prompts of the sets ``names`` (keys of :data:`PROMPT_SETS`, or ``all``, separated by commas), in that
+    order; ValueError naming the known sets."""
+    out: list[Prompt] = []
+    for name in (n.strip() for n in names.split(",")):
+        if name == ALL:
+            out += [p for key, ps in PROMPT_SETS.items() if key != "builtin" for p in ps]
+        elif name in PROMPT_SETS:
+            out += PROMPT_SETS[name]
+        else:
+            raise ValueError(f"unknown prompt set {name!r} (known: {', '.join([*PROMPT_SETS, ALL])})")
+    return out
 
 
 def prompt_inputs(model: Any, prompts: Sequence[Prompt]) -> tuple[list[str], list[str | list[int]]]:

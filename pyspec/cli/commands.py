@@ -444,7 +444,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CliError(f"unknown engine {', '.join(bad) or repr(args.engines)} (known: {', '.join(bench.ENGINES)})")
     if args.repeat <= 0 or args.n_predict <= 0:
         raise CliError("--repeat and --n-predict must be positive")
-    prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else prompt_set(args.prompt_set)
+    try:
+        prompts = bench.read_prompts(args.prompt_file) if args.prompt_file else prompt_set(args.prompt_set)
+    except ValueError as e:
+        raise CliError(f"--{'prompt-file' if args.prompt_file else 'prompt-set'}: {e}") from None
     if args.n_prompts is not None:
         prompts = prompts[: args.n_prompts]
     suffix = _suffix(args, args.types.split(","), args.n_max)  # a bad --suffix-* option: before the models load
@@ -632,9 +635,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="plain decoding vs each type vs the C++ loop: table, JSON, plot")
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
-    prompts.add_argument("--prompt-set", default="builtin", choices=[*PROMPT_SETS, ALL_PROMPT_SETS],
-                         help="built-in prompts of one kind: code, prose, repetitive, chat (rendered with the "
-                              "model's chat template), all of those, or builtin (default: 2 code, 1 list)")
+    prompts.add_argument("--prompt-set", default="builtin", metavar="NAME[,NAME...]",
+                         help=f"built-in prompts by kind: {', '.join(PROMPT_SETS)} (default: 2 code, 1 list), "
+                              f"{ALL_PROMPT_SETS} (every kind but builtin); chat is rendered with the model's "
+                              "chat template")
     p.add_argument("--n-prompts", type=int_from(1), default=None,
                    help="use only the first N prompts (default: all, the set's or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
