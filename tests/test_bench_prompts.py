@@ -65,3 +65,10 @@ def test_bench_takes_a_prompt_set_or_a_prompt_file_not_both(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     assert cli.main(["bench", "--tiny", "--prompt-set", "code,poetry"]) == 1
     assert "--prompt-set: unknown prompt set 'poetry' (known: builtin" in capsys.readouterr().err
+
+
+def test_run_bench_refuses_an_empty_prompt_list_before_it_runs_anything():
+    from pyspec.cli import bench
+
+    with pytest.raises(ValueError, match="no prompts to run"):
+        bench.run_bench(None, [], prompts=[])  # type: ignore[arg-type]

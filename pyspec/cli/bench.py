@@ -331,6 +331,8 @@ def run_bench(
     """
     if any(n <= 0 for n in oracle):
         raise ValueError(f"oracle caps must be positive, got {list(oracle)}")
+    if not prompts:
+        raise ValueError("no prompts to run")
     spec_kw = spec_kw or {}
     ctx_kw = ctx_kw or {}
     t_start = time.perf_counter()
