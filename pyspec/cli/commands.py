@@ -636,9 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompt-file", "-f", help="prompts: a JSON list, or texts separated by lines of ---")
     prompts.add_argument("--prompt-set", default="builtin", metavar="NAME[,NAME...]",
-                         help=f"built-in prompts by kind: {', '.join(PROMPT_SETS)} (default: 2 code, 1 list), "
-                              f"{ALL_PROMPT_SETS} (every kind but builtin); chat is rendered with the model's "
-                              "chat template")
+                         help=f"built-in prompts, one or more sets separated by commas: builtin (the default: "
+                              f"2 code, 1 list), {', '.join(k for k in PROMPT_SETS if k != 'builtin')} (rendered "
+                              f"with the model's chat template), {ALL_PROMPT_SETS} (every set but builtin)")
     p.add_argument("--n-prompts", type=int_from(1), default=None,
                    help="use only the first N prompts (default: all, the set's or a --prompt-file's)")
     p.add_argument("--n-predict", "-n", type=int, default=40, help="tokens per prompt (default 40)")
