@@ -422,7 +422,7 @@ class Engine(EngineQueue):
         sizes = [n for n in CALIBRATION_SIZES if n <= self.ctx_tgt.n_outputs_max]
         if not ctl.curve.ready:
             ctl.curve.calibrate(self.ctx_tgt, sizes=sizes)
-        elif missing := sorted(set(sizes) - set(ctl.curve.sizes())):
+        elif missing := set(sizes) - set(ctl.curve.sizes()):
             # the process's curve was calibrated by an engine that verifies fewer rows than this one: the sizes
             # it lacks (calibrate adds a one-token decode, the unit), not an extrapolation from its last few
             ctl.curve.calibrate(self.ctx_tgt, sizes=missing)
